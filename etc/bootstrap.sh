@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Make ./.venv with Lodestone and its Python dependencies (idempotent; quick when already done).
+# Sourced by etc/run-local.sh and etc/run-tests.sh; `extras` selects optional dependency groups.
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+extras="${1:-}"
+py="${PYTHON:-python3}"
+if ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    echo "Lodestone needs Python >= 3.11 (found: $("$py" --version 2>&1))" >&2
+    exit 1
+fi
+if [ ! -x "$repo/.venv/bin/python" ]; then
+    "$py" -m venv "$repo/.venv"
+fi
+stamp="$repo/.venv/.lodestone-installed${extras:+-$extras}"
+if [ ! -f "$stamp" ] || [ "$repo/pyproject.toml" -nt "$stamp" ]; then
+    "$repo/.venv/bin/pip" install --quiet --disable-pip-version-check -e "$repo${extras:+[$extras]}"
+    touch "$stamp"
+fi

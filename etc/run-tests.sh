@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh clone on a bare machine. Installs what the tests need:
+# the Python dependencies (into ./.venv) and a Redis server (Debian's redis-server, when missing).
+# Extra arguments go to pytest (e.g. `bash etc/run-tests.sh tests/unit -x`).
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+need=()
+command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+if [ ${#need[@]} -gt 0 ]; then
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+    else
+        sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+    fi
+fi
+bash "$repo/etc/bootstrap.sh" test
+cd "$repo"
+exec "$repo/.venv/bin/python" -m pytest "$@"

@@ -1,0 +1,11 @@
+"""Shared pytest configuration: hypothesis profiles (fast by default, deep on demand)."""
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("fast", max_examples=200, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("deep", max_examples=5000, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fast"))
