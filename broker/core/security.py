@@ -1,0 +1,433 @@
+"""Users, authentication and permissions: the users file shared by the broker and the router.
+
+The users file (``etc/users.toml``) — every key below is checked; unknown keys are errors::
+
+    # passwords are scrypt hashes made by `lodestone-broker hash-password`
+    [users.admin]
+    password = "scrypt$n=16384,r=8,p=1$<salt b64>$<hash b64>"   # required
+    roles = ["admin", "amq"]          # default []; order is kept (Principal.roles)
+    sample = true                     # default false: a sample account whose password is
+                                      # published: accepted from loopback sources only, and
+                                      # warned about at start (SecurityConfig.warnings())
+    sources = ["127.0.0.0/8", "::1/128"]   # optional allow-list of client networks
+
+    [anonymous]                       # SASL ANONYMOUS
+    enabled = false                   # default false
+    user = "anonymous"                # the principal's name
+    roles = ["guest"]
+
+    [[permissions]]                   # Artemis security-settings
+    match = "#"                       # address pattern, Artemis wildcards (below)
+    send = ["admin", "app"]           # roles allowed; each list defaults to []
+    consume = ["admin", "app"]
+    create-address = ["admin", "app"]
+    delete-address = ["admin"]
+    manage = ["admin"]
+
+Password hashes: ``scrypt$n=N,r=R,p=P$<salt>$<hash>`` with standard base64 (with padding);
+N a power of two in [2, 2**20], R in [1, 32], P in [1, 16], a salt of at least 8 bytes and a
+hash of at least 16 bytes. ``hash_password`` makes them (16-byte salt, 32-byte hash).
+
+Sources: ``source_ip`` arguments accept a bare address (``127.0.0.1``, ``::1``) or the
+``host:port`` / ``[v6]:port`` form of ``ConnectionInfo.source``; IPv4-mapped IPv6 addresses are
+treated as IPv4. An unknown source (``None``) never satisfies a sample or ``sources`` rule.
+
+Address wildcards (Artemis syntax): words are separated by ``.``; ``#`` matches zero or more
+words, ``*`` exactly one word; ``#`` and ``*`` must be whole words. ``orders.#`` matches
+``orders``, ``orders.eu`` and ``orders.eu.paris``; ``orders.*`` matches only ``orders.eu``.
+
+Which ``[[permissions]]`` entry applies: of the entries whose ``match`` matches the address, the
+most specific one, and only it (permissions are not merged). Specificity compares the patterns
+word by word from the left: a literal word beats ``*``, which beats ``#``; the first differing
+word decides; where one pattern has ended, the ended one ranks below a literal or ``*`` (longer
+beats shorter) but above ``#`` (a trailing ``#`` that matches nothing adds no specificity).
+Two entries with the same pattern: the first in the file wins. No matching entry: denied.
+E.g. for address ``orders.eu``: ``orders.eu`` > ``orders.*`` > ``orders.#`` > ``*.eu`` > ``#``;
+for ``orders``: ``orders`` > ``orders.#`` > ``#``; for ``x.eu``: ``#.eu`` > ``#``.
+
+Authentication cost: scrypt takes ~50 ms on purpose. ``authenticate`` caches successful
+verifications in memory (an LRU of 1024 entries keyed by user and sha256 of the password), so a
+client reconnecting with the same credentials costs one hash lookup. A cache miss blocks for the
+scrypt time: the trio shell calls ``authenticate`` via ``trio.to_thread.run_sync`` (it is
+thread-safe). An unknown user still costs one scrypt, so timing does not reveal which users exist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import getpass
+import hashlib
+import hmac
+import ipaddress
+import os
+import re
+import sys
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
+
+from broker.tomlconfig import ConfigError, Table, open_config
+
+__all__ = [
+    "Principal", "User", "Permission", "SecurityConfig", "PERMISSIONS", "MANAGEMENT_ADDRESS",
+    "load_users", "hash_password", "verify_password", "wildcard_match", "match_specificity",
+    "parse_source_ip", "hash_password_main",
+]
+
+#: the permission names ``SecurityConfig.check`` accepts
+PERMISSIONS = ("send", "consume", "createAddress", "deleteAddress", "manage")
+_TOML_KEYS = {"send": "send", "consume": "consume", "createAddress": "create-address",
+              "deleteAddress": "delete-address", "manage": "manage"}
+_ALIASES = {**{p: p for p in PERMISSIONS}, **{v: k for k, v in _TOML_KEYS.items()}}
+
+#: the address management access is checked against (Artemis' default management address)
+MANAGEMENT_ADDRESS = "activemq.management"
+
+_LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
+_HASH_RE = re.compile(r"^scrypt\$n=(\d+),r=(\d+),p=(\d+)\$([A-Za-z0-9+/=]+)\$([A-Za-z0-9+/=]+)$")
+_CACHE_SIZE = 1024
+
+
+# -- passwords ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _ScryptHash:
+    n: int
+    r: int
+    p: int
+    salt: bytes
+    digest: bytes
+
+
+def _parse_hash(text: str) -> _ScryptHash:
+    """Parse ``scrypt$n=..,r=..,p=..$salt$hash``; ValueError says what is wrong."""
+    m = _HASH_RE.match(text)
+    if not m:
+        raise ValueError("not a scrypt hash (expected scrypt$n=N,r=R,p=P$<salt b64>$<hash b64>; "
+                         "make one with `lodestone-broker hash-password`)")
+    n, r, p = int(m.group(1)), int(m.group(2)), int(m.group(3))
+    if n < 2 or n > 1 << 20 or n & (n - 1):
+        raise ValueError(f"scrypt n={n} must be a power of two between 2 and 1048576")
+    if not 1 <= r <= 32 or not 1 <= p <= 16:
+        raise ValueError(f"scrypt r={r}, p={p} out of range (r 1..32, p 1..16)")
+    try:
+        salt = base64.b64decode(m.group(4), validate=True)
+        digest = base64.b64decode(m.group(5), validate=True)
+    except ValueError:
+        raise ValueError("salt or hash is not valid base64") from None
+    if len(salt) < 8 or len(digest) < 16:
+        raise ValueError("salt must be >= 8 bytes and hash >= 16 bytes")
+    return _ScryptHash(n, r, p, salt, digest)
+
+
+def _scrypt(h: _ScryptHash, password: str) -> bytes:
+    kdf = Scrypt(salt=h.salt, length=len(h.digest), n=h.n, r=h.r, p=h.p)
+    return kdf.derive(password.encode("utf-8"))
+
+
+def hash_password(password: str, *, n: int = 16384, r: int = 8, p: int = 1,
+                  salt: bytes | None = None) -> str:
+    """Hash a password for the users file: ``scrypt$n=16384,r=8,p=1$<salt b64>$<hash b64>``."""
+    salt = os.urandom(16) if salt is None else salt
+    h = _parse_hash(f"scrypt$n={n},r={r},p={p}${base64.b64encode(salt).decode()}"
+                    f"${base64.b64encode(bytes(32)).decode()}")     # validates the parameters
+    digest = _scrypt(h, password)
+    return (f"scrypt$n={n},r={r},p={p}${base64.b64encode(salt).decode()}"
+            f"${base64.b64encode(digest).decode()}")
+
+
+def verify_password(stored: str, password: str) -> bool:
+    """True if ``password`` matches the ``stored`` hash (constant-time comparison)."""
+    h = _parse_hash(stored)
+    return hmac.compare_digest(_scrypt(h, password), h.digest)
+
+
+# -- sources --------------------------------------------------------------------------------------
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def parse_source_ip(source: str | None) -> IPAddress | None:
+    """``127.0.0.1``, ``::1``, ``127.0.0.1:5672`` or ``[::1]:5672`` -> an address; None if it
+    cannot be parsed. IPv4-mapped IPv6 becomes IPv4."""
+    if not source:
+        return None
+    text = source.strip()
+    if text.startswith("["):
+        text = text[1:text.find("]")] if "]" in text else text[1:]
+    elif text.count(":") == 1:
+        text = text.split(":", 1)[0]
+    text = text.split("%", 1)[0]   # drop an IPv6 zone id
+    try:
+        addr = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped
+    return addr
+
+
+def _in_networks(addr: IPAddress | None, networks: Sequence) -> bool:
+    return addr is not None and any(addr.version == net.version and addr in net for net in networks)
+
+
+# -- wildcards ------------------------------------------------------------------------------------
+
+def _check_pattern(pattern: str) -> None:
+    for word in pattern.split("."):
+        if word not in ("#", "*") and ("#" in word or "*" in word):
+            raise ValueError(f"wildcards must be whole words: {word!r} in {pattern!r}")
+
+
+def wildcard_match(pattern: str, address: str) -> bool:
+    """Artemis wildcard match: ``#`` = zero or more words, ``*`` = exactly one word."""
+    pw = pattern.split(".")
+    aw = address.split(".")
+    # reachable[j]: the pattern prefix processed so far can consume exactly aw[:j]
+    reachable = [True] + [False] * len(aw)
+    for word in pw:
+        nxt = [False] * (len(aw) + 1)
+        if word == "#":
+            seen = False
+            for j in range(len(aw) + 1):
+                seen = seen or reachable[j]
+                nxt[j] = seen
+        else:
+            for j in range(len(aw)):
+                if reachable[j] and (word == "*" or word == aw[j]):
+                    nxt[j + 1] = True
+        reachable = nxt
+        if not any(reachable):
+            return False
+    return reachable[len(aw)]
+
+
+_RANK = {"#": 0.0, "*": 1.0}
+_END_RANK = 0.5   # a pattern that has ended: below `*` and literals, above `#`
+
+
+def match_specificity(pattern: str) -> tuple[float, ...]:
+    """Sort key: a higher key is more specific (see the module docstring for the rule)."""
+    return tuple(_RANK.get(w, 2.0) for w in pattern.split(".")) + (_END_RANK,)
+
+
+# -- the model ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Principal:
+    """An authenticated identity: user name and roles (users-file order)."""
+
+    user: str
+    roles: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    password: str                      # the scrypt hash text
+    roles: tuple[str, ...]
+    sample: bool = False
+    sources: tuple = ()                # ip_network objects; empty = any source
+
+
+@dataclass(frozen=True)
+class Permission:
+    """One ``[[permissions]]`` entry: for each permission name, the roles that have it."""
+
+    match: str
+    roles: dict = field(default_factory=dict)   # permission name -> frozenset of roles
+
+    def allows(self, permission: str, roles: Sequence[str]) -> bool:
+        allowed = self.roles.get(permission, frozenset())
+        return any(r in allowed for r in roles)
+
+
+class SecurityConfig:
+    """The loaded users file. Thread-safe; build it with :func:`load_users`."""
+
+    def __init__(self, users: dict[str, User], permissions: list[Permission], *,
+                 anonymous_enabled: bool = False, anonymous_user: str = "anonymous",
+                 anonymous_roles: tuple[str, ...] = (), file: str = "users.toml"):
+        self.users = users
+        self.permissions = permissions
+        self.anonymous_enabled = anonymous_enabled
+        self.anonymous_user = anonymous_user
+        self.anonymous_roles = anonymous_roles
+        self.file = file
+        # most specific first; sorted() is stable, so among equal patterns the first in file wins
+        self._ordered = sorted(permissions, key=lambda p: match_specificity(p.match), reverse=True)
+        self._cache: OrderedDict[tuple[str, bytes], Principal] = OrderedDict()
+        self._cache_lock = threading.Lock()
+        self._dummy = _ScryptHash(16384, 8, 1, b"\0" * 16, b"\0" * 32)   # for unknown users
+        self.scrypt_calls = 0          # for tests and metrics: cache misses that ran scrypt
+
+    # -- authentication -------------------------------------------------------------------------
+    def _source_ok(self, user: User, source_ip: str | None) -> bool:
+        addr = parse_source_ip(source_ip)
+        if user.sample and not _in_networks(addr, _LOOPBACK):
+            return False
+        if user.sources and not _in_networks(addr, user.sources):
+            return False
+        return True
+
+    def authenticate(self, user: str, password: str, source_ip: str | None) -> Principal | None:
+        """SASL PLAIN / HTTP Basic: the Principal, or None (wrong password, unknown user, or a
+        source the user may not connect from). Blocks ~50 ms on a cache miss."""
+        u = self.users.get(user)
+        if u is not None and not self._source_ok(u, source_ip):
+            return None
+        key = (user, hashlib.sha256(password.encode("utf-8")).digest())
+        with self._cache_lock:
+            hit = self._cache.get(key)
+            if hit is not None and u is not None:
+                self._cache.move_to_end(key)
+                return hit
+        self.scrypt_calls += 1
+        if u is None:
+            _scrypt(self._dummy, password)    # same cost as a real check
+            return None
+        h = _parse_hash(u.password)
+        if not hmac.compare_digest(_scrypt(h, password), h.digest):
+            return None
+        principal = Principal(u.name, u.roles)
+        with self._cache_lock:
+            self._cache[key] = principal
+            if len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return principal
+
+    def principal_for_certificate(self, cn: str, source_ip: str | None) -> Principal | None:
+        """SASL EXTERNAL: the client certificate's CN must name a known user (no password is
+        checked; source rules apply as for passwords)."""
+        u = self.users.get(cn)
+        if u is None or not self._source_ok(u, source_ip):
+            return None
+        return Principal(u.name, u.roles)
+
+    def anonymous_principal(self) -> Principal | None:
+        """SASL ANONYMOUS: the configured principal, or None when anonymous access is disabled."""
+        if not self.anonymous_enabled:
+            return None
+        return Principal(self.anonymous_user, self.anonymous_roles)
+
+    def warnings(self) -> list[str]:
+        """One line per sample account, for the start-up log."""
+        name = Path(self.file).name
+        return [f"{name}: user {u.name!r} has sample credentials; accepted from loopback only"
+                for u in self.users.values() if u.sample]
+
+    # -- authorisation --------------------------------------------------------------------------
+    def permission_for(self, address: str) -> Permission | None:
+        """The ``[[permissions]]`` entry that governs ``address`` (most specific match)."""
+        for perm in self._ordered:
+            if wildcard_match(perm.match, address):
+                return perm
+        return None
+
+    def check(self, principal: Principal | None, permission: str, address: str) -> bool:
+        """May ``principal`` do ``permission`` (send, consume, createAddress, deleteAddress,
+        manage; the TOML spellings are accepted too) on ``address``? None is never allowed."""
+        name = _ALIASES.get(permission)
+        if name is None:
+            raise ValueError(f"unknown permission {permission!r}; expected one of {', '.join(PERMISSIONS)}")
+        if principal is None:
+            return False
+        perm = self.permission_for(address)
+        return perm is not None and perm.allows(name, principal.roles)
+
+
+# -- loading --------------------------------------------------------------------------------------
+
+def load_users(path: str | Path) -> SecurityConfig:
+    """Read a users file; ``ConfigError`` naming file, key and value if anything is wrong."""
+    root = open_config(path)
+    users: dict[str, User] = {}
+    for name, t in root.tables("users").items():
+        if not name:
+            raise t.error("", "user name must not be empty")
+        password = t.str("password")
+        try:
+            _parse_hash(password)
+        except ValueError as exc:
+            raise t.error("password", f"{_shorten(password)!r}: {exc}") from None
+        roles = tuple(t.str_list("roles", []))
+        sample = t.bool("sample", False)
+        sources = tuple(_network(t, "sources", i, s) for i, s in enumerate(t.str_list("sources", [])))
+        t.done()
+        users[name] = User(name, password, roles, sample, sources)
+    anon = root.table("anonymous")
+    enabled = anon.bool("enabled", False)
+    anon_user = anon.str("user", "anonymous")
+    anon_roles = tuple(anon.str_list("roles", []))
+    anon.done()
+    perms: list[Permission] = []
+    for t in root.array_of_tables("permissions"):
+        match = t.str("match")
+        try:
+            _check_pattern(match)
+        except ValueError as exc:
+            raise t.error("match", str(exc)) from None
+        roles = {p: frozenset(t.str_list(key, [])) for p, key in _TOML_KEYS.items()}
+        t.done()
+        perms.append(Permission(match, roles))
+    root.done()
+    return SecurityConfig(users, perms, anonymous_enabled=enabled, anonymous_user=anon_user,
+                          anonymous_roles=anon_roles, file=str(path))
+
+
+def _network(t: Table, key: str, i: int, text: str):
+    try:
+        return ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        raise ConfigError(t.file, f"{t.key_path(key)}[{i}]",
+                          f"{text!r} is not a network (e.g. 10.0.0.0/8 or ::1/128)") from None
+
+
+def _shorten(s: str) -> str:
+    return s if len(s) <= 40 else s[:37] + "..."
+
+
+# -- CLI ------------------------------------------------------------------------------------------
+
+def hash_password_main(argv: Sequence[str] | None = None) -> int:
+    """``lodestone-broker hash-password``: print a scrypt hash for the users file.
+
+    The password comes from ``--stdin`` (first line, for scripts) or is prompted for twice on
+    the terminal. Returns the exit status (0 ok, 2 usage error).
+    """
+    ap = argparse.ArgumentParser(prog="lodestone-broker hash-password",
+                                 description="Print a scrypt password hash for etc/users.toml.")
+    ap.add_argument("--stdin", action="store_true", help="read the password from standard input")
+    ap.add_argument("--n", type=int, default=16384, help="scrypt cost N (power of two; default 16384)")
+    ap.add_argument("--r", type=int, default=8, help="scrypt block size r (default 8)")
+    ap.add_argument("--p", type=int, default=1, help="scrypt parallelism p (default 1)")
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    if args.stdin:
+        password = sys.stdin.readline().rstrip("\r\n")
+    else:
+        try:
+            password = getpass.getpass("password: ")
+            again = getpass.getpass("again: ")
+        except (EOFError, KeyboardInterrupt):
+            print("hash-password: no password given", file=sys.stderr)
+            return 2
+        if password != again:
+            print("hash-password: the passwords differ", file=sys.stderr)
+            return 2
+    if not password:
+        print("hash-password: empty password", file=sys.stderr)
+        return 2
+    try:
+        print(hash_password(password, n=args.n, r=args.r, p=args.p))
+    except ValueError as exc:
+        print(f"hash-password: {exc}", file=sys.stderr)
+        return 2
+    return 0
