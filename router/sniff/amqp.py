@@ -1,0 +1,255 @@
+"""Sans-IO AMQP 1.0 handshake sniffer for the router (§2.2 headers, §5.3 SASL, §2.7.1 open).
+
+Theory of operation
+-------------------
+The router must learn who a client is and what it asks for before choosing a broker: the SASL
+identity (``sasl-init``) and the ``open`` performative's container-id and hostname. The sniffer
+drives ``broker.amqp.sasl.SaslServer`` for the SASL layer, then reads the client's AMQP header
+and frames up to its Open::
+
+    SASL  --(AuthRequested: caller calls accept(user) / reject())-->  AMQP header --> Open
+                                                                        => Detected(...)
+
+A client that skips SASL (plain AMQP header first) is accepted only when ``allow_no_sasl`` is
+true (default: when no authenticator is needed or ANONYMOUS is offered).
+
+When ``authenticator_needed`` is false the router does not check credentials: every sasl-init is
+accepted without an ``AuthRequested`` event, the claimed PLAIN user is reported with
+``verified=False``, and the upstream broker authenticates the replayed ``sasl_init_bytes``.
+
+``Detected`` carries everything needed to replay the handshake upstream: ``sasl_init_bytes``
+(the client's SASL header + sasl-init frame, for ``SaslClientReplay``) and ``client_bytes``
+(the client's AMQP header through the end of the Open plus anything pipelined after it).
+The client has received our SASL exchange only: the AMQP header and Open it gets next come
+from ``redirect_frames``/``refuse_frames`` or from the upstream broker.
+
+Errors: ``NotThisProtocol`` (carrying the bytes read) for non-AMQP input; other
+``RemoteProtocolError`` subclasses for a bad handshake, including ``FramingError``
+(``amqp:connection:framing-error``) once more than ``max_handshake_bytes`` arrive without a
+complete Open. After the AMQP header, errors carry in ``reply`` the header + Open + Close that
+tell the client why; flush ``data_to_send()`` first, then write ``reply``, then close.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from broker.amqp.frames import (
+    AMQP_HEADER,
+    FRAME_AMQP,
+    NEED_DATA,
+    SASL_HEADER,
+    FrameReader,
+    Open,
+    close_frames,
+    decode_performative,
+)
+from broker.amqp.sasl import (
+    AmqpHeaderReceived,
+    AuthFailed,
+    AuthRequested,
+    NoSasl,
+    SaslHeaderReceived,
+    SaslServer,
+    parse_plain,
+)
+from broker.errors import (
+    FramingError,
+    LocalProtocolError,
+    NotThisProtocol,
+    RemoteProtocolError,
+)
+
+__all__ = ["HandshakeSniffer", "Detected", "AuthRequested", "AuthFailed", "NEED_DATA", "NotThisProtocol"]
+
+
+@dataclass(frozen=True, slots=True)
+class Detected:
+    """The client's handshake is complete up to its Open."""
+
+    open: Open
+    user: str | None
+    mechanism: str | None
+    client_bytes: bytes
+    sasl_init_bytes: bytes | None
+    #: True when ``user`` was authenticated by the router (``accept(user)``), False when it is
+    #: only the identity the client claimed (``authenticator_needed=False``) or None.
+    verified: bool = False
+    #: The ``hostname`` field of sasl-init, if the client sent one.
+    sasl_hostname: str | None = None
+
+
+class HandshakeSniffer:
+    """Read a client's AMQP 1.0 handshake; see the module docstring.
+
+    ``mechanisms`` defaults to ``("PLAIN",)`` when an authenticator is needed and to
+    ``("PLAIN", "ANONYMOUS")`` otherwise.
+    """
+
+    def __init__(
+        self,
+        authenticator_needed: bool = True,
+        max_handshake_bytes: int = 65536,
+        *,
+        mechanisms=None,
+        allow_no_sasl: bool | None = None,
+        container_id: str = "lodestone",
+    ):
+        if mechanisms is None:
+            mechanisms = ("PLAIN",) if authenticator_needed else ("PLAIN", "ANONYMOUS")
+        self.authenticator_needed = authenticator_needed
+        self.max_handshake_bytes = max_handshake_bytes
+        self.allow_no_sasl = (
+            (not authenticator_needed or "ANONYMOUS" in mechanisms)
+            if allow_no_sasl is None
+            else allow_no_sasl
+        )
+        self.container_id = container_id
+        self.sasl = SaslServer(mechanisms, max_frame_bytes=max_handshake_bytes)
+        self._received = 0
+        self._frames: FrameReader | None = None  # set once the AMQP layer starts
+        self._client_bytes = bytearray()
+        self._header_seen = False
+        self._detected = False
+        self._user: str | None = None
+        self._verified = False
+        self._mechanism: str | None = None
+        self._sasl_init_bytes: bytes | None = None
+
+    # -- I/O -----------------------------------------------------------------------------------
+    def receive_data(self, data: bytes) -> None:
+        """Feed bytes received from the client."""
+        if self._detected:
+            raise LocalProtocolError("handshake already detected: pump further bytes directly")
+        self._received += len(data)
+        if self._frames is None:
+            self.sasl.receive_data(data)
+        else:
+            self._client_bytes += data
+            self._frames.receive_data(data)
+
+    def data_to_send(self) -> bytes:
+        """Bytes to write to the client (our SASL header, mechanisms, outcome)."""
+        return self.sasl.data_to_send()
+
+    def accept(self, user: str | None = None) -> None:
+        """The router authenticated the client as ``user`` (after ``AuthRequested``)."""
+        self.sasl.accept(user)
+        self._user = user
+        self._verified = user is not None
+
+    def reject(self, code: int = 1, description: str = "authentication failed") -> None:
+        """Authentication failed: the client gets sasl-outcome ``code``; then close."""
+        self.sasl.reject(code, description)
+
+    # -- events --------------------------------------------------------------------------------
+    def next_event(self):
+        """Return ``NEED_DATA``, ``AuthRequested``, ``AuthFailed`` or ``Detected``.
+
+        Raises ``NotThisProtocol`` or another ``RemoteProtocolError`` subclass.
+        """
+        if self._detected:
+            return NEED_DATA
+        if self._frames is None:
+            ev = self._sasl_step()
+        else:
+            try:
+                ev = self._amqp_step()
+            except RemoteProtocolError as e:
+                if not e.reply:
+                    e.reply = close_frames(e.condition, e.description, container_id=self.container_id)
+                raise
+        if ev is NEED_DATA and self._received > self.max_handshake_bytes:
+            err = FramingError(
+                f"handshake exceeds {self.max_handshake_bytes} bytes without a complete open"
+            )
+            if self._frames is not None:
+                err.reply = close_frames(err.condition, err.description, container_id=self.container_id)
+            raise err
+        return ev
+
+    def _sasl_step(self):
+        sasl = self.sasl
+        while True:
+            ev = sasl.next_event()
+            if ev is NEED_DATA:
+                return NEED_DATA
+            if isinstance(ev, SaslHeaderReceived):
+                continue
+            if isinstance(ev, AuthRequested):
+                self._mechanism = ev.mechanism
+                self._sasl_init_bytes = SASL_HEADER + sasl.init_frame_bytes
+                if self.authenticator_needed:
+                    return ev
+                # No authenticator: accept; remember the claimed identity, unverified.
+                claimed = None
+                if ev.mechanism == "PLAIN":
+                    try:
+                        claimed = parse_plain(ev.initial_response)[1]
+                    except RemoteProtocolError:
+                        claimed = None
+                sasl.accept(claimed)
+                self._user = claimed
+                self._verified = False
+                continue
+            if isinstance(ev, AuthFailed):
+                return ev
+            if isinstance(ev, NoSasl):
+                if not self.allow_no_sasl:
+                    raise RemoteProtocolError(
+                        "client skipped SASL but authentication is required",
+                        "amqp:unauthorized-access",
+                        reply=SASL_HEADER,
+                    )
+                return self._start_amqp(sasl.leftover())
+            if isinstance(ev, AmqpHeaderReceived):
+                return self._start_amqp(sasl.leftover())
+            raise AssertionError(f"unexpected SASL event {ev!r}")  # pragma: no cover
+
+    def _start_amqp(self, leftover: bytes):
+        self._frames = FrameReader(max(self.max_handshake_bytes, 512))
+        self._client_bytes += leftover
+        self._frames.receive_data(leftover)
+        try:
+            return self._amqp_step()
+        except RemoteProtocolError as e:
+            if not e.reply:
+                e.reply = close_frames(e.condition, e.description, container_id=self.container_id)
+            raise
+
+    def _amqp_step(self):
+        frames = self._frames
+        if not self._header_seen:
+            hdr = frames.next_protocol_header()
+            if hdr is NEED_DATA:
+                return NEED_DATA
+            if hdr != AMQP_HEADER:  # SaslServer already checked it; belt and braces
+                raise NotThisProtocol(f"unexpected protocol header {hdr!r}", bytes(self._client_bytes),
+                                      reply=AMQP_HEADER)
+            self._header_seen = True
+        while True:
+            frame = frames.next_event()
+            if frame is NEED_DATA:
+                return NEED_DATA
+            if not frame.body:
+                continue  # empty frame (heartbeat, §2.4.5)
+            if frame.type != FRAME_AMQP:
+                raise FramingError(f"frame type 0x{frame.type:02x} where an AMQP open was expected")
+            perf = decode_performative(frame.body)
+            if not isinstance(perf, Open):
+                name = getattr(perf, "NAME", None) or "another performative"
+                raise RemoteProtocolError(
+                    f"expected open as the first frame, got {name}", "amqp:connection:framing-error"
+                )
+            if frame.channel != 0:
+                raise FramingError(f"open on channel {frame.channel}, must be 0")
+            self._detected = True
+            return Detected(
+                open=perf,
+                user=self._user,
+                mechanism=self._mechanism,
+                client_bytes=bytes(self._client_bytes),
+                sasl_init_bytes=self._sasl_init_bytes,
+                verified=self._verified,
+                sasl_hostname=self.sasl.init.hostname if self.sasl.init else None,
+            )
