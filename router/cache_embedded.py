@@ -1,0 +1,120 @@
+"""Embedded persisted sticky cache: one small append-only file, no server needed.
+
+Theory of operation
+-------------------
+Each line is ``<crc32 hex> <json>\\n`` where the JSON is one record:
+
+* ``["P", key, identity, last_access, stored_at]`` — put (wall-clock seconds, so expiry survives
+  a restart: the shell converts to and from its monotonic clock);
+* ``["T", key, last_access]`` — access-time update (batched: at most one per key per flush);
+* ``["D", key]`` — delete (expired or replaced).
+
+``load()`` replays the file; a line with a bad CRC or a torn last line (crash during a write) is
+skipped, so a crash loses at most the last unflushed batch. ``write()`` appends one batch with one
+``os.write`` and an optional fsync; it is called from a worker thread by the shell. When the file
+holds many more records than live entries, ``compact()`` rewrites it (temp file + ``os.replace``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from pathlib import Path
+from typing import Iterable
+
+
+class EmbeddedCacheStore:
+    """The append-only cache file of one router."""
+
+    def __init__(self, path: str | Path, *, fsync: bool = True, compact_min_records: int = 4096):
+        self.path = Path(path)
+        self.fsync = fsync
+        self.compact_min_records = compact_min_records
+        self.records = 0
+        self.skipped = 0
+        self._fd: int | None = None
+
+    @staticmethod
+    def _line(rec: list) -> bytes:
+        body = json.dumps(rec, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+        return b"%08x %s\n" % (zlib.crc32(body), body)
+
+    def load(self) -> dict[str, tuple[str, float, float]]:
+        """Replay the file: ``key -> (identity, last_access_wall, stored_at_wall)``."""
+        out: dict[str, tuple[str, float, float]] = {}
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return out
+        self.records = 0
+        for raw in data.split(b"\n"):
+            if not raw:
+                continue
+            crc, _, body = raw.partition(b" ")
+            try:
+                if int(crc, 16) != zlib.crc32(body):
+                    raise ValueError("crc")
+                rec = json.loads(body)
+                op = rec[0]
+                if op == "P":
+                    out[rec[1]] = (rec[2], float(rec[3]), float(rec[4]))
+                elif op == "T":
+                    if rec[1] in out:
+                        ident, _, stored = out[rec[1]]
+                        out[rec[1]] = (ident, float(rec[2]), stored)
+                elif op == "D":
+                    out.pop(rec[1], None)
+                else:
+                    raise ValueError(op)
+            except (ValueError, IndexError, TypeError, KeyError):
+                self.skipped += 1
+                continue
+            self.records += 1
+        return out
+
+    def _open(self) -> int:
+        if self._fd is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        return self._fd
+
+    def write(self, puts: Iterable[tuple[str, str, float, float]],
+              touches: Iterable[tuple[str, float]], deletes: Iterable[str]) -> int:
+        """Append one batch; returns the number of records written."""
+        lines = [self._line(["P", k, ident, la, st]) for k, ident, la, st in puts]
+        lines += [self._line(["T", k, la]) for k, la in touches]
+        lines += [self._line(["D", k]) for k in deletes]
+        if not lines:
+            return 0
+        fd = self._open()
+        data = b"".join(lines)
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        if self.fsync:
+            os.fsync(fd)
+        self.records += len(lines)
+        return len(lines)
+
+    def needs_compaction(self, live_entries: int) -> bool:
+        return self.records > max(self.compact_min_records, 4 * live_entries)
+
+    def compact(self, entries: Iterable[tuple[str, str, float, float]]) -> None:
+        """Rewrite the file with one put per live entry (atomic replace)."""
+        tmp = self.path.with_name(self.path.name + ".compact")
+        lines = [self._line(["P", k, ident, la, st]) for k, ident, la, st in entries]
+        with open(tmp, "wb") as fh:
+            fh.write(b"".join(lines))
+            fh.flush()
+            if self.fsync:
+                os.fsync(fh.fileno())
+        self.close()
+        os.replace(tmp, self.path)
+        self.records = len(lines)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

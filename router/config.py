@@ -1,0 +1,556 @@
+"""Router configuration: ``etc/router.toml`` → frozen dataclasses (+ Artemis ``broker.xml`` import).
+
+``load_router_config(path) -> RouterProcessConfig`` reads the whole router process file (name,
+users file, management, routing log, acceptors, workers, routers). Every error is a
+``broker.tomlconfig.ConfigError`` naming file, dotted key and value, e.g.::
+
+    etc/router.toml: routers.main.pool.quorum-size: 0 must be > 0
+
+Key names follow Artemis's XML (hyphens); times keep the Artemis names ``check-period``,
+``quorum-timeout`` and ``timeout`` and are milliseconds. Defaults are Artemis's: key-type
+SOURCE_IP, check-period 5000, quorum-size 1, quorum-timeout 3000, cache timeout 0 (never).
+
+``import_artemis_xml(path)`` maps ``<connection-routers>``, ``<connectors>`` and
+``<discovery-groups>`` of an Artemis ``broker.xml`` (parsed with defusedxml) onto the same
+``RouterConfig`` model, choosing the Artemis-exact settings: ``HASH = FNV1A``, ``VIRTUAL_NODES = 1``
+and Artemis key resolution (``artemis-keys = true``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+from urllib.parse import parse_qsl, urlsplit
+
+from broker.tomlconfig import ConfigError, Table, open_config
+
+from router.core.filters import compile_key_filter, compile_local_filter
+from router.core.keys import KeyType
+from router.core.policies import Target, create_policy
+from router.core.pool import membership_source_names
+from router.errors import FilterError, PolicyError
+
+ARTEMIS_DEFAULTS = {"key-type": "SOURCE_IP", "check-period": 5000, "quorum-size": 1,
+                    "quorum-timeout": 3000, "timeout": 0}
+SASL_MECHANISMS = ("PLAIN", "EXTERNAL", "ANONYMOUS")
+CACHE_BACKENDS = ("memory", "embedded", "redis")
+
+
+# -- model ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ManagementConfig:
+    host: str = "127.0.0.1"
+    port: int = 8160
+    user: str | None = None
+    password: str | None = None
+
+
+@dataclass(frozen=True)
+class RoutingLogConfig:
+    path: Path | None = None
+    max_bytes: int = 10 * 1024 * 1024
+    backups: int = 5
+    enabled: bool = True
+
+
+@dataclass(frozen=True)
+class AcceptorConfig:
+    name: str
+    host: str
+    port: int
+    router: str
+    mode: str = "redirect"                 # "redirect" | "proxy"
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    upstream_tls: bool = False
+    upstream_ca: Path | None = None
+    max_connections: int = 10000           # 0 = no limit
+    handshake_timeout_ms: int = 10000
+    connect_timeout_ms: int = 5000
+    idle_timeout_s: float = 0              # 0 = none
+    tls_handshake_timeout_ms: int = 5000
+    sasl_mechanisms: tuple[str, ...] = ("PLAIN", "EXTERNAL")
+    anonymous: bool = False
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    name: str
+    host: str
+    port: int
+    tls: bool = False
+    management_url: str | None = None
+    node_id: str | None = None
+
+    def to_target(self) -> Target:
+        return Target(self.node_id, self.host, self.port, self.tls, self.management_url, self.name)
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    check_period_ms: int = 5000
+    quorum_size: int = 1
+    quorum_timeout_ms: int = 3000
+    local_target_enabled: bool = False
+    username: str | None = None
+    password: str | None = None
+    targets: tuple[TargetConfig, ...] = ()
+    source: str = "static"
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    name: str
+    properties: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    timeout_ms: int = 0                     # 0 = never expire
+    persisted: bool = False
+    backend: str = "memory"                 # "memory" | "embedded" | "redis"
+    path: Path | None = None                # embedded file
+    redis_url: str | None = None
+    redis_key_prefix: str = "lodestone:"
+    redis_timeout_ms: int = 50
+
+
+@dataclass(frozen=True)
+class PinsConfig:
+    file: Path
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    name: str
+    key_type: KeyType = KeyType.SOURCE_IP
+    key_filter: str | None = None
+    local_target_filter: str | None = None
+    artemis_keys: bool = False
+    policy: PolicyConfig | None = None
+    cache: CacheConfig | None = None
+    pool: PoolConfig | None = None
+    local_target: TargetConfig | None = None
+    pins: PinsConfig | None = None
+    file: Path | None = None
+
+
+@dataclass(frozen=True)
+class RouterProcessConfig:
+    name: str = "router"
+    users_file: Path | None = None
+    management: ManagementConfig = ManagementConfig()
+    routing_log: RoutingLogConfig = RoutingLogConfig()
+    acceptors: tuple[AcceptorConfig, ...] = ()
+    workers: int = 1                        # 0 = one per core
+    routers: Mapping[str, RouterConfig] = field(default_factory=dict)
+    file: Path | None = None
+
+
+# -- TOML -------------------------------------------------------------------------------------
+def load_router_config(path: str | Path) -> RouterProcessConfig:
+    """Read a router TOML file; raises ConfigError (file, key, value) on any problem."""
+    root = open_config(path)
+    file = root.file
+    name = root.str("name", "router")
+    users_file = root.path_value("users-file", None)
+    workers = root.int("workers", 1, min=0)
+    management = _management(root.table("management"))
+    routing_log = _routing_log(root.table("routing-log"))
+    routers: dict[str, RouterConfig] = {}
+    for rname, t in root.tables("routers").items():
+        routers[rname] = _router(rname, t)
+    xml = root.path_value("import-artemis-xml", None)
+    if xml is not None:
+        for rname, rc in import_artemis_xml(xml).items():
+            if rname in routers:
+                raise root.error("import-artemis-xml",
+                                 f"router {rname!r} from {xml} is also defined in [routers]")
+            routers[rname] = rc
+    acceptors = []
+    seen: set[str] = set()
+    for t in root.array_of_tables("acceptors"):
+        acc = _acceptor(t)
+        if acc.name in seen:
+            raise t.error("name", f"{acc.name!r} is used by two acceptors")
+        seen.add(acc.name)
+        if acc.router not in routers:
+            raise t.error("router", f"{acc.router!r} is not a router defined in [routers] "
+                                    f"(defined: {', '.join(routers) or 'none'})")
+        acceptors.append(acc)
+    if not routers:
+        raise ConfigError(file, "routers", "no router defined (add a [routers.<name>] table)")
+    root.done()
+    return RouterProcessConfig(name, users_file, management, routing_log, tuple(acceptors),
+                               workers, routers, file)
+
+
+def _management(t: Table) -> ManagementConfig:
+    m = ManagementConfig(t.str("host", "127.0.0.1"), t.int("port", 8160, min=0, max=65535),
+                         t.str("user", None), t.str("password", None))
+    t.done()
+    return m
+
+
+def _routing_log(t: Table) -> RoutingLogConfig:
+    r = RoutingLogConfig(t.path_value("path", None), t.int("max-bytes", 10 * 1024 * 1024, min=1),
+                         t.int("backups", 5, min=0), t.bool("enabled", True))
+    t.done()
+    return r
+
+
+def _acceptor(t: Table) -> AcceptorConfig:
+    tls_cert, tls_key = t.path_value("tls-cert", None), t.path_value("tls-key", None)
+    if (tls_cert is None) != (tls_key is None):
+        raise t.error("tls-key" if tls_key is None else "tls-cert",
+                      "missing: tls-cert and tls-key go together")
+    mechs = t.str_list("sasl-mechanisms", ["PLAIN", "EXTERNAL"])
+    for i, m in enumerate(mechs):
+        if m not in SASL_MECHANISMS:
+            raise t.error(f"sasl-mechanisms[{i}]",
+                          f"{m!r} must be one of {', '.join(SASL_MECHANISMS)}")
+    idle = t.float("idle-timeout-s", 0.0, min=0.0)
+    acc = AcceptorConfig(
+        name=t.str("name"), host=t.str("host", "127.0.0.1"),
+        port=t.int("port", min=0, max=65535), router=t.str("router"),
+        mode=t.choice("mode", ("redirect", "proxy"), "redirect"),
+        tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=t.path_value("tls-client-ca", None),
+        upstream_tls=t.bool("upstream-tls", False), upstream_ca=t.path_value("upstream-ca", None),
+        max_connections=t.int("max-connections", 10000, min=0),
+        handshake_timeout_ms=t.int("handshake-timeout-ms", 10000, min=1),
+        connect_timeout_ms=t.int("connect-timeout-ms", 5000, min=1),
+        idle_timeout_s=idle, tls_handshake_timeout_ms=t.int("tls-handshake-timeout-ms", 5000, min=1),
+        sasl_mechanisms=tuple(mechs), anonymous=t.bool("anonymous", False))
+    t.done()
+    return acc
+
+
+def _regex(t: Table, key: str, *, local: bool) -> str | None:
+    value = t.str(key, None)
+    if value is None:
+        return None
+    try:
+        compile_local_filter(value, from_config=True) if local else compile_key_filter(value)
+    except FilterError as exc:
+        raise t.error(key, str(exc)) from None
+    return value
+
+
+def _mgmt_url(t: Table, key: str) -> str | None:
+    url = t.str(key, None)
+    if url is not None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise t.error(key, f"{url!r} must be an http:// or https:// URL")
+    return url
+
+
+def _target(t: Table, default_name: str | None = None) -> TargetConfig:
+    host = t.str("host")
+    port = t.int("port", min=1, max=65535)
+    tc = TargetConfig(name=t.str("name", default_name or f"{host}:{port}"), host=host, port=port,
+                      tls=t.bool("tls", False), management_url=_mgmt_url(t, "management-url"),
+                      node_id=t.str("node-id", None))
+    t.done()
+    return tc
+
+
+def _prop_value(t: Table, key: str) -> str:
+    v = t.get(key, (str, int, float, bool))
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def _policy(t: Table) -> PolicyConfig:
+    name = t.str("name")
+    props_t = t.table("properties")
+    props = {k: _prop_value(props_t, k) for k in list(props_t.keys())}
+    props_t.done()
+    try:
+        create_policy(name, props)
+    except PolicyError as exc:
+        msg = str(exc)
+        m = re.search(r"propert(?:y|ies) '?([A-Za-z0-9_\-]+)'?", msg)
+        if msg.startswith("no policy named"):
+            raise t.error("name", msg) from None
+        if m and m.group(1) in props:
+            raise props_t.error(m.group(1), f"{props[m.group(1)]!r}: {msg}") from None
+        raise t.error("properties", msg) from None
+    t.done()
+    return PolicyConfig(name, props)
+
+
+def _cache(t: Table, router: str) -> CacheConfig:
+    timeout = t.int("timeout", 0, min=0)
+    persisted = t.bool("persisted", False)
+    backend = t.choice("backend", CACHE_BACKENDS, "embedded" if persisted else "memory")
+    if backend == "memory" and persisted:
+        raise t.error("backend", "'memory' cannot be persisted (use 'embedded' or 'redis')")
+    if backend == "embedded":
+        persisted = True
+    path = t.path_value("path", None)
+    if path is not None and backend != "embedded":
+        raise t.error("path", f"{str(path)!r} is only used with backend = 'embedded'")
+    if backend == "embedded" and path is None:
+        path = t.file.parent / f"router-cache-{router}.log"
+    redis_url = t.str("redis-url", None)
+    if backend == "redis":
+        if redis_url is None:
+            raise t.error("redis-url", "missing (required with backend = 'redis')")
+        if urlsplit(redis_url).scheme not in ("redis", "rediss", "unix"):
+            raise t.error("redis-url", f"{redis_url!r} must be a redis://, rediss:// or unix:// URL")
+    elif redis_url is not None:
+        raise t.error("redis-url", f"{redis_url!r} is only used with backend = 'redis'")
+    c = CacheConfig(timeout, persisted, backend, path, redis_url,
+                    t.str("redis-key-prefix", "lodestone:"), t.int("redis-timeout-ms", 50, min=1))
+    t.done()
+    return c
+
+
+def _pool(t: Table) -> PoolConfig:
+    source = t.str("source", "static")
+    if source not in membership_source_names():
+        raise t.error("source", f"{source!r} is not available (known: "
+                                f"{', '.join(membership_source_names())})")
+    targets = tuple(_target(tt) for tt in t.array_of_tables("targets"))
+    names = set()
+    for i, tc in enumerate(targets):
+        if tc.name in names:
+            raise t.error(f"targets[{i}].name", f"{tc.name!r} is used by two targets")
+        names.add(tc.name)
+    p = PoolConfig(check_period_ms=t.int("check-period", 5000, min=1),
+                   quorum_size=t.int("quorum-size", 1, min=1),
+                   quorum_timeout_ms=t.int("quorum-timeout", 3000, min=0),
+                   local_target_enabled=t.bool("local-target-enabled", False),
+                   username=t.str("username", None), password=t.str("password", None),
+                   targets=targets, source=source)
+    if source == "static" and not targets:
+        raise t.error("targets", "a static pool needs at least one [[...pool.targets]]")
+    t.done()
+    return p
+
+
+def _router(name: str, t: Table) -> RouterConfig:
+    try:
+        key_type = t.convert("key-type", KeyType.parse, "SOURCE_IP")
+    except ConfigError:
+        raise
+    key_filter = _regex(t, "key-filter", local=False)
+    local_filter = _regex(t, "local-target-filter", local=True)
+    artemis_keys = t.bool("artemis-keys", False)
+    policy = _policy(t.table("policy")) if t.has("policy") else None
+    cache = _cache(t.table("cache"), name) if t.has("cache") else None
+    pool = _pool(t.table("pool")) if t.has("pool") else None
+    local = (_target(t.table("local-target"), "local") if t.has("local-target") else None)
+    pins = None
+    if t.has("pins"):
+        pt = t.table("pins")
+        pins = PinsConfig(pt.path_value("file"))
+        pt.done()
+    if local is None:
+        if local_filter is not None:
+            raise t.error("local-target-filter",
+                          f"{local_filter!r} needs a [routers.{name}.local-target]")
+        if pool is not None and pool.local_target_enabled:
+            raise t.error("pool.local-target-enabled",
+                          f"true needs a [routers.{name}.local-target]")
+    t.done()
+    return RouterConfig(name, key_type, key_filter, local_filter, artemis_keys, policy, cache,
+                        pool, local, pins, t.file)
+
+
+# -- Artemis broker.xml import -----------------------------------------------------------------
+def _local(tag: str) -> str:
+    return tag.rsplit("}", 1)[-1]
+
+
+def _child(el, name: str):
+    for c in el:
+        if isinstance(c.tag, str) and _local(c.tag) == name:
+            return c
+    return None
+
+
+def _children(el, name: str) -> list:
+    return [c for c in el if isinstance(c.tag, str) and _local(c.tag) == name]
+
+
+def _text(el, name: str, default: str | None = None) -> str | None:
+    c = _child(el, name)
+    if c is None or c.text is None:
+        return default
+    return c.text.strip()
+
+
+def parse_connector_url(url: str) -> tuple[str, int, bool]:
+    """``tcp://host:port?sslEnabled=true;...`` → (host, port, tls); Artemis defaults localhost:61616."""
+    head, _, query = url.strip().partition("?")
+    parts = urlsplit(head)
+    params = dict(parse_qsl(query.replace(";", "&"), keep_blank_values=True))
+    host = params.get("host") or parts.hostname or "localhost"
+    port = int(params.get("port") or parts.port or 61616)
+    tls = params.get("sslEnabled", "false").lower() == "true"
+    return host, port, tls
+
+
+def import_artemis_xml(path: str | Path, *, local_target: TargetConfig | None = None,
+                       management_urls: Mapping[str, str] | None = None,
+                       node_ids: Mapping[str, str] | None = None) -> dict[str, RouterConfig]:
+    """Import the ``<connection-routers>`` of an Artemis ``broker.xml`` as ``RouterConfig`` objects.
+
+    Static pools become targets from ``<connectors>`` (named after the connector); since
+    broker.xml has no management URL, ``management_urls`` / ``node_ids`` (connector name → value)
+    may supply them, else the target is probed by TCP connect. CONSISTENT_HASH gets
+    ``HASH=FNV1A, VIRTUAL_NODES=1`` and CONSISTENT_HASH_MODULO ``HASH=FNV1A`` unless set, and keys
+    resolve as Artemis does. Discovery-group and cluster-connection pools are recognised but
+    rejected (their membership sources come with the cluster issue). Errors are ConfigError
+    naming the file and ``connection-routers.<name>.<element>``.
+    """
+    from defusedxml import ElementTree as DET
+    from defusedxml.common import DefusedXmlException
+
+    p = Path(path)
+    try:
+        tree = DET.parse(str(p))
+    except FileNotFoundError:
+        raise ConfigError(p, "", "no such file") from None
+    except (DET.ParseError, DefusedXmlException) as exc:
+        raise ConfigError(p, "", f"invalid XML: {exc}") from None
+    root = tree.getroot()
+    core = _child(root, "core") if _local(root.tag) == "configuration" else root
+    if core is None:
+        raise ConfigError(p, "core", "missing <core> element")
+    connectors: dict[str, tuple[str, int, bool]] = {}
+    cons = _child(core, "connectors")
+    for c in _children(cons, "connector") if cons is not None else []:
+        cname = c.get("name")
+        try:
+            connectors[cname] = parse_connector_url(c.text or "")
+        except ValueError as exc:
+            raise ConfigError(p, f"connectors.{cname}", f"{(c.text or '').strip()!r}: {exc}") \
+                from None
+    groups = {g.get("name") for g in _children(_child(core, "discovery-groups"), "discovery-group")} \
+        if _child(core, "discovery-groups") is not None else set()
+    out: dict[str, RouterConfig] = {}
+    crs = _child(core, "connection-routers")
+    for r in _children(crs, "connection-router") if crs is not None else []:
+        name = r.get("name")
+        where = f"connection-routers.{name}"
+        if not name:
+            raise ConfigError(p, "connection-routers.connection-router", "missing name attribute")
+
+        def err(key: str, msg: str) -> ConfigError:
+            return ConfigError(p, f"{where}.{key}", msg)
+
+        def num(el, key: str, default: int, minimum: int, prefix: str = "") -> int:
+            raw = _text(el, key)
+            key = prefix + key
+            if raw is None:
+                return default
+            try:
+                v = int(raw)
+            except ValueError:
+                raise err(key, f"{raw!r} must be an integer") from None
+            if v < minimum:
+                raise err(key, f"{v} must be {'> 0' if minimum == 1 else '>= 0'}")
+            return v
+
+        kt_raw = _text(r, "key-type", "SOURCE_IP")
+        try:
+            key_type = KeyType.parse(kt_raw)
+        except ValueError as exc:
+            raise err("key-type", f"{kt_raw!r} {exc}") from None
+        key_filter = _text(r, "key-filter")
+        local_filter = None
+        lf_el = _child(r, "local-target-filter")
+        if lf_el is not None:
+            local_filter = lf_el.text if lf_el.text is not None else ""
+        for key, val, local in (("key-filter", key_filter, False),
+                                ("local-target-filter", local_filter, True)):
+            try:
+                compile_local_filter(val, from_config=True) if local else compile_key_filter(val)
+            except FilterError as exc:
+                raise err(key, str(exc)) from None
+        cache = None
+        ce = _child(r, "cache")
+        if ce is not None:
+            persisted = (_text(ce, "persisted", "false") or "false").lower() == "true"
+            cache = CacheConfig(num(ce, "timeout", 0, 0, "cache."), persisted,
+                                "embedded" if persisted else "memory",
+                                p.parent / f"router-cache-{name}.log" if persisted else None)
+        policy = None
+        pe = _child(r, "policy")
+        if pe is not None:
+            pname = pe.get("name") or ""
+            props = {pr.get("key"): pr.get("value") for pr in _children(pe, "property")}
+            if pname in ("CONSISTENT_HASH", "CONSISTENT_HASH_MODULO"):
+                props.setdefault("HASH", "FNV1A")
+            if pname == "CONSISTENT_HASH":
+                props.setdefault("VIRTUAL_NODES", "1")
+            try:
+                create_policy(pname, props)
+            except PolicyError as exc:
+                raise err("policy", str(exc)) from None
+            policy = PolicyConfig(pname, props)
+        pool = None
+        po = _child(r, "pool")
+        if po is not None:
+            targets = []
+            if _child(po, "cluster-connection") is not None:
+                raise err("pool.cluster-connection",
+                          f"{_text(po, 'cluster-connection')!r}: cluster pools are not supported yet")
+            dg = _child(po, "discovery-group-ref")
+            if dg is not None:
+                g = dg.get("discovery-group-name")
+                if g not in groups:
+                    raise err("pool.discovery-group-ref", f"{g!r} is not a <discovery-group>")
+                raise err("pool.discovery-group-ref",
+                          f"{g!r}: discovery pools are not supported yet")
+            sc = _child(po, "static-connectors")
+            for ref in _children(sc, "connector-ref") if sc is not None else []:
+                cname = (ref.text or "").strip()
+                if cname not in connectors:
+                    raise err("pool.static-connectors", f"connector-ref {cname!r} is not a "
+                                                        "<connector>")
+                host, port, tls = connectors[cname]
+                targets.append(TargetConfig(cname, host, port, tls,
+                                            (management_urls or {}).get(cname),
+                                            (node_ids or {}).get(cname)))
+            lte = (_text(po, "local-target-enabled", "false") or "").lower() == "true"
+            if not targets:
+                raise err("pool", "Pool configuration not valid (no static-connectors)")
+            pool = PoolConfig(num(po, "check-period", 5000, 1, "pool."),
+                              num(po, "quorum-size", 1, 1, "pool."),
+                              num(po, "quorum-timeout", 3000, 0, "pool."), lte, _text(po, "username"),
+                              _text(po, "password"), tuple(targets))
+            if lte and local_target is None:
+                raise err("pool.local-target-enabled",
+                          "true needs a local target (pass local_target=...)")
+        if local_filter is not None and local_target is None:
+            raise err("local-target-filter",
+                      f"{local_filter!r} needs a local target (pass local_target=...)")
+        out[name] = RouterConfig(name, key_type, key_filter, local_filter, True, policy, cache,
+                                 pool, local_target, None, p)
+    return out
+
+
+def router_config_dict(rc: RouterConfig) -> dict[str, Any]:
+    """A JSON-friendly view of a router's config (management API); passwords are masked."""
+    from dataclasses import asdict
+
+    def clean(v: Any, key: str = "") -> Any:
+        if isinstance(v, dict):
+            return {k: clean(x, k) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        if isinstance(v, Path):
+            return str(v)
+        if isinstance(v, KeyType):
+            return v.value
+        if key == "password" and v is not None:
+            return "***"
+        return v
+
+    return clean(asdict(rc))

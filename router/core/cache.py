@@ -1,0 +1,112 @@
+"""The sticky cache: key → target identity (node id), expiring after last access (spec §5).
+
+Theory of operation
+-------------------
+A plain dict of ``key -> [identity, last_access, stored_at]`` (monotonic seconds, passed in as
+``now``). ``timeout_ms == 0`` never expires. A read of a live entry refreshes ``last_access``
+in place (expire-after-access, as Caffeine ``expireAfterAccess``); an expired entry is dropped
+when read or swept by ``expire(now)``.
+
+The shell persists or shares the cache (embedded file, Redis) by draining ``changes`` — the
+``(key, identity or None)`` writes and deletions since the last drain — and ``touched`` — the
+keys whose access time moved — when ``track_changes`` is on. The hit path allocates nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+
+class StickyCache:
+    """In-memory sticky cache with expire-after-access."""
+
+    __slots__ = ("timeout_s", "entries", "track_changes", "changes", "touched")
+
+    def __init__(self, timeout_ms: int = 0, *, track_changes: bool = False) -> None:
+        self.timeout_s = timeout_ms / 1000.0
+        self.entries: dict[str, list] = {}
+        self.track_changes = track_changes
+        self.changes: dict[str, str | None] = {}
+        self.touched: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def get(self, key: str, now: float) -> list | None:
+        """The live entry ``[identity, last_access, stored_at]`` for key (access refreshed), or None."""
+        e = self.entries.get(key)
+        if e is None:
+            return None
+        t = self.timeout_s
+        if t and now - e[1] >= t:
+            self._drop(key)
+            return None
+        e[1] = now
+        if self.track_changes and t:
+            self.touched.add(key)
+        return e
+
+    def peek(self, key: str, now: float) -> list | None:
+        """Like ``get`` without refreshing the access time."""
+        e = self.entries.get(key)
+        if e is None or (self.timeout_s and now - e[1] >= self.timeout_s):
+            return None
+        return e
+
+    def put(self, key: str, identity: str, now: float) -> bool:
+        """Store ``key -> identity``; returns True when the stored value changed."""
+        e = self.entries.get(key)
+        if e is not None and e[0] == identity:
+            e[1] = now
+            if self.track_changes and self.timeout_s:
+                self.touched.add(key)
+            return False
+        self.entries[key] = [identity, now, now]
+        if self.track_changes:
+            self.changes[key] = identity
+        return True
+
+    def restore(self, key: str, identity: str, last_access: float, stored_at: float) -> None:
+        """Load an entry from a persisted or shared tier (does not count as a change)."""
+        self.entries[key] = [identity, last_access, stored_at]
+
+    def remove(self, key: str) -> bool:
+        """Forget ``key``; True if it was present."""
+        if key in self.entries:
+            self._drop(key)
+            return True
+        return False
+
+    def _drop(self, key: str) -> None:
+        del self.entries[key]
+        self.touched.discard(key)
+        if self.track_changes:
+            self.changes[key] = None
+
+    def expire(self, now: float) -> list[str]:
+        """Drop every entry idle for ``timeout`` or longer; returns the dropped keys."""
+        t = self.timeout_s
+        if not t:
+            return []
+        dead = [k for k, e in self.entries.items() if now - e[1] >= t]
+        for k in dead:
+            self._drop(k)
+        return dead
+
+    def drain(self) -> tuple[dict[str, str | None], set[str]]:
+        """Take the pending ``changes`` and ``touched`` keys (for the persistence/Redis shell)."""
+        changes, touched = self.changes, self.touched
+        self.changes, self.touched = {}, set()
+        return changes, touched
+
+    def clear(self) -> None:
+        for k in list(self.entries):
+            self._drop(k)
+
+    def items(self, now: float) -> Iterator[tuple[str, str, float, float]]:
+        """``(key, identity, idle_s, age_s)`` of live entries, for the management API."""
+        t = self.timeout_s
+        for k, (ident, last, stored) in list(self.entries.items()):
+            if t and now - last >= t:
+                continue
+            yield k, ident, now - last, now - stored

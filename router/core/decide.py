@@ -1,0 +1,288 @@
+"""The routing decision (Artemis ``ConnectionRouter.getTarget``, spec §0 step 3-4) as pure logic.
+
+Theory of operation
+-------------------
+``Router.decide(conn, now)`` runs, in order:
+
+1. (Artemis keys only) a container-id with the Artemis internal router prefix → local target.
+2. key = resolve(conn) → (raw, filtered) with the key-filter; ``NULL`` when missing.
+3. key = policy.transform_key(key) unless it is ``NULL`` (only CONSISTENT_HASH_MODULO changes it).
+4. local-target-filter full match → the local target (REFUSED_UNAVAILABLE if its probe fails —
+   unlike Artemis, whose local target is the broker itself and always ready).
+5. pinned routes (exact key, then patterns) → that node, if ready.
+6. no policy or no pool → REFUSED_USE_ANOTHER.
+7. cache hit whose node is ready (quorum ignored, as Artemis) → it; the cache is not re-put.
+8. policy.select_target(pool.targets(), key) — ``()`` below quorum; a target is cached and OK,
+   ``None`` is REFUSED_UNAVAILABLE.
+
+``decide_for_key(key, now)`` (management) starts at step 3 with the raw key: no key filter.
+``lookup(conn, now)`` runs steps 1-7 only and returns ``None`` where the policy would be asked,
+so the shell can consult a remote cache tier (Redis) first without side effects.
+Every Decision carries an ``Explanation`` (what the routing log and management API print).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from .cache import StickyCache
+from .filters import Filter, compile_key_filter, compile_local_filter
+from .keys import ARTEMIS_INTERNAL_CLIENT_PREFIX, ConnectionInfo, KeyResolver
+from .pins import PinTable
+from .policies.base import NULL_KEY, Policy, Target
+from .pool import Pool, TargetState
+
+
+class Outcome(enum.Enum):
+    """Artemis ``TargetResult.Status``."""
+
+    OK = "OK"
+    REFUSED_UNAVAILABLE = "REFUSED_UNAVAILABLE"   # not ready yet (no quorum / no target): transient
+    REFUSED_USE_ANOTHER = "REFUSED_USE_ANOTHER"   # rejected here: go elsewhere, not transient
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Why a decision came out as it did. ``to_dict()`` is what logs and the management API print.
+
+    ``cache`` is one of ``off`` (no cache), ``hit``, ``miss``, ``stale`` (cached node not ready),
+    ``skipped`` (decided before the cache); ``cache_tier`` is ``local`` or ``redis`` on a hit.
+    """
+
+    router: str
+    key_type: str
+    raw_key: str | None
+    filtered_key: str
+    key: str
+    key_filter: str | None
+    local_filter: str | None
+    local_match: bool
+    pin: str | None
+    cache: str
+    cache_tier: str | None
+    cache_age_s: float | None
+    policy: str | None
+    ready_targets: int
+    total_targets: int
+    quorum_size: int
+    quorum_met: bool
+    reason: str
+    waited_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of routing one connection (or one management key lookup)."""
+
+    outcome: Outcome
+    target: Target | None
+    local: bool
+    explanation: Explanation
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is Outcome.OK
+
+    @property
+    def node_id(self) -> str | None:
+        return self.target.node_id if self.target is not None else None
+
+    def to_dict(self) -> dict[str, Any]:
+        t = self.target
+        return {"outcome": self.outcome.value, "local": self.local,
+                "target": None if t is None else {
+                    "name": t.name, "node_id": t.node_id, "host": t.host, "port": t.port,
+                    "tls": t.tls},
+                "explanation": self.explanation.to_dict()}
+
+
+_OK, _UNAVAIL, _ANOTHER = Outcome.OK, Outcome.REFUSED_UNAVAILABLE, Outcome.REFUSED_USE_ANOTHER
+
+# Hot path: a frozen dataclass __init__ costs one object.__setattr__ per field (~4 us for an
+# Explanation here). Both classes are plain (non-slots) frozen dataclasses, so we build them by
+# installing a ready __dict__ in one call; the result is identical to calling the constructor.
+_new = object.__new__
+_setattr = object.__setattr__
+
+
+def _decision(outcome: Outcome, target: Target | None, local: bool, ex: dict) -> Decision:
+    e = _new(Explanation)
+    _setattr(e, "__dict__", ex)
+    d = _new(Decision)
+    _setattr(d, "__dict__", {"outcome": outcome, "target": target, "local": local,
+                             "explanation": e})
+    return d
+
+
+class Router:
+    """One connection router: key resolver, filters, policy, pool, cache and pins.
+
+    ``local`` is the local target's state (``pool.local`` when there is a pool). All methods are
+    pure: they take ``now`` and never block; the shell (``router.service``) does I/O and waiting.
+    """
+
+    def __init__(self, name: str, resolver: KeyResolver, *, policy: Policy | None = None,
+                 pool: Pool | None = None, cache: StickyCache | None = None,
+                 local_filter: Filter | None = None, local: TargetState | None = None,
+                 pins: PinTable | None = None) -> None:
+        self.name = name
+        self.resolver = resolver
+        self.policy = policy
+        self.pool = pool
+        self.cache = cache
+        self.local_filter = local_filter
+        self.local = local if local is not None else (pool.local if pool is not None else None)
+        self.pins = pins
+        if pool is not None and policy is not None:
+            pool.observers.append(policy.observe)
+
+    # -- management setters (Artemis ConnectionRouterControl) ----------------------------------
+    def set_key_filter(self, pattern: str | None) -> None:
+        """Replace the key filter; ``None`` or blank clears it. Raises FilterError."""
+        self.resolver.key_filter = compile_key_filter(pattern)
+
+    def get_key_filter(self) -> str | None:
+        f = self.resolver.key_filter
+        return f.pattern if f is not None else None
+
+    def set_local_target_filter(self, pattern: str | None) -> None:
+        """Replace the local-target filter; ``None`` or blank clears it. Raises FilterError."""
+        self.local_filter = compile_local_filter(pattern)
+
+    def get_local_target_filter(self) -> str | None:
+        f = self.local_filter
+        return f.pattern if f is not None else None
+
+    # -- decisions ----------------------------------------------------------------------------
+    def decide(self, conn: ConnectionInfo, now: float) -> Decision:
+        """Route one connection: see the module docstring for the steps."""
+        if self.resolver.artemis_keys and self.local is not None:
+            cid = conn.container_id
+            if cid is not None and cid.startswith(ARTEMIS_INTERNAL_CLIENT_PREFIX):
+                return self._local(cid, cid, cid, False, "artemis internal client id")
+        raw, filtered = self.resolver.resolve(conn)
+        return self._route(raw, filtered, now, True)  # type: ignore[return-value]
+
+    def decide_for_key(self, key: str, now: float) -> Decision:
+        """Management lookup: route a raw key, skipping the key filter (populates the cache)."""
+        return self._route(key, key, now, True)  # type: ignore[return-value]
+
+    def lookup(self, conn: ConnectionInfo, now: float) -> tuple[Decision | None, str]:
+        """Steps 1-7 without side effects beyond the cache access time.
+
+        Returns ``(decision, key)``; ``decision`` is None when the policy would have to choose
+        (cache miss or stale), ``key`` is the transformed key (for a remote cache lookup).
+        """
+        if self.resolver.artemis_keys and self.local is not None:
+            cid = conn.container_id
+            if cid is not None and cid.startswith(ARTEMIS_INTERNAL_CLIENT_PREFIX):
+                return self._local(cid, cid, cid, False, "artemis internal client id"), cid
+        raw, filtered = self.resolver.resolve(conn)
+        d = self._route(raw, filtered, now, False)
+        if isinstance(d, str):
+            return None, d
+        return d, d.explanation.key
+
+    def _expl(self, raw, filtered, key, local_match, pin, cache, tier, age, reason) -> dict:
+        pool = self.pool
+        policy = self.policy
+        kf = self.resolver.key_filter
+        lf = self.local_filter
+        if pool is not None:
+            ready = len(pool._ready)
+            qsize = pool.quorum_size
+            total, qmet = len(pool.members), ready >= qsize
+        else:
+            ready, total, qsize, qmet = 0, 0, 0, False
+        return {"router": self.name, "key_type": self.resolver.key_type.value, "raw_key": raw,
+                "filtered_key": filtered, "key": key,
+                "key_filter": kf.pattern if kf is not None else None,
+                "local_filter": lf.pattern if lf is not None else None,
+                "local_match": local_match, "pin": pin, "cache": cache, "cache_tier": tier,
+                "cache_age_s": age, "policy": policy.name if policy is not None else None,
+                "ready_targets": ready, "total_targets": total, "quorum_size": qsize,
+                "quorum_met": qmet, "reason": reason, "waited_s": 0.0}
+
+    def _local(self, raw, filtered, key, local_match, reason) -> Decision:
+        local = self.local
+        if local is None:  # config validation prevents this; refuse rather than crash
+            return _decision(_ANOTHER, None, False,
+                            self._expl(raw, filtered, key, local_match, None, "skipped", None,
+                                       None, "local target matched but none is configured"))
+        if not local.ready:
+            return _decision(_UNAVAIL, None, False,
+                            self._expl(raw, filtered, key, local_match, None, "skipped", None,
+                                       None, f"{reason}; local target not ready"))
+        return _decision(_OK, local.target, True,
+                        self._expl(raw, filtered, key, local_match, None, "skipped", None, None,
+                                   reason))
+
+    def _route(self, raw: str | None, filtered: str, now: float, commit: bool):
+        policy = self.policy
+        key = filtered
+        if policy is not None and key != NULL_KEY:
+            key = policy.transform_key(key)
+        lf = self.local_filter
+        if lf is not None and lf.matches(key):
+            return self._local(raw, filtered, key, True, "local-target-filter matched")
+        pool = self.pool
+        pins = self.pins
+        pin_note = None
+        if pins is not None and pins:
+            hit = pins.lookup(key)
+            if hit is not None:
+                node, rule = hit
+                target = pool.ready_target(node) if pool is not None else None
+                if target is not None:
+                    local = self.local is not None and target is self.local.target
+                    return _decision(_OK, target, local,
+                                    self._expl(raw, filtered, key, False, rule, "skipped", None,
+                                               None, "pinned route"))
+                lc = self.local
+                if lc is not None and lc.ready and node in (lc.target.identity, lc.target.slot):
+                    return _decision(_OK, lc.target, True,
+                                    self._expl(raw, filtered, key, False, rule, "skipped", None,
+                                               None, "pinned route (local target)"))
+                pin_note = rule
+        if policy is None or pool is None:
+            return _decision(_ANOTHER, None, False,
+                            self._expl(raw, filtered, key, False, pin_note, "skipped", None, None,
+                                       "no policy" if policy is None else "no pool"))
+        cache = self.cache
+        cache_state = "off"
+        if cache is not None:
+            e = cache.get(key, now)
+            if e is not None:
+                target = pool.ready_target(e[0])
+                if target is not None:
+                    return _decision(_OK, target, target is getattr(self.local, "target", None),
+                                    self._expl(raw, filtered, key, False, pin_note, "hit", "local",
+                                               now - e[2], "cache hit"))
+                cache_state = "stale"
+            else:
+                cache_state = "miss"
+        if not commit:
+            return key
+        targets = pool.targets()
+        target = policy.select_target(targets, key)
+        if target is None:
+            if not pool.quorum_met:
+                reason = (f"below quorum ({pool.ready_count} of {pool.quorum_size} "
+                          "targets ready)")
+            elif not targets:
+                reason = "no target ready"
+            else:
+                reason = f"policy {policy.name} selected no target"
+            return _decision(_UNAVAIL, None, False,
+                            self._expl(raw, filtered, key, False, pin_note, cache_state, None,
+                                       None, reason))
+        if cache is not None:
+            cache.put(key, target.identity, now)
+        return _decision(_OK, target, target is getattr(self.local, "target", None),
+                        self._expl(raw, filtered, key, False, pin_note, cache_state, None, None,
+                                   f"selected by {policy.name}"))

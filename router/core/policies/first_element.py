@@ -1,0 +1,16 @@
+"""FIRST_ELEMENT: the first ready target in pool order (priority fail-over; Artemis §2.2)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .base import Policy, Target
+
+
+class FirstElementPolicy(Policy):
+    """Always the first ready target, so pool order is a priority list."""
+
+    name = "FIRST_ELEMENT"
+
+    def select_target(self, targets: Sequence[Target], key: str) -> Target | None:
+        return targets[0] if targets else None

@@ -1,0 +1,236 @@
+"""Pool of targets: readiness fed by probes, quorum gate, pluggable membership (spec §4).
+
+Theory of operation
+-------------------
+A ``Pool`` is plain state advanced by the shell: the health checker calls ``report_probe`` after
+each probe (ready or not, learned node id, live connection count, error text), a membership
+source calls ``add_target`` / ``remove_target``. The pool keeps members in pool order (the local
+target first when ``local_target_enabled``) and rebuilds an immutable tuple of ready targets on
+every change, so the hot path reads one attribute. ``version`` increments on every change and
+``listeners`` are called, which is how the shell wakes connections waiting for quorum.
+
+* ``targets()`` — the ready targets if at least ``quorum_size`` are ready, else ``()``
+  (Artemis ``AbstractPool.getTargets``; the shell does the waiting, never the core).
+* ``ready_target(identity)`` — a cache hit's target if it is ready, **regardless of quorum**
+  (Artemis ``getReadyTarget``).
+* Every probe result is also passed to the policy's ``observe`` (LEAST_CONNECTIONS counts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Iterable, Protocol
+
+from router.errors import MembershipSourceError
+
+from .policies.base import Target
+
+
+@dataclass(slots=True)
+class TargetState:
+    """Mutable health state of one target slot (the pool's own record, not shared outside)."""
+
+    target: Target
+    local: bool = False
+    ready: bool = False
+    connection_count: int | None = None
+    last_error: str | None = None
+    last_probe_at: float | None = None
+    probes: int = 0
+
+    def to_dict(self) -> dict:
+        """JSON-friendly view for the management API."""
+        t = self.target
+        return {"name": t.name, "node_id": t.node_id, "host": t.host, "port": t.port,
+                "tls": t.tls, "management_url": t.management_url, "local": self.local,
+                "ready": self.ready, "connection_count": self.connection_count,
+                "last_error": self.last_error, "last_probe_at": self.last_probe_at}
+
+
+class Pool:
+    """Targets with readiness and a quorum gate. All methods are synchronous and pure-state."""
+
+    def __init__(self, targets: Iterable[Target] = (), *, quorum_size: int = 1,
+                 local_target: Target | None = None, local_target_enabled: bool = False) -> None:
+        self.quorum_size = quorum_size
+        self.local_target_enabled = local_target_enabled
+        self.local: TargetState | None = (TargetState(local_target, local=True)
+                                          if local_target is not None else None)
+        self.members: list[TargetState] = []
+        if self.local is not None and local_target_enabled:
+            self.members.append(self.local)
+        self.version = 0
+        self.listeners: list[Callable[["Pool"], None]] = []
+        self.observers: list[Callable[[Target, int | None], None]] = []
+        self._ready: tuple[Target, ...] = ()
+        self._by_identity: dict[str, Target] = {}
+        for t in targets:
+            self.add_target(t, _notify=False)
+        self._rebuild()
+
+    # -- membership ---------------------------------------------------------------------------
+    def _find(self, slot: str) -> TargetState | None:
+        for st in self.members:
+            if st.target.slot == slot:
+                return st
+        if self.local is not None and self.local.target.slot == slot:
+            return self.local
+        return None
+
+    def add_target(self, target: Target, *, _notify: bool = True) -> bool:
+        """Append a target (not ready until a probe says so). A duplicate slot is ignored."""
+        if any(st.target.slot == target.slot for st in self.members):
+            return False
+        self.members.append(TargetState(target))
+        if _notify:
+            self._changed()
+        return True
+
+    def remove_target(self, slot: str) -> bool:
+        """Remove the target with this name (or host:port); False if absent."""
+        for i, st in enumerate(self.members):
+            if st.target.slot == slot and not st.local:
+                del self.members[i]
+                self._changed()
+                return True
+        return False
+
+    def all_states(self) -> list[TargetState]:
+        """Every tracked target: pool members in order, then the local target if not a member."""
+        out = list(self.members)
+        if self.local is not None and self.local not in out:
+            out.append(self.local)
+        return out
+
+    # -- probes -------------------------------------------------------------------------------
+    def report_probe(self, target_name: str, ok: bool, node_id: str | None = None,
+                     connection_count: int | None = None, now: float | None = None,
+                     error: str | None = None) -> None:
+        """Record one probe result for the target slot ``target_name`` (name or host:port).
+
+        A failed probe makes the target not ready at once and keeps ``error`` for the management
+        API; a successful one makes it ready, learns ``node_id`` and the connection count.
+        """
+        st = self._find(target_name)
+        if st is None:
+            return
+        st.probes += 1
+        st.last_probe_at = now
+        changed = False
+        if ok:
+            if node_id and node_id != st.target.node_id:
+                st.target = dataclasses.replace(st.target, node_id=node_id)
+                changed = True
+            st.connection_count = connection_count
+            st.last_error = None
+        else:
+            st.connection_count = None
+            st.last_error = error or "probe failed"
+        if st.ready != ok:
+            st.ready = ok
+            changed = True
+        for obs in self.observers:
+            obs(st.target, connection_count if ok else None)
+        if changed:
+            self._changed()
+
+    def set_ready(self, target_name: str, ready: bool, node_id: str | None = None) -> None:
+        """Shortcut for tests and embedders: mark a target ready/not ready."""
+        self.report_probe(target_name, ready, node_id=node_id,
+                          error=None if ready else "marked not ready")
+
+    # -- reads (hot path) ---------------------------------------------------------------------
+    def _changed(self) -> None:
+        self._rebuild()
+        self.version += 1
+        for cb in list(self.listeners):
+            cb(self)
+
+    def _rebuild(self) -> None:
+        self._ready = tuple(st.target for st in self.members if st.ready)
+        by_id: dict[str, Target] = {}
+        for t in self._ready:
+            by_id.setdefault(t.identity, t)
+            by_id.setdefault(t.slot, t)
+        self._by_identity = by_id
+
+    @property
+    def ready_count(self) -> int:
+        return len(self._ready)
+
+    @property
+    def total_count(self) -> int:
+        return len(self.members)
+
+    @property
+    def quorum_met(self) -> bool:
+        return len(self._ready) >= self.quorum_size
+
+    def ready_targets(self) -> tuple[Target, ...]:
+        """Ready targets in pool order, ignoring the quorum."""
+        return self._ready
+
+    def targets(self) -> tuple[Target, ...]:
+        """What a policy may choose from: the ready targets, or ``()`` below quorum."""
+        ready = self._ready
+        return ready if len(ready) >= self.quorum_size else ()
+
+    def ready_target(self, identity: str) -> Target | None:
+        """The ready target whose node id (or name) is ``identity``; ignores the quorum."""
+        return self._by_identity.get(identity)
+
+    @property
+    def local_ready(self) -> bool:
+        return self.local is not None and self.local.ready
+
+    def snapshot(self) -> dict:
+        """JSON-friendly pool state for the management API."""
+        return {"quorum_size": self.quorum_size, "quorum_met": self.quorum_met,
+                "ready": self.ready_count, "total": self.total_count,
+                "targets": [st.to_dict() for st in self.all_states()]}
+
+
+# -- membership sources ---------------------------------------------------------------------
+class MembershipSource(Protocol):
+    """Feeds a pool's membership. ``start(pool)`` adds the initial members; a dynamic source
+    (discovery, cluster — later issues) keeps calling ``add_target``/``remove_target`` from the
+    shell."""
+
+    def start(self, pool: Pool) -> None: ...
+
+
+class StaticSource:
+    """The configured target list, in config order."""
+
+    def __init__(self, targets: Iterable[Target], options: dict | None = None) -> None:
+        self.targets = list(targets)
+        if options:
+            raise MembershipSourceError(f"static source takes no options (got {sorted(options)})")
+
+    def start(self, pool: Pool) -> None:
+        for t in self.targets:
+            pool.add_target(t)
+
+
+MembershipFactory = Callable[[list[Target], dict], MembershipSource]
+_SOURCES: dict[str, MembershipFactory] = {"static": StaticSource}
+
+
+def register_membership_source(name: str, factory: MembershipFactory) -> None:
+    """Register a membership source (``factory(targets, options) -> source``)."""
+    _SOURCES[name] = factory
+
+
+def membership_source_names() -> list[str]:
+    return list(_SOURCES)
+
+
+def create_membership_source(name: str, targets: list[Target],
+                             options: dict | None = None) -> MembershipSource:
+    """Build the named source; unknown names raise MembershipSourceError listing the known ones."""
+    factory = _SOURCES.get(name)
+    if factory is None:
+        raise MembershipSourceError(
+            f"membership source {name!r} is not available (known: {', '.join(_SOURCES)})")
+    return factory(targets, dict(options or {}))

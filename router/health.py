@@ -1,0 +1,156 @@
+"""Health probes feeding a pool's readiness (run by ``RouterService.run``).
+
+Every ``check-period`` ms each target is probed, the first round at once (initial delay 0):
+
+* with a ``management_url``: HTTP/1.1 ``GET <management_url>/api/v1/broker`` with Basic auth
+  (the pool's username/password), JSON body ``{"node_id", "active", "connection_count", ...}``.
+  Ready iff status 200 and ``active`` is true; ``node_id`` is learned from the body and
+  ``connection_count`` kept for LEAST_CONNECTIONS.
+* without one (targets imported from an Artemis broker.xml): a TCP connect; ready iff it connects.
+
+Any error (refused, timeout, TLS, bad status, bad JSON) makes the target not ready at once and the
+error text is kept for the management API. The HTTP client is a tiny h11 state machine over
+``trio.open_tcp_stream`` (TLS via ``trio.SSLStream`` for https URLs).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import ssl
+from dataclasses import dataclass
+from typing import Callable
+from urllib.parse import urlsplit
+
+import h11
+import trio
+
+from router.core.policies.base import Target
+from router.core.pool import Pool
+
+MAX_BODY = 1 << 20
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    ok: bool
+    node_id: str | None = None
+    connection_count: int | None = None
+    error: str | None = None
+
+
+async def http_get(url: str, *, headers: list[tuple[str, str]] = (), timeout_s: float = 2.0,
+                   ssl_context: ssl.SSLContext | None = None) -> tuple[int, bytes]:
+    """GET ``url`` over HTTP/1.1 (``Connection: close``); returns (status, body). Raises on error."""
+    parts = urlsplit(url)
+    https = parts.scheme == "https"
+    host = parts.hostname or "localhost"
+    port = parts.port or (443 if https else 80)
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    with trio.fail_after(timeout_s):
+        stream: trio.abc.Stream = await trio.open_tcp_stream(host, port)
+        try:
+            if https:
+                stream = trio.SSLStream(stream, ssl_context or ssl.create_default_context(),
+                                        server_hostname=host)
+                await stream.do_handshake()
+            conn = h11.Connection(h11.CLIENT)
+            req = h11.Request(method="GET", target=target,
+                              headers=[("Host", parts.netloc), ("Accept", "application/json"),
+                                       ("Connection", "close"), *headers])
+            await stream.send_all(conn.send(req) + conn.send(h11.EndOfMessage()))
+            status = 0
+            body = bytearray()
+            while True:
+                ev = conn.next_event()
+                if ev is h11.NEED_DATA:
+                    conn.receive_data(await stream.receive_some(65536))
+                    continue
+                if isinstance(ev, h11.Response):
+                    status = ev.status_code
+                elif isinstance(ev, h11.Data):
+                    body += ev.data
+                    if len(body) > MAX_BODY:
+                        raise ValueError("response body too large")
+                elif isinstance(ev, (h11.EndOfMessage, h11.ConnectionClosed)):
+                    return status, bytes(body)
+        finally:
+            await trio.aclose_forcefully(stream)
+
+
+def basic_auth(username: str | None, password: str | None) -> list[tuple[str, str]]:
+    if username is None:
+        return []
+    token = base64.b64encode(f"{username}:{password or ''}".encode()).decode("ascii")
+    return [("Authorization", f"Basic {token}")]
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, trio.TooSlowError):
+        return "timeout"
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"
+
+
+async def probe_target(target: Target, *, username: str | None = None,
+                       password: str | None = None, timeout_s: float = 2.0,
+                       ssl_context: ssl.SSLContext | None = None) -> ProbeResult:
+    """Probe one target once (never raises: errors become ``ok=False`` with the error text)."""
+    if target.management_url is None:
+        try:
+            with trio.fail_after(timeout_s):
+                s = await trio.open_tcp_stream(target.host, target.port)
+            await trio.aclose_forcefully(s)
+            return ProbeResult(True)
+        except (OSError, trio.TooSlowError) as exc:
+            return ProbeResult(False, error=f"tcp connect: {_describe(exc)}")
+    url = target.management_url.rstrip("/") + "/api/v1/broker"
+    try:
+        status, body = await http_get(url, headers=basic_auth(username, password),
+                                      timeout_s=timeout_s, ssl_context=ssl_context)
+    except (OSError, trio.TooSlowError, trio.BrokenResourceError, h11.ProtocolError, ValueError,
+            ssl.SSLError) as exc:
+        return ProbeResult(False, error=f"GET {url}: {_describe(exc)}")
+    if status != 200:
+        return ProbeResult(False, error=f"GET {url}: HTTP {status}")
+    try:
+        info = json.loads(body)
+        if not isinstance(info, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as exc:
+        return ProbeResult(False, error=f"GET {url}: bad JSON: {exc}")
+    node_id = info.get("node_id")
+    count = info.get("connection_count")
+    node_id = node_id if isinstance(node_id, str) and node_id else None
+    count = count if isinstance(count, int) and not isinstance(count, bool) else None
+    if info.get("active") is not True:
+        return ProbeResult(False, node_id, count, error=f"GET {url}: broker not active")
+    return ProbeResult(True, node_id, count)
+
+
+async def run_health_checks(pool: Pool, *, check_period_ms: int, username: str | None = None,
+                            password: str | None = None, clock: Callable[[], float],
+                            ssl_context: ssl.SSLContext | None = None,
+                            on_round: Callable[[], None] | None = None,
+                            task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Probe every target of ``pool`` each ``check_period_ms`` (first round at once); never returns."""
+    period = check_period_ms / 1000.0
+    timeout = min(period, 2.0)
+
+    async def one(target: Target) -> None:
+        res = await probe_target(target, username=username, password=password,
+                                 timeout_s=timeout, ssl_context=ssl_context)
+        pool.report_probe(target.slot, res.ok, res.node_id, res.connection_count, clock(),
+                          error=res.error)
+
+    started = False
+    while True:
+        async with trio.open_nursery() as nursery:
+            for st in pool.all_states():
+                nursery.start_soon(one, st.target)
+        if on_round is not None:
+            on_round()
+        if not started:
+            started = True
+            task_status.started()
+        await trio.sleep(period)

@@ -1,0 +1,485 @@
+"""RouterService: the trio shell around one configured router's pure core.
+
+Theory of operation
+-------------------
+``RouterService`` owns a ``router.core.decide.Router`` plus everything with I/O or time:
+
+* **Cache tiers.** The core's ``StickyCache`` is the local tier and the only one on a hit.
+  ``backend = "embedded"``: changes and access times are drained every ``FLUSH_INTERVAL_S`` and
+  appended to the cache file from a worker thread (``cache_embedded``); the file is replayed at
+  construction, wall-clock times converted to this process's monotonic clock, so stickiness and
+  expiry survive a restart. ``backend = "redis"``: on a local miss (or a stale local entry) the
+  service asks Redis once, under ``redis-timeout-ms``, before the policy runs; decisions are
+  written behind in pipelined compare-and-set batches; hits in the local tier refresh the Redis
+  TTL in the same batches. Any Redis failure sets ``degraded`` and the service keeps deciding
+  from its local tier (no read is attempted while degraded; the writer pings once a second and
+  flushes what queued up when Redis is back). A Redis outage never fails a connection.
+* **Quorum waits.** A REFUSED_UNAVAILABLE below quorum with ``quorum-timeout > 0`` parks only
+  that connection on a ``trio.Event`` that the pool's change listener sets; it re-decides on
+  every pool change until the deadline (Artemis blocks a thread and polls; we do neither).
+* **Background tasks** (``run``): health probes (``router.health``), cache persistence or Redis
+  sync, expiry sweep, pins-file reload.
+
+Time: the core gets ``clock()`` (``time.monotonic`` by default); quorum deadlines use trio's clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+import time
+from typing import Any, Callable
+
+import trio
+
+from router.cache_embedded import EmbeddedCacheStore
+from router.config import RouterConfig, RouterProcessConfig
+from router.core.cache import StickyCache
+from router.core.decide import Decision, Outcome, Router
+from router.core.filters import compile_key_filter, compile_local_filter
+from router.core.keys import ConnectionInfo, KeyResolver
+from router.core.pins import PinTable, load_pins
+from router.core.policies import create_policy
+from router.core.pool import Pool, create_membership_source
+from router.errors import CacheBackendError, PinFileError
+from router.health import run_health_checks
+
+log = logging.getLogger("lodestone.router.service")
+
+FLUSH_INTERVAL_S = 0.2
+REDIS_SYNC_INTERVAL_S = 0.05
+REDIS_RETRY_S = 1.0
+REDIS_MAX_PENDING = 100_000
+
+COUNTERS = ("route_ok", "route_refused_unavailable", "route_refused_use_another", "cache_hit",
+            "cache_miss", "cache_stale", "local_match", "pin_hit", "quorum_waits",
+            "quorum_wait_timeouts", "redis_hits", "redis_misses", "redis_errors", "redis_writes",
+            "redis_conflicts", "redis_writes_dropped", "persist_writes", "persist_errors",
+            "pins_reloads", "pins_errors", "probe_rounds", "management_lookups")
+
+_OUTCOME_COUNTER = {Outcome.OK: "route_ok",
+                    Outcome.REFUSED_UNAVAILABLE: "route_refused_unavailable",
+                    Outcome.REFUSED_USE_ANOTHER: "route_refused_use_another"}
+
+
+class RouterService:
+    """One configured router: ``await route(conn)``, ``route_for_key(key)``, ``await run()``."""
+
+    def __init__(self, config: RouterConfig, *, rng: random.Random | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time, redis_cache: Any = None) -> None:
+        self.config = config
+        self.name = config.name
+        self.clock = clock
+        self._wall_offset = wall() - clock()
+        self.rng = rng if rng is not None else random.Random()
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self.degraded = False
+        self.degraded_reason: str | None = None
+        self.pins_error: str | None = None
+        self._pool_changed = trio.Event()
+
+        pc = config.pool
+        local_t = config.local_target.to_target() if config.local_target else None
+        self._holder = Pool(quorum_size=pc.quorum_size if pc else 1, local_target=local_t,
+                            local_target_enabled=bool(pc and pc.local_target_enabled))
+        if pc is not None:
+            create_membership_source(pc.source, [t.to_target() for t in pc.targets]).start(
+                self._holder)
+        self._holder.listeners.append(self._on_pool_change)
+        policy = (create_policy(config.policy.name, config.policy.properties, self.rng)
+                  if config.policy else None)
+        cc = config.cache
+        self._store: EmbeddedCacheStore | None = None
+        self._redis = None
+        cache = None
+        if cc is not None:
+            cache = StickyCache(cc.timeout_ms, track_changes=cc.backend in ("embedded", "redis"))
+            if cc.backend == "embedded":
+                self._store = EmbeddedCacheStore(cc.path)
+                self._load_embedded(cache)
+            elif cc.backend == "redis":
+                if redis_cache is None:
+                    from router.cache_redis import RedisCache
+                    redis_cache = RedisCache(cc.redis_url, router=self.name,
+                                             prefix=cc.redis_key_prefix, timeout_ms=cc.timeout_ms,
+                                             socket_timeout_s=max(0.25, cc.redis_timeout_ms / 1e3))
+                self._redis = redis_cache
+        self._redis_seen: dict[str, str] = {}
+        self._pending_puts: dict[str, tuple[str, str]] = {}
+        self._pending_touch: set[str] = set()
+        self._pending_del: set[str] = set()
+        self._last_redis_try = -1e9
+        pins = None
+        self._pins_mtime: float | None = None
+        if config.pins is not None:
+            pins = self._read_pins(initial=True)
+        resolver = KeyResolver(config.key_type, compile_key_filter(config.key_filter),
+                               artemis_keys=config.artemis_keys)
+        self.core = Router(self.name, resolver, policy=policy,
+                           pool=self._holder if pc is not None else None, cache=cache,
+                           local_filter=compile_local_filter(config.local_target_filter,
+                                                             from_config=True),
+                           local=self._holder.local, pins=pins)
+
+    # -- public surface -------------------------------------------------------------------------
+    @property
+    def pool(self) -> Pool:
+        """Targets with readiness, node id, connection count, last probe error; quorum state."""
+        return self._holder
+
+    @property
+    def policy(self):
+        return self.core.policy
+
+    async def route(self, conn: ConnectionInfo) -> Decision:
+        """Route one client connection (waits for quorum up to quorum-timeout, alone)."""
+        if self._redis is None:
+            d = self.core.decide(conn, self.clock())
+        else:
+            d = await self._decide_with_redis(conn)
+        pc = self.config.pool
+        if (d.outcome is Outcome.REFUSED_UNAVAILABLE and pc is not None and pc.quorum_timeout_ms
+                and not self._holder.quorum_met and d.explanation.cache != "skipped"):
+            d = await self._wait_for_quorum(conn, d, pc.quorum_timeout_ms / 1000.0)
+        self._count(d)
+        return d
+
+    def route_for_key(self, key: str) -> Decision:
+        """Management lookup: skip the key filter, populate the cache (no quorum wait)."""
+        d = self.core.decide_for_key(key, self.clock())
+        self.counters["management_lookups"] += 1
+        return d
+
+    def set_key_filter(self, pattern: str | None) -> None:
+        """Replace the key filter (None/blank clears). Raises FilterError."""
+        self.core.set_key_filter(pattern)
+
+    def get_key_filter(self) -> str | None:
+        return self.core.get_key_filter()
+
+    def set_local_target_filter(self, pattern: str | None) -> None:
+        """Replace the local-target filter (None/blank clears). Raises FilterError; refuses to set
+        one when no local target is configured (ValueError)."""
+        if pattern is not None and pattern.strip() and self._holder.local is None:
+            raise ValueError(f"router {self.name!r} has no local target")
+        self.core.set_local_target_filter(pattern)
+
+    def get_local_target_filter(self) -> str | None:
+        return self.core.get_local_target_filter()
+
+    def cache_entries(self) -> list[dict[str, Any]]:
+        """Live local-tier entries: key, node_id, idle_s, age_s."""
+        cache = self.core.cache
+        if cache is None:
+            return []
+        return [{"key": k, "node_id": ident, "idle_s": idle, "age_s": age}
+                for k, ident, idle, age in cache.items(self.clock())]
+
+    def status(self) -> dict[str, Any]:
+        """Management summary: pool, counters, degraded state, filters, policy."""
+        return {"name": self.name, "degraded": self.degraded,
+                "degraded_reason": self.degraded_reason, "pool": self._holder.snapshot(),
+                "policy": self.core.policy.describe() if self.core.policy else None,
+                "key_filter": self.get_key_filter(),
+                "local_target_filter": self.get_local_target_filter(),
+                "cache_size": len(self.core.cache) if self.core.cache is not None else None,
+                "pins": len(self.core.pins) if self.core.pins is not None else None,
+                "pins_error": self.pins_error, "counters": dict(self.counters)}
+
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Run probes, persistence / Redis sync, expiry and pin reloads until cancelled.
+
+        ``started()`` is reported after the first probe round, so a freshly started router
+        already knows which targets are ready.
+        """
+        pc = self.config.pool
+        try:
+            async with trio.open_nursery() as nursery:
+                if self._holder.all_states():
+                    await nursery.start(self._health_task)
+                if self._store is not None:
+                    nursery.start_soon(self._persist_loop)
+                if self._redis is not None:
+                    nursery.start_soon(self._redis_loop)
+                if self.core.cache is not None and self.config.cache.timeout_ms:
+                    nursery.start_soon(self._expiry_loop)
+                if self.config.pins is not None:
+                    nursery.start_soon(self._pins_loop,
+                                       (pc.check_period_ms if pc else 5000) / 1000.0)
+                task_status.started()
+        finally:
+            self.flush()
+            if self._store is not None:
+                self._store.close()
+
+    def flush(self) -> None:
+        """Write pending cache changes to the embedded file now (sync; used at shutdown)."""
+        if self._store is not None and self.core.cache is not None:
+            try:
+                self._store.write(*self._persist_batch())
+            except OSError as exc:
+                self.counters["persist_errors"] += 1
+                log.error("router %s: cannot write cache file %s: %s", self.name,
+                          self._store.path, exc)
+
+    def close(self) -> None:
+        """Flush and release files and clients (for embedders not using ``run``)."""
+        self.flush()
+        if self._store is not None:
+            self._store.close()
+        if self._redis is not None:
+            self._redis.close()
+
+    # -- internals: counting, pool changes, quorum -----------------------------------------------
+    def _count(self, d: Decision) -> None:
+        c = self.counters
+        c[_OUTCOME_COUNTER[d.outcome]] += 1
+        ex = d.explanation
+        cs = ex.cache
+        if cs == "hit":
+            c["cache_hit"] += 1
+        elif cs == "miss":
+            c["cache_miss"] += 1
+        elif cs == "stale":
+            c["cache_miss"] += 1
+            c["cache_stale"] += 1
+        if ex.local_match:
+            c["local_match"] += 1
+        if ex.pin is not None and ex.reason.startswith("pinned"):
+            c["pin_hit"] += 1
+
+    def _on_pool_change(self, _pool: Pool) -> None:
+        ev, self._pool_changed = self._pool_changed, trio.Event()
+        ev.set()
+
+    async def _wait_for_quorum(self, conn: ConnectionInfo, d: Decision, timeout_s: float):
+        self.counters["quorum_waits"] += 1
+        start = trio.current_time()
+        deadline = start + timeout_s
+        while True:
+            ev = self._pool_changed
+            with trio.move_on_at(deadline):
+                await ev.wait()
+            if self._redis is None:
+                d = self.core.decide(conn, self.clock())
+            else:
+                d = await self._decide_with_redis(conn)
+            if d.outcome is not Outcome.REFUSED_UNAVAILABLE or self._holder.quorum_met:
+                break
+            if trio.current_time() >= deadline:
+                self.counters["quorum_wait_timeouts"] += 1
+                break
+        waited = trio.current_time() - start
+        return dataclasses.replace(d, explanation=dataclasses.replace(d.explanation,
+                                                                      waited_s=waited))
+
+    # -- internals: health ----------------------------------------------------------------------
+    async def _health_task(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        pc = self.config.pool
+
+        def on_round() -> None:
+            self.counters["probe_rounds"] += 1
+
+        await run_health_checks(self._holder, check_period_ms=pc.check_period_ms if pc else 5000,
+                                username=pc.username if pc else None,
+                                password=pc.password if pc else None, clock=self.clock,
+                                on_round=on_round, task_status=task_status)
+
+    # -- internals: embedded persistence --------------------------------------------------------
+    def _load_embedded(self, cache: StickyCache) -> None:
+        entries = self._store.load()
+        now_wall = self.clock() + self._wall_offset
+        timeout = cache.timeout_s
+        for key, (ident, last_wall, stored_wall) in entries.items():
+            if timeout and now_wall - last_wall >= timeout:
+                cache.changes[key] = None  # expired while we were down: delete the record
+                continue
+            cache.restore(key, ident, last_wall - self._wall_offset,
+                          stored_wall - self._wall_offset)
+        if self._store.skipped:
+            log.warning("router %s: skipped %d damaged record(s) in %s", self.name,
+                        self._store.skipped, self._store.path)
+
+    def _persist_batch(self):
+        cache = self.core.cache
+        changes, touched = cache.drain()
+        off = self._wall_offset
+        puts, deletes = [], []
+        for key, ident in changes.items():
+            e = cache.entries.get(key)
+            if ident is None or e is None:
+                deletes.append(key)
+            else:
+                puts.append((key, e[0], e[1] + off, e[2] + off))
+        touches = [(k, cache.entries[k][1] + off) for k in touched
+                   if k in cache.entries and k not in changes]
+        return puts, touches, deletes
+
+    async def _persist_loop(self) -> None:
+        store = self._store
+        while True:
+            await trio.sleep(FLUSH_INTERVAL_S)
+            puts, touches, deletes = self._persist_batch()
+            try:
+                if puts or touches or deletes:
+                    await trio.to_thread.run_sync(store.write, puts, touches, deletes)
+                    self.counters["persist_writes"] += 1
+                if store.needs_compaction(len(self.core.cache)):
+                    off = self._wall_offset
+                    snap = [(k, e[0], e[1] + off, e[2] + off)
+                            for k, e in self.core.cache.entries.items()]
+                    await trio.to_thread.run_sync(store.compact, snap)
+            except OSError as exc:
+                self.counters["persist_errors"] += 1
+                log.error("router %s: cannot write cache file %s: %s", self.name, store.path, exc)
+
+    async def _expiry_loop(self) -> None:
+        cache = self.core.cache
+        period = min(max(cache.timeout_s / 4, 0.05), 5.0)
+        while True:
+            await trio.sleep(period)
+            for key in cache.expire(self.clock()):
+                self._redis_seen.pop(key, None)
+
+    # -- internals: Redis ---------------------------------------------------------------------
+    def _set_degraded(self, exc: BaseException) -> None:
+        self.counters["redis_errors"] += 1
+        if not self.degraded:
+            log.warning("router %s: redis unavailable, deciding from the local tier: %s",
+                        self.name, exc)
+        self.degraded = True
+        self.degraded_reason = str(exc)
+        self._last_redis_try = trio.current_time()
+
+    async def _redis_call(self, fn, *args, timeout_s: float):
+        with trio.move_on_after(timeout_s) as cs:
+            return await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
+        if cs.cancelled_caught:
+            raise CacheBackendError(f"redis timeout after {timeout_s * 1000:.0f} ms")
+
+    async def _decide_with_redis(self, conn: ConnectionInfo) -> Decision:
+        d, key = self.core.lookup(conn, self.clock())
+        if d is not None:
+            return d
+        from_redis = False
+        if not self.degraded:
+            try:
+                value = await self._redis_call(self._redis.get, key,
+                                               timeout_s=self.config.cache.redis_timeout_ms / 1e3)
+            except CacheBackendError as exc:
+                self._set_degraded(exc)
+            else:
+                if value is None:
+                    self.counters["redis_misses"] += 1
+                else:
+                    self.counters["redis_hits"] += 1
+                    self._redis_seen[key] = value
+                    if self._holder.ready_target(value) is not None:
+                        now = self.clock()
+                        self.core.cache.restore(key, value, now, now)
+                        from_redis = True
+        d = self.core.decide(conn, self.clock())
+        if from_redis and d.explanation.cache == "hit":
+            d = dataclasses.replace(d, explanation=dataclasses.replace(d.explanation,
+                                                                       cache_tier="redis"))
+        return d
+
+    def _collect_redis_changes(self) -> None:
+        cache = self.core.cache
+        changes, touched = cache.drain()
+        for key, ident in changes.items():
+            if ident is None:
+                self._pending_puts.pop(key, None)
+                self._pending_del.add(key)
+            else:
+                self._pending_del.discard(key)
+                self._pending_puts[key] = (ident, self._redis_seen.pop(key, ""))
+        self._pending_touch |= touched
+        over = len(self._pending_puts) + len(self._pending_touch) - REDIS_MAX_PENDING
+        if over > 0:
+            self.counters["redis_writes_dropped"] += over
+            for k in list(self._pending_touch)[:over]:
+                self._pending_touch.discard(k)
+            over = len(self._pending_puts) - REDIS_MAX_PENDING
+            for k in list(self._pending_puts)[:max(over, 0)]:
+                del self._pending_puts[k]
+
+    async def _redis_loop(self) -> None:
+        while True:
+            await trio.sleep(REDIS_SYNC_INTERVAL_S)
+            self._collect_redis_changes()
+            if self.degraded:
+                if trio.current_time() - self._last_redis_try < REDIS_RETRY_S:
+                    continue
+                try:
+                    await self._redis_call(self._redis.ping, timeout_s=REDIS_RETRY_S)
+                except CacheBackendError as exc:
+                    self._set_degraded(exc)
+                    continue
+                log.warning("router %s: redis is back", self.name)
+                self.degraded = False
+                self.degraded_reason = None
+            if not (self._pending_puts or self._pending_touch or self._pending_del):
+                continue
+            puts = [(k, ident, old) for k, (ident, old) in self._pending_puts.items()]
+            touches = list(self._pending_touch - set(self._pending_puts))
+            deletes = list(self._pending_del)
+            self._pending_puts, self._pending_touch, self._pending_del = {}, set(), set()
+            try:
+                conflicts = await self._redis_call(self._redis.write, puts, touches, deletes,
+                                                   timeout_s=REDIS_RETRY_S)
+            except CacheBackendError as exc:
+                self._set_degraded(exc)
+                for k, ident, old in puts:  # keep them (newer changes win) for the retry
+                    self._pending_puts.setdefault(k, (ident, old))
+                self._pending_touch |= set(touches)
+                self._pending_del |= set(deletes) - set(self._pending_puts)
+                continue
+            self.counters["redis_writes"] += len(puts) + len(touches) + len(deletes)
+            now = self.clock()
+            for key, ident in conflicts.items():  # another replica decided first: adopt it
+                self.counters["redis_conflicts"] += 1
+                e = self.core.cache.entries.get(key)
+                self.core.cache.restore(key, ident, now, e[2] if e else now)
+
+    # -- internals: pins ------------------------------------------------------------------------
+    def _read_pins(self, initial: bool = False) -> PinTable | None:
+        path = self.config.pins.file
+        try:
+            mtime = os.stat(path).st_mtime_ns
+        except FileNotFoundError:
+            mtime = None
+        if not initial and mtime == self._pins_mtime:
+            return None
+        try:
+            table = load_pins(path)
+        except PinFileError as exc:
+            self.counters["pins_errors"] += 1
+            self.pins_error = str(exc)
+            log.error("router %s: keeping previous pins: %s", self.name, exc)
+            self._pins_mtime = mtime
+            if initial:
+                return PinTable(source=str(path))
+            return None
+        self._pins_mtime = mtime
+        self.pins_error = None
+        self.counters["pins_reloads"] += 1
+        return table
+
+    async def _pins_loop(self, period: float) -> None:
+        while True:
+            await trio.sleep(period)
+            table = self._read_pins()
+            if table is not None:
+                self.core.pins = table
+
+
+def build_services(config: RouterProcessConfig, *, rng: random.Random | None = None,
+                   **kwargs: Any) -> dict[str, RouterService]:
+    """One ``RouterService`` per ``[routers.<name>]`` of a loaded router process config."""
+    base = rng if rng is not None else random.Random()
+    return {name: RouterService(rc, rng=random.Random(base.getrandbits(64)), **kwargs)
+            for name, rc in config.routers.items()}

@@ -1,0 +1,110 @@
+"""The Redis cache tier against a real redis-server: two router processes share stickiness,
+and killing (or hanging) Redis mid-run fails no decision."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from routing_cache_helpers import RedisServer, TargetSockets, Worker, router_toml
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = RedisServer(tmp_path)
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def targets():
+    t = TargetSockets(3)
+    yield t
+    t.close()
+
+
+def redis_cfg(tmp_path, targets, server, timeout_ms=0):
+    cfg = tmp_path / "router.toml"
+    cfg.write_text(router_toml(targets.ports, f'backend = "redis"\nredis-url = "{server.url}"\n'
+                                              f'timeout = {timeout_ms}\nredis-timeout-ms = 50'))
+    return cfg
+
+
+def test_two_routers_share_stickiness(tmp_path, targets, redis_server):
+    cfg = redis_cfg(tmp_path, targets, redis_server, timeout_ms=60000)
+    keys = [f"client-{i}" for i in range(30)]
+    a, b = Worker(cfg, seed=1), Worker(cfg, seed=2)
+    try:
+        first = {k: a.route(k)["node_id"] for k in keys}
+        assert len(set(first.values())) == 3
+        a.wait_status(lambda s: s["counters"]["redis_writes"] >= len(keys))
+        r = redis.Redis(port=redis_server.port, decode_responses=True)
+        assert r.get("lodestone:r:client-0") == first["client-0"]
+        assert 0 < r.pttl("lodestone:r:client-0") <= 60000  # TTL kept by Redis
+        for k in keys:  # b has never seen these keys: its local tier misses, Redis hits
+            got = b.route(k)
+            assert got["node_id"] == first[k] and got["cache"] == "hit" and got["tier"] == "redis"
+        for k in keys:  # and now b answers from its local tier without a round trip
+            got = b.route(k)
+            assert got["node_id"] == first[k] and got["tier"] == "local"
+        st = b.status()
+        assert st["counters"]["redis_hits"] == len(keys) and not st["degraded"]
+        # b decides new keys; a sees b's decisions
+        mine = {f"b-{i}": b.route(f"b-{i}")["node_id"] for i in range(6)}
+        deadline = time.monotonic() + 10
+        while any(r.get(f"lodestone:r:{k}") != v for k, v in mine.items()):
+            assert time.monotonic() < deadline, "b's decisions never reached Redis"
+            time.sleep(0.02)
+        assert {k: a.route(k)["node_id"] for k in mine} == mine
+        r.close()
+    finally:
+        a.quit()
+        b.quit()
+
+
+def test_killing_redis_mid_run_fails_no_decision(tmp_path, targets, redis_server):
+    cfg = redis_cfg(tmp_path, targets, redis_server)
+    a = Worker(cfg, seed=1)
+    try:
+        before = {f"k{i}": a.route(f"k{i}")["node_id"] for i in range(20)}
+        a.wait_status(lambda s: s["counters"]["redis_writes"] >= 20)
+        redis_server.kill()
+        res = a.ask("routemany 300 during-")  # misses: each would ask Redis
+        assert res == {"ok": 300, "failed": 0}
+        st = a.wait_status(lambda s: s["degraded"])
+        assert st["counters"]["redis_errors"] >= 1
+        for k, node in before.items():  # stickiness kept by the local tier
+            got = a.route(k)
+            assert got["outcome"] == "OK" and got["node_id"] == node
+        # Redis comes back (empty): the router leaves degraded mode and writes what queued up
+        redis_server.start()
+        a.wait_status(lambda s: not s["degraded"], timeout=15)
+        r = redis.Redis(port=redis_server.port, decode_responses=True)
+        deadline = time.monotonic() + 10
+        while r.get("lodestone:r:during-299") is None:
+            assert time.monotonic() < deadline, "queued writes were not flushed"
+            time.sleep(0.05)
+        r.close()
+    finally:
+        a.quit()
+
+
+def test_hung_redis_fails_no_decision(tmp_path, targets, redis_server):
+    cfg = redis_cfg(tmp_path, targets, redis_server)
+    a = Worker(cfg, seed=1)
+    try:
+        redis_server.pause()
+        try:
+            res = a.ask("routemany 50 hung-")
+            assert res == {"ok": 50, "failed": 0}
+            st = a.status()
+            assert st["degraded"] and "timeout" in st["degraded_reason"]
+        finally:
+            redis_server.resume()
+        a.wait_status(lambda s: not s["degraded"], timeout=15)
+    finally:
+        a.quit()
