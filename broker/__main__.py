@@ -1,0 +1,86 @@
+"""``lodestone-broker`` / ``python -m broker``: run a broker node, or hash a password.
+
+    lodestone-broker run etc/broker.toml [--amqp-port N] [--management-port N] [--data-dir DIR] [--name NAME]
+    lodestone-broker hash-password [...]     (see broker.core.security.hash_password_main)
+
+A bad config prints one line naming file, key and value and exits with status 2; a data
+directory held by another process exits with status 1 and says which process holds it.
+SIGTERM and SIGINT shut the node down cleanly (exit status 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lodestone-broker", description="Lodestone AMQP 1.0 broker node")
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a broker node from a TOML config file")
+    run.add_argument("config", type=Path, help="broker config file, e.g. etc/broker.toml")
+    run.add_argument("--amqp-port", type=int, default=None,
+                     help="override the port of the first plain acceptor (0 = OS-chosen)")
+    run.add_argument("--management-port", type=int, default=None,
+                     help="override the management port (0 = OS-chosen)")
+    run.add_argument("--data-dir", type=Path, default=None, help="override [node] data-dir")
+    run.add_argument("--name", default=None, help="override [node] name")
+    hp = sub.add_parser("hash-password", help="print an scrypt hash for the users file", add_help=False)
+    hp.add_argument("args", nargs=argparse.REMAINDER)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["hash-password"]:
+        from broker.core.security import hash_password_main
+        return hash_password_main(argv[1:]) or 0
+    args = _parser().parse_args(argv)
+    from broker.config import ConfigError, apply_overrides, load_config
+    from broker.store.errors import DataDirError, JournalCorrupt
+
+    try:
+        cfg = load_config(args.config)
+        for opt, value in (("--amqp-port", args.amqp_port), ("--management-port", args.management_port)):
+            if value is not None and not 0 <= value <= 65535:
+                raise ConfigError("<command line>", opt, f"{value} must be between 0 and 65535")
+        cfg = apply_overrides(cfg, amqp_port=args.amqp_port, management_port=args.management_port,
+                              data_dir=args.data_dir, name=args.name)
+    except ConfigError as exc:
+        print(f"lodestone-broker: {exc}", file=sys.stderr)
+        return 2
+
+    import trio
+
+    from broker.logsetup import setup_logging
+    from broker.server import run_node
+
+    setup_logging(cfg.log_level, cfg.log_json)
+    try:
+        trio.run(run_node, cfg)
+    except BaseException as exc:  # noqa: BLE001 - unwrapped and re-raised below if unknown
+        leaf = _leaf(exc)
+        if isinstance(leaf, ConfigError):  # e.g. the users file
+            print(f"lodestone-broker: {leaf}", file=sys.stderr)
+            return 2
+        if isinstance(leaf, (DataDirError, JournalCorrupt, OSError)):  # lock held, port in use
+            print(f"lodestone-broker: {leaf}", file=sys.stderr)
+            return 1
+        if isinstance(leaf, KeyboardInterrupt):
+            return 0
+        raise
+    return 0
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    """The single exception inside (nested) exception groups, or the group itself."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

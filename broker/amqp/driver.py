@@ -1,0 +1,281 @@
+"""The trio shell around the AMQP engine: listeners, TLS, SASL, and the socket pump.
+
+Theory of operation
+-------------------
+:func:`serve_amqp` binds one acceptor and runs :func:`handle_connection` per client (in the
+node's connection nursery, so shutdown can reach every connection). A connection goes through:
+
+1. TLS (acceptors with a ``[tls]`` table): ``trio.SSLStream`` handshake within
+   ``HANDSHAKE_TIMEOUT_S``; the client certificate, if any, is kept for SASL EXTERNAL.
+2. SASL with the sans-IO :class:`broker.amqp.sasl.SaslServer` (AMQP 1.0 §5.3): PLAIN checks the
+   users file, ANONYMOUS and no-SASL only when the node allows anonymous access, EXTERNAL maps
+   the certificate's CN. A failed exchange writes the ``sasl-outcome`` and closes; garbage gets
+   our protocol header (§2.2) and a close. Only this connection is affected.
+3. The AMQP engine (:class:`broker.amqp.engine.AmqpEngine`): the reader task reads the socket
+   dry each pass (one large ``receive_some``) and pushes everything into proton; a writer task
+   sends whatever proton wants to write whenever the engine (or another connection delivering
+   to one of our consumers) wakes it; a ticker runs proton's idle-timeout timer. When proton
+   closes the transport (peer Close, protocol error, idle timeout) the writer flushes the final
+   frames and the connection ends.
+
+Every timeout of a connection lives here (the handshake deadlines and proton's idle timer).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import ssl
+from typing import TYPE_CHECKING
+
+import trio
+
+from broker.amqp.engine import AmqpEngine
+from broker.amqp.frames import NEED_DATA, SASL_HEADER
+from broker.amqp.sasl import (
+    AmqpHeaderReceived,
+    AuthFailed,
+    AuthRequested,
+    NoSasl,
+    SaslHeaderReceived,
+    SaslServer,
+    parse_plain,
+)
+from broker.errors import NotThisProtocol, RemoteProtocolError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from broker.config import AcceptorConfig
+    from broker.server import Node
+
+log = logging.getLogger("lodestone.broker.amqp")
+
+__all__ = ["serve_amqp", "handle_connection", "make_ssl_context"]
+
+HANDSHAKE_TIMEOUT_S = 10.0
+RECV_BYTES = 256 * 1024
+CLOSE_GRACE_S = 5.0
+_conn_ids = itertools.count(1)
+
+
+def make_ssl_context(acceptor: "AcceptorConfig") -> ssl.SSLContext:
+    """Server TLS context for an acceptor: its certificate, and client certificates if a CA is set."""
+    tls = acceptor.tls
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(str(tls.cert_file), str(tls.key_file))
+    if tls.ca_file is not None:
+        ctx.load_verify_locations(str(tls.ca_file))
+        ctx.verify_mode = ssl.CERT_REQUIRED if tls.require_client_cert else ssl.CERT_OPTIONAL
+    return ctx
+
+
+async def serve_amqp(node: "Node", acceptor: "AcceptorConfig", *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Listen on one acceptor forever; ``task_status.started((host, port))`` once bound."""
+    ctx = make_ssl_context(acceptor) if acceptor.tls else None
+    listeners = await trio.open_tcp_listeners(acceptor.port, host=acceptor.host)
+    host, port = listeners[0].socket.getsockname()[:2]
+    task_status.started((host, port))
+
+    async def handler(stream: trio.SocketStream) -> None:
+        await handle_connection(node, acceptor, stream, ctx)
+
+    await trio.serve_listeners(handler, listeners, handler_nursery=node.connection_nursery)
+
+
+def _peer(stream: trio.SocketStream) -> str:
+    try:
+        addr = stream.socket.getpeername()
+    except OSError:
+        return "?"
+    host, port = addr[0], addr[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _cert_cn(cert: dict | None) -> str | None:
+    if not cert:
+        return None
+    for rdn in cert.get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName":
+                return value
+    return None
+
+
+async def handle_connection(node: "Node", acceptor: "AcceptorConfig", sock_stream: trio.SocketStream,
+                            ctx: ssl.SSLContext | None) -> None:
+    """Serve one accepted client from TLS handshake to close. Never raises for peer misbehaviour."""
+    source = _peer(sock_stream)
+    source_ip = source.rsplit(":", 1)[0].strip("[]")
+    conn_id = f"{node.short_id}-{next(_conn_ids)}"
+    stream = sock_stream
+    try:
+        sock_stream.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_NODELAY, 1)
+    except OSError:
+        pass
+    try:
+        cn = None
+        if ctx is not None:
+            stream = trio.SSLStream(sock_stream, ctx, server_side=True)
+            with trio.fail_after(HANDSHAKE_TIMEOUT_S):
+                await stream.do_handshake()
+            cn = _cert_cn(stream.getpeercert())
+        with trio.fail_after(HANDSHAKE_TIMEOUT_S):
+            result = await _authenticate(node, acceptor, stream, source, source_ip, cn)
+        if result is None:
+            return
+        principal, leftover = result
+        await _pump(node, stream, conn_id, principal, source, ctx is not None, leftover)
+    except trio.TooSlowError:
+        node.counters["handshake_timeout"] += 1
+        log.info("handshake timeout", extra={"fields": {"conn": conn_id, "source": source}})
+    except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError) as exc:
+        node.counters["connection_broken"] += 1
+        log.debug("connection broken: %r", exc, extra={"fields": {"conn": conn_id, "source": source}})
+    finally:
+        await trio.aclose_forcefully(stream)
+
+
+async def _authenticate(node: "Node", acceptor: "AcceptorConfig", stream, source: str, source_ip: str,
+                        cn: str | None):
+    """Run SASL; returns (principal, leftover bytes) or None when the connection must close."""
+    sasl = SaslServer(acceptor.sasl_mechanisms, node.cfg.max_frame_bytes)
+    try:
+        while True:
+            ev = sasl.next_event()
+            out = sasl.data_to_send()
+            if out:
+                await stream.send_all(out)
+            if ev is NEED_DATA:
+                data = await stream.receive_some(65536)
+                if not data:
+                    return None
+                sasl.receive_data(data)
+                continue
+            if isinstance(ev, SaslHeaderReceived):
+                continue
+            if isinstance(ev, AuthRequested):
+                principal, why = await _decide(node, ev, source_ip, cn)
+                if principal is None:
+                    node.counters["auth_failed"] += 1
+                    log.info("authentication failed", extra={"fields": {
+                        "source": source, "mechanism": ev.mechanism, "reason": why}})
+                    sasl.reject(description=why)
+                else:
+                    pending_principal = principal
+                    sasl.accept(getattr(principal, "user", None))
+                continue
+            if isinstance(ev, AuthFailed):
+                out = sasl.data_to_send()
+                if out:
+                    await stream.send_all(out)
+                return None
+            if isinstance(ev, AmqpHeaderReceived):
+                return pending_principal, sasl.leftover()
+            if isinstance(ev, NoSasl):
+                if not (acceptor.allow_no_sasl and node.security.anonymous_enabled):
+                    node.counters["auth_failed"] += 1
+                    log.info("client skipped SASL; refused", extra={"fields": {"source": source}})
+                    await stream.send_all(SASL_HEADER)  # §2.2: the header we require, then close
+                    return None
+                return node.security.anonymous_principal(), sasl.leftover()
+    except NotThisProtocol as exc:
+        node.counters["bad_protocol_header"] += 1
+        log.info("not an AMQP client: %s", exc.description, extra={"fields": {"source": source}})
+        if exc.reply:
+            await stream.send_all(exc.reply)
+        return None
+    except RemoteProtocolError as exc:
+        node.counters["sasl_protocol_error"] += 1
+        log.info("SASL protocol error: %s", exc.description,
+                 extra={"fields": {"source": source, "condition": exc.condition}})
+        if exc.reply:
+            await stream.send_all(exc.reply)
+        return None
+
+
+async def _decide(node: "Node", ev: AuthRequested, source_ip: str, cn: str | None):
+    """Check one sasl-init. Returns (principal or None, reason)."""
+    security = node.security
+    mech = ev.mechanism
+    if mech == "PLAIN":
+        try:
+            _authz, user, password = parse_plain(ev.initial_response)
+        except RemoteProtocolError as exc:
+            return None, exc.description
+        # scrypt takes ~50 ms on a cache miss: keep it off the event loop
+        principal = await trio.to_thread.run_sync(security.authenticate, user, password, source_ip)
+        return (principal, "ok") if principal is not None else (None, f"bad credentials for user {user!r}")
+    if mech == "ANONYMOUS":
+        principal = security.anonymous_principal()
+        return (principal, "ok") if principal is not None else (None, "anonymous access is disabled")
+    if mech == "EXTERNAL":
+        if cn is None:
+            return None, "EXTERNAL needs a client certificate"
+        principal = security.principal_for_certificate(cn, source_ip)
+        return (principal, "ok") if principal is not None else (None, f"no user for certificate CN {cn!r}")
+    return None, f"mechanism {mech} not supported"
+
+
+class _Wakeup:
+    """A level-triggered flag a sync caller sets and one task waits on."""
+
+    __slots__ = ("flag", "event")
+
+    def __init__(self) -> None:
+        self.flag = False
+        self.event = trio.Event()
+
+    def set(self) -> None:
+        if not self.flag:
+            self.flag = True
+            self.event.set()
+
+    async def wait(self) -> None:
+        if not self.flag:
+            await self.event.wait()
+        self.flag = False
+        self.event = trio.Event()
+
+
+async def _pump(node: "Node", stream, conn_id: str, principal, source: str, tls: bool, leftover: bytes) -> None:
+    wakeup = _Wakeup()
+    engine = AmqpEngine(node, conn_id=conn_id, principal=principal, source=source, tls=tls, wake=wakeup.set)
+    node.engine_started(engine)
+    try:
+        async with trio.open_nursery() as nursery:
+
+            async def writer() -> None:
+                while True:
+                    await wakeup.wait()
+                    out = engine.take_output()
+                    if out:
+                        await stream.send_all(out)
+                    if engine.closed:
+                        nursery.cancel_scope.cancel()
+                        return
+
+            async def ticker() -> None:
+                while True:
+                    deadline = engine.tick(trio.current_time())
+                    wakeup.set()
+                    now = trio.current_time()
+                    await trio.sleep(max(deadline - now, 0.05) if deadline else 1.0)
+
+            nursery.start_soon(writer)
+            nursery.start_soon(ticker)
+            if leftover:
+                engine.push(leftover)
+                wakeup.set()
+            while not engine.closed:
+                data = await stream.receive_some(RECV_BYTES)
+                if not data:
+                    engine.close_input()
+                    wakeup.set()
+                    break
+                engine.push(data)
+                wakeup.set()
+            # let the writer flush proton's last frames (Close with an error, if any)
+            await trio.sleep(CLOSE_GRACE_S)
+            nursery.cancel_scope.cancel()
+    finally:
+        engine.finish()
+        node.engine_finished(engine)

@@ -1,0 +1,709 @@
+"""One client connection's AMQP 1.0 engine: python-qpid-proton's Transport + Connection + Collector.
+
+Theory of operation
+-------------------
+Proton implements the AMQP 1.0 connection, session and link state machines (AMQP 1.0 §2.4-§2.7)
+and the frame codec; it does no I/O here. :class:`AmqpEngine` owns one ``proton.Transport``
+(server mode, created *without* a SASL layer: SASL was already done by
+:class:`broker.amqp.sasl.SaslServer`), bound to a ``proton.Connection`` with a ``proton.Collector``.
+
+The trio shell (:mod:`broker.amqp.driver`) feeds socket bytes to :meth:`AmqpEngine.push`, which
+pushes them into the transport and then handles every collector event:
+
+* remote open of the connection / a session → we open ours;
+* remote attach of a link → :meth:`_attach`: resolve the address in the core (auto-create if the
+  settings and the principal's ``createAddress`` permission allow), check ``send`` / ``consume``,
+  then open the link; refuse with ``amqp:unauthorized-access`` / ``amqp:not-found`` otherwise;
+* a complete incoming transfer on a producer link → ``Broker.publish``; the transfer is accepted
+  and settled at once, or — if the message went to the journal — after the group-commit fsync
+  that covers it (``node.await_sync``);
+* flow on a consumer link → the core's :class:`~broker.core.queues.Subscription` gets the credit
+  and the queue dispatches; each handed-out message becomes an outgoing transfer (``_sink``);
+* a disposition from a consumer → ``Queue.settle`` with the mapped outcome (§3.4);
+* link detach / session end / connection close / transport closed → subscriptions leave their
+  queues (unsettled messages return), producers stop.
+
+Output is taken with :meth:`take_output`. Work done *for* this connection by another one (a
+producer's message dispatched to our consumer) marks us dirty through ``wake``, which the shell
+turns into a write. Proton's own protocol errors (garbage after the header, oversized frames)
+make the transport write a Close with the error condition and report end-of-stream; the shell
+then flushes and closes this connection only.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from typing import TYPE_CHECKING, Callable
+
+import cproton
+from cproton_ffi import ffi, lib
+from proton import Collector, Condition, Connection, Delivery, Endpoint, Event, Link, Message, Terminus, Transport
+from proton import TransportException, symbol
+
+from broker.core.addresses import ANYCAST, MULTICAST, AddressNotFound
+from broker.core.deliveries import Outcome
+from broker.core.queues import Subscription
+
+if TYPE_CHECKING:  # pragma: no cover
+    from broker.server import Node
+
+log = logging.getLogger("lodestone.broker.amqp")
+
+__all__ = ["AmqpEngine", "message_durable", "with_delivery_count"]
+
+UNAUTHORIZED = "amqp:unauthorized-access"
+NOT_FOUND = "amqp:not-found"
+INTERNAL = "amqp:internal-error"
+
+_ACCEPTED = Delivery.ACCEPTED
+_RELEASED = Delivery.RELEASED
+_REJECTED = Delivery.REJECTED
+_MODIFIED = Delivery.MODIFIED
+
+# The hot path (transfers, dispositions, flow) calls proton's C API through cffi directly:
+# proton's Python wrappers allocate several objects per event and per delivery, which costs
+# more than the rest of the broker together. Rare events go through the Python API.
+_PN_DELIVERY = cproton.PN_DELIVERY
+_PN_LINK_FLOW = cproton.PN_LINK_FLOW
+_SLOW_EVENTS = frozenset([
+    cproton.PN_CONNECTION_REMOTE_OPEN, cproton.PN_CONNECTION_REMOTE_CLOSE,
+    cproton.PN_SESSION_REMOTE_OPEN, cproton.PN_SESSION_REMOTE_CLOSE,
+    cproton.PN_LINK_REMOTE_OPEN, cproton.PN_LINK_REMOTE_CLOSE, cproton.PN_LINK_REMOTE_DETACH,
+    cproton.PN_TRANSPORT_ERROR, cproton.PN_TRANSPORT_CLOSED,
+])
+_E_CONN_REMOTE_OPEN = Event.CONNECTION_REMOTE_OPEN
+_E_CONN_REMOTE_CLOSE = Event.CONNECTION_REMOTE_CLOSE
+_E_SESSION_REMOTE_OPEN = Event.SESSION_REMOTE_OPEN
+_E_SESSION_REMOTE_CLOSE = Event.SESSION_REMOTE_CLOSE
+_E_LINK_REMOTE_OPEN = Event.LINK_REMOTE_OPEN
+_E_LINK_REMOTE_CLOSE = Event.LINK_REMOTE_CLOSE
+_E_LINK_REMOTE_DETACH = Event.LINK_REMOTE_DETACH
+_E_TRANSPORT_CLOSED = Event.TRANSPORT_CLOSED
+_E_TRANSPORT_ERROR = Event.TRANSPORT_ERROR
+
+_pn_collector_peek = lib.pn_collector_peek
+_pn_collector_pop = lib.pn_collector_pop
+_pn_event_type = lib.pn_event_type
+_pn_event_delivery = lib.pn_event_delivery
+_pn_event_link = lib.pn_event_link
+_pn_delivery_link = lib.pn_delivery_link
+_pn_delivery_partial = lib.pn_delivery_partial
+_pn_delivery_readable = lib.pn_delivery_readable
+_pn_delivery_pending = lib.pn_delivery_pending
+_pn_delivery_settled = lib.pn_delivery_settled
+_pn_delivery_updated = lib.pn_delivery_updated
+_pn_delivery_settle = lib.pn_delivery_settle
+_pn_delivery_update = lib.pn_delivery_update
+_pn_delivery_remote_state = lib.pn_delivery_remote_state
+_pn_delivery_remote = lib.pn_delivery_remote
+_pn_delivery = lib.pn_delivery
+_pn_link_recv = lib.pn_link_recv
+_pn_link_send = lib.pn_link_send
+_pn_link_advance = lib.pn_link_advance
+_pn_link_credit = lib.pn_link_credit
+_pn_link_flow = lib.pn_link_flow
+_pn_link_get_drain = lib.pn_link_get_drain
+_pn_link_drained = lib.pn_link_drained
+_from_buffer = ffi.from_buffer
+
+
+# -- message peeking (AMQP 1.0 §3.2) ---------------------------------------------------------
+
+def message_durable(data: bytes) -> bool:
+    """The ``durable`` field of a message's header section, without decoding the message.
+
+    §3.2.1: the header is the first section (descriptor 0x70) and durable its first field;
+    a message without a header, or with an empty/null field, is not durable.
+    """
+    if len(data) < 4 or data[0] != 0x00:
+        return False
+    if data[1] == 0x53:  # smallulong descriptor
+        if data[2] != 0x70:
+            return False
+        i = 3
+    elif data[1] == 0x80:  # ulong descriptor
+        if data[2:10] != b"\x00\x00\x00\x00\x00\x00\x00\x70":
+            return False
+        i = 10
+    else:
+        return False
+    if i >= len(data):
+        return False
+    code = data[i]
+    if code == 0x45:  # list0
+        return False
+    if code == 0xC0:  # list8: size, count
+        if i + 3 >= len(data) or data[i + 2] == 0:
+            return False
+        first = i + 3
+    elif code == 0xD0:  # list32
+        if i + 9 >= len(data) or struct.unpack_from(">I", data, i + 5)[0] == 0:
+            return False
+        first = i + 9
+    else:
+        return False
+    b = data[first]
+    if b == 0x41:
+        return True
+    if b == 0x56 and first + 1 < len(data):
+        return data[first + 1] == 0x01
+    return False
+
+
+def with_delivery_count(data: bytes, count: int) -> bytes:
+    """Re-encode a message with the header's delivery-count set (redeliveries only, §3.2.1)."""
+    m = Message()
+    m.decode(data)
+    m.delivery_count = count
+    m.first_acquirer = False
+    return m.encode()
+
+
+def message_to(data: bytes) -> str | None:
+    """The properties ``to`` of a message (anonymous-relay producers, §3.2.4)."""
+    m = Message()
+    m.decode(data)
+    return m.address
+
+
+def _capabilities(terminus: Terminus) -> set[str]:
+    data = terminus.capabilities
+    out: set[str] = set()
+    if data is None:
+        return out
+    data.rewind()
+    while data.next():
+        obj = data.get_object()
+        items = getattr(obj, "elements", None)
+        if items is None:
+            items = obj if isinstance(obj, (list, tuple)) else [obj]
+        out.update(str(x) for x in items)
+    return out
+
+
+def _routing_type_from(terminus: Terminus) -> str | None:
+    caps = _capabilities(terminus)
+    if "topic" in caps or "multicast" in caps:
+        return MULTICAST
+    if "queue" in caps or "anycast" in caps:
+        return ANYCAST
+    return None
+
+
+# -- link wrappers ---------------------------------------------------------------------------
+
+class ProducerLink:
+    """A client's sending link (our receiver). ``address`` None = anonymous relay."""
+
+    __slots__ = ("link", "impl", "address", "messages", "bytes", "allowed")
+
+    def __init__(self, link: Link, address: str | None):
+        self.link = link
+        self.impl = link._impl
+        self.address = address
+        self.messages = 0
+        self.bytes = 0
+        self.allowed: dict[str, bool] = {}  # anonymous relay: per-address send permission
+
+
+class ConsumerLink:
+    """A client's receiving link (our sender), bound to one queue through a Subscription."""
+
+    __slots__ = ("link", "impl", "address", "queue", "sub", "messages", "bytes", "next_tag", "durable_sub",
+                 "presettled", "inflight")
+
+    def __init__(self, link: Link, address: str):
+        self.link = link
+        self.impl = link._impl
+        self.inflight: dict = {}  # raw pn_delivery_t* -> message id
+        self.address = address
+        self.queue = None
+        self.sub: Subscription | None = None
+        self.messages = 0
+        self.bytes = 0
+        self.next_tag = 0
+        self.durable_sub = False
+        self.presettled = False
+
+
+# -- the engine ------------------------------------------------------------------------------
+
+class AmqpEngine:
+    """Proton engine for one accepted connection. See the module docstring."""
+
+    def __init__(self, node: "Node", *, conn_id: str, principal, source: str, tls: bool,
+                 wake: Callable[[], None]):
+        self.node = node
+        self.core = node.core
+        self.conn_id = conn_id
+        self.principal = principal
+        self.user = getattr(principal, "user", None) if principal is not None else None
+        self.source = source
+        self.tls = tls
+        self.wake = wake
+        self.container_id: str | None = None
+        self.opened = False
+        self.closed = False  # transport finished (both directions)
+        self.error: Condition | None = None
+
+        self.transport = Transport(Transport.SERVER)
+        self.transport.max_frame_size = node.cfg.max_frame_bytes
+        if node.cfg.idle_timeout_s:
+            self.transport.idle_timeout = node.cfg.idle_timeout_s
+        self.connection = Connection()
+        self.collector = Collector()
+        self.connection.collect(self.collector)
+        self.transport.bind(self.connection)
+        self.window = node.cfg.producer_window
+        # keyed by the raw pn_link_t* (cffi pointers hash and compare by address)
+        self.producers: dict[object, ProducerLink] = {}
+        self.consumers: dict[object, ConsumerLink] = {}
+        self._collector_impl = self.collector._impl
+        # (address, direction) -> [messages, bytes] folded in from closed links since last flush
+        self.activity_done: dict[tuple[str, str], list[int]] = {}
+
+    # -- bytes in / out ------------------------------------------------------------------------
+    def push(self, data: bytes) -> None:
+        """Feed bytes read from the socket, then handle every resulting event."""
+        t = self.transport
+        while data:
+            try:
+                cap = t.capacity()
+            except TransportException:
+                cap = -1
+            if cap <= 0:  # the transport reads no more (error or closed): drop the rest
+                break
+            if len(data) <= cap:
+                t.push(data)
+                break
+            t.push(data[:cap])
+            data = data[cap:]
+        self.process()
+
+    def close_input(self) -> None:
+        """The peer closed its sending side (EOF)."""
+        conn = self.connection
+        if self.opened and not conn.state & Endpoint.REMOTE_CLOSED and conn.state & Endpoint.LOCAL_ACTIVE:
+            # EOF without Close (a crashed client, a truncated frame): say so in our Close
+            # (§2.7.9), as proton does for its own framing errors, before the tail goes away.
+            self.error = Condition("amqp:connection:framing-error", "connection aborted: end of stream before close")
+            conn.condition = self.error
+            conn.close()
+            self.process()
+        self.transport.close_tail()
+        self.process()
+
+    def take_output(self) -> bytes:
+        """Everything the transport wants to write now (b"" if nothing)."""
+        t = self.transport
+        out = []
+        while True:
+            p = t.pending()
+            if p <= 0:
+                if p < 0:
+                    self._transport_done()
+                break
+            chunk = t.peek(p)
+            t.pop(len(chunk))
+            out.append(chunk)
+        return b"".join(out) if len(out) != 1 else out[0]
+
+    def tick(self, now: float) -> float:
+        """Run proton's timers (idle timeout, heartbeats); returns the next deadline or 0."""
+        deadline = self.transport.tick(now)
+        self.process()
+        return deadline
+
+    def abort(self, condition: str, description: str) -> None:
+        """Close the connection from our side with an error (e.g. shutdown, store failure)."""
+        if self.closed:
+            return
+        self.connection.condition = Condition(condition, description)
+        self.connection.close()
+        self.process()
+
+    # -- events --------------------------------------------------------------------------------
+    def process(self) -> None:
+        """Handle every pending collector event (fast path for transfers, dispositions, flow)."""
+        col = self._collector_impl
+        while True:
+            ev = _pn_collector_peek(col)
+            if not ev:
+                return
+            t = _pn_event_type(ev)
+            try:
+                if t == _PN_DELIVERY:
+                    self._on_delivery(_pn_event_delivery(ev))
+                elif t == _PN_LINK_FLOW:
+                    self._on_flow(_pn_event_link(ev))
+                elif t in _SLOW_EVENTS:
+                    self._slow_event(Event.wrap(ev))
+            finally:
+                _pn_collector_pop(col)
+
+    def _slow_event(self, ev: Event) -> None:
+        t = ev.type
+        if t is _E_LINK_REMOTE_OPEN:
+            self._attach(ev.link)
+        elif t is _E_LINK_REMOTE_CLOSE:
+            self._detach(ev.link, closed=True)
+        elif t is _E_LINK_REMOTE_DETACH:
+            self._detach(ev.link, closed=False)
+        elif t is _E_SESSION_REMOTE_OPEN:
+            ev.session.open()
+        elif t is _E_SESSION_REMOTE_CLOSE:
+            self._end_session(ev.session)
+        elif t is _E_CONN_REMOTE_OPEN:
+            self._open(ev.connection)
+        elif t is _E_CONN_REMOTE_CLOSE:
+            self._cleanup_links()
+            ev.connection.close()
+        elif t is _E_TRANSPORT_ERROR:
+            self.error = ev.transport.condition
+        elif t is _E_TRANSPORT_CLOSED:
+            self._transport_done()
+
+    def _open(self, conn: Connection) -> None:
+        self.container_id = conn.remote_container
+        conn.container = self.node.container_id
+        conn.offered_capabilities = [symbol("ANONYMOUS-RELAY")]
+        conn.properties = {symbol("product"): "lodestone", symbol("node-id"): self.node.node_id}
+        conn.open()
+        self.opened = True
+        self.node.connection_opened(self)
+
+    # -- attach ----------------------------------------------------------------------------
+    def _refuse(self, link: Link, condition: str, description: str) -> None:
+        """Refuse an attach (§2.6.3): answer with a null terminus, then detach with the error."""
+        link.condition = Condition(condition, description)
+        link.open()
+        link.close()
+
+    def _attach(self, link: Link) -> None:
+        if link.is_receiver:
+            self._attach_producer(link)
+        else:
+            self._attach_consumer(link)
+
+    def _attach_producer(self, link: Link) -> None:
+        address = link.remote_target.address
+        node = self.node
+        if address:
+            rt = _routing_type_from(link.remote_target)
+            err = self._resolve(address, rt, "send")
+            if err:
+                self._refuse(link, *err)
+                return
+        link.target.copy(link.remote_target)
+        link.source.copy(link.remote_source)
+        link.snd_settle_mode = link.remote_snd_settle_mode
+        link.rcv_settle_mode = Link.RCV_FIRST
+        link.open()
+        self.producers[link._impl] = ProducerLink(link, address or None)
+        link.flow(self.window)
+        node.links_opened += 1
+
+    def _resolve(self, address: str, routing_type: str | None, permission: str) -> tuple[str, str] | None:
+        """Check ``permission`` on ``address`` and make it exist; an error tuple or None."""
+        node = self.node
+        if not node.authorize(self.principal, permission, address):
+            return UNAUTHORIZED, f"user {self.user or '<anonymous>'} may not {permission} on {address!r}"
+        core = self.core
+        need = core.needs_create(address, routing_type)
+        may_create = not need or node.authorize(self.principal, "createAddress", address)
+        try:
+            core.resolve(address, routing_type, may_create=may_create)
+        except AddressNotFound as exc:
+            if need and not may_create and core.settings.for_address(address).auto_create:
+                return UNAUTHORIZED, (f"user {self.user or '<anonymous>'} may not createAddress "
+                                      f"{address!r}")
+            return NOT_FOUND, exc.description
+        if need:
+            node.address_created(address)
+        return None
+
+    def _attach_consumer(self, link: Link) -> None:
+        rsrc = link.remote_source
+        address = rsrc.address
+        if not address:
+            self._refuse(link, NOT_FOUND, "a consumer link needs a source address")
+            return
+        rt = _routing_type_from(rsrc)
+        err = self._resolve(address, rt, "consume")
+        if err:
+            self._refuse(link, *err)
+            return
+        core = self.core
+        addr = core.addresses[address]
+        use_multicast = rt == MULTICAST or (rt is None and ANYCAST not in addr.routing_types)
+        cl = ConsumerLink(link, address)
+        try:
+            if use_multicast:
+                durable = (rsrc.durability != Terminus.NONDURABLE
+                           or rsrc.expiry_policy == Terminus.EXPIRE_NEVER)
+                sub_name = f"{self.container_id}.{link.name}"
+                q = core.subscription_queue(address, sub_name, durable=durable)
+                cl.durable_sub = durable
+            else:
+                q = core.anycast_queue(address)
+        except AddressNotFound as exc:
+            self._refuse(link, NOT_FOUND, exc.description)
+            return
+        link.source.copy(rsrc)
+        link.target.copy(link.remote_target)
+        cl.presettled = link.remote_snd_settle_mode == Link.SND_SETTLED
+        link.snd_settle_mode = link.remote_snd_settle_mode
+        link.rcv_settle_mode = Link.RCV_FIRST
+        link.open()
+        cl.queue = q
+        sub = Subscription(self._sink, auto_ack=cl.presettled, owner=cl)
+        cl.sub = sub
+        self.consumers[link._impl] = cl
+        self.node.links_opened += 1
+        sub.credit = link.credit
+        q.add_subscription(sub)
+
+    # -- detach ----------------------------------------------------------------------------
+    def _detach(self, link: Link, *, closed: bool) -> None:
+        self._forget_link(link, closed=closed)
+        if link.state & Endpoint.LOCAL_ACTIVE:
+            if closed:
+                link.close()
+            else:
+                link.detach()
+
+    def _forget_link(self, link: Link, *, closed: bool) -> None:
+        pl = self.producers.pop(link._impl, None)
+        if pl is not None:
+            self._fold(pl.address or "", "produce", pl)
+            return
+        cl = self.consumers.pop(link._impl, None)
+        if cl is not None:
+            self._fold(cl.address, "consume", cl)
+            q = cl.queue
+            if cl.sub is not None and q is not None:
+                q.remove_subscription(cl.sub)
+                if closed and cl.durable_sub and not q.deleted and not q.subs:
+                    # closing (not detaching) a link destroys its durable terminus (§2.6.3)
+                    self.core.delete_queue(q.name)
+
+    def _fold(self, address: str, direction: str, l) -> None:
+        if l.messages or l.bytes:
+            acc = self.activity_done.setdefault((address, direction), [0, 0])
+            acc[0] += l.messages
+            acc[1] += l.bytes
+            l.messages = l.bytes = 0
+
+    def _end_session(self, session) -> None:
+        for w in [w for w in self.producers.values() if w.link.session == session] + \
+                 [w for w in self.consumers.values() if w.link.session == session]:
+            self._forget_link(w.link, closed=False)
+        session.close()
+
+    def _cleanup_links(self) -> None:
+        for w in list(self.producers.values()):
+            self._forget_link(w.link, closed=False)
+        for w in list(self.consumers.values()):
+            self._forget_link(w.link, closed=False)
+
+    def finish(self) -> None:
+        """The socket is gone: release everything this connection held (idempotent)."""
+        self._transport_done()
+
+    def _transport_done(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._cleanup_links()
+        if self.error is None and self.transport.condition is not None:
+            self.error = self.transport.condition
+        self.node.connection_closed(self)
+
+    # -- activity ------------------------------------------------------------------------------
+    def take_activity(self) -> dict[tuple[str, str], list[int]]:
+        """Counters since the last call, per (address, direction); resets them."""
+        out = self.activity_done
+        self.activity_done = {}
+        for pl in self.producers.values():
+            if pl.address is not None:
+                self._fold_into(out, pl.address, "produce", pl)
+        for cl in self.consumers.values():
+            self._fold_into(out, cl.address, "consume", cl)
+        return out
+
+    @staticmethod
+    def _fold_into(out, address, direction, l) -> None:
+        if l.messages or l.bytes:
+            acc = out.setdefault((address, direction), [0, 0])
+            acc[0] += l.messages
+            acc[1] += l.bytes
+            l.messages = l.bytes = 0
+
+    # -- flow and deliveries ---------------------------------------------------------------
+    def _on_flow(self, link) -> None:
+        """Flow on a link (raw ``pn_link_t*``): a consumer's credit changed."""
+        cl = self.consumers.get(link)
+        if cl is None:
+            return
+        sub = cl.sub
+        credit = _pn_link_credit(link)
+        sub.credit = credit
+        if credit > 0:
+            cl.queue.dispatch()
+            if _pn_link_get_drain(link) and _pn_link_credit(link) > 0:
+                # §2.6.7 drain: nothing more to send now — consume the rest of the credit
+                _pn_link_drained(link)
+                sub.credit = 0
+        self.wake()
+
+    def _sink(self, sub: Subscription, msg) -> None:
+        """Core → wire: send one message on a consumer link."""
+        cl: ConsumerLink = sub.owner
+        link = cl.impl
+        cl.next_tag += 1
+        tag = b"%x" % cl.next_tag
+        d = _pn_delivery(link, (len(tag), _from_buffer(tag)))
+        body = msg.body if msg.delivery_count == 0 else with_delivery_count(msg.body, msg.delivery_count)
+        _pn_link_send(link, _from_buffer(body), len(body))
+        _pn_link_advance(link)
+        cl.messages += 1
+        cl.bytes += len(body)
+        if cl.presettled:
+            _pn_delivery_settle(d)
+        else:
+            cl.inflight[d] = msg.mid
+        self.wake()
+
+    def _on_delivery(self, d) -> None:
+        """A transfer arrived or a disposition changed (raw ``pn_delivery_t*``)."""
+        link = _pn_delivery_link(d)
+        pl = self.producers.get(link)
+        if pl is not None:
+            if _pn_delivery_partial(d) or not _pn_delivery_readable(d):
+                return
+            n = _pn_delivery_pending(d)
+            buf = bytearray(n)
+            got = _pn_link_recv(link, _from_buffer(buf), n)
+            _pn_link_advance(link)
+            if got < n:
+                del buf[max(got, 0):]
+            self._publish(pl, d, bytes(buf))
+            credit = _pn_link_credit(link)
+            if credit < self.window >> 1:
+                _pn_link_flow(link, self.window - credit)
+            return
+        cl = self.consumers.get(link)
+        if cl is None:
+            # a link we refused or forgot: just settle what arrives
+            if _pn_delivery_readable(d) and not _pn_delivery_partial(d):
+                n = _pn_delivery_pending(d)
+                _pn_link_recv(link, _from_buffer(bytearray(n)), n)
+                _pn_link_advance(link)
+            if _pn_delivery_settled(d):
+                _pn_delivery_settle(d)
+            return
+        # a consumer's disposition
+        if not _pn_delivery_updated(d) and not _pn_delivery_settled(d):
+            return
+        state = _pn_delivery_remote_state(d)
+        mid = cl.inflight.pop(d, None)
+        if mid is not None:
+            q = cl.queue
+            sub = cl.sub
+            if state == _ACCEPTED:
+                q.settle(sub, mid, Outcome.ACCEPTED)
+            elif state == _RELEASED:
+                q.settle(sub, mid, Outcome.RELEASED)
+            elif state == _REJECTED:
+                q.settle(sub, mid, Outcome.REJECTED)
+            elif state == _MODIFIED:
+                disp = _pn_delivery_remote(d)
+                q.settle(sub, mid, Outcome.MODIFIED, delivery_failed=bool(lib.pn_disposition_is_failed(disp)),
+                         undeliverable_here=bool(lib.pn_disposition_is_undeliverable(disp)))
+            elif _pn_delivery_settled(d):
+                # settled without a terminal outcome: treat as released (§3.4)
+                q.settle(sub, mid, Outcome.RELEASED)
+            else:
+                cl.inflight[d] = mid  # 'received' (§3.4.1) is not terminal: keep waiting
+                return
+            _pn_delivery_settle(d)
+        elif _pn_delivery_settled(d):
+            _pn_delivery_settle(d)
+
+    def _publish(self, pl: ProducerLink, d, data: bytes) -> None:
+        address = pl.address
+        if address is None:
+            # anonymous relay: the address is the message's 'to'
+            try:
+                address = message_to(data)
+            except Exception:  # proton raises its own MessageException family on bad bytes
+                self._reject(d, "amqp:decode-error", "message cannot be decoded")
+                return
+            if not address:
+                self._reject(d, "amqp:precondition-failed", "anonymous relay needs the message 'to' field")
+                return
+            ok = pl.allowed.get(address)
+            if ok is None:
+                err = self._resolve(address, None, "send")
+                ok = err is None
+                if len(pl.allowed) < 1024:
+                    pl.allowed[address] = ok
+                if err:
+                    self._reject(d, *err)
+                    return
+            elif not ok:
+                self._reject(d, UNAUTHORIZED, f"may not send to {address!r}")
+                return
+            # per-message activity for the relay goes straight to the connection's folded counters
+            acc = self.activity_done.setdefault((address, "produce"), [0, 0])
+            acc[0] += 1
+            acc[1] += len(data)
+        else:
+            pl.messages += 1
+            pl.bytes += len(data)
+        stored = self.core.publish(address, data, message_durable(data))
+        self.node.messages_in += 1
+        if _pn_delivery_settled(d):  # pre-settled by the producer (at-most-once): nothing to answer
+            _pn_delivery_settle(d)
+        elif stored:
+            lib.pn_incref(d)  # keep the delivery alive until the fsync answer (see synced())
+            self.node.await_sync(self, d)
+        else:
+            _pn_delivery_update(d, _ACCEPTED)
+            _pn_delivery_settle(d)
+
+    def _reject(self, d, condition: str, description: str) -> None:
+        if _pn_delivery_settled(d):
+            _pn_delivery_settle(d)
+            return
+        dw = Delivery.wrap(d)
+        dw.local.condition = Condition(condition, description)
+        dw.update(_REJECTED)
+        dw.settle()
+
+    def synced(self, deliveries: list) -> None:
+        """The journal fsync covering these producer deliveries is done: accept them."""
+        closed = self.closed
+        for d in deliveries:
+            if not closed:
+                _pn_delivery_update(d, _ACCEPTED)
+                _pn_delivery_settle(d)
+            lib.pn_decref(d)
+        if not closed:
+            self.wake()
+
+    def sync_failed(self, deliveries: list, description: str) -> None:
+        """The journal could not make these durable: reject them (the producer may retry)."""
+        closed = self.closed
+        for d in deliveries:
+            if not closed:
+                self._reject(d, INTERNAL, description)
+            lib.pn_decref(d)
+        if not closed:
+            self.wake()
+
+    # -- management view ---------------------------------------------------------------------
+    def describe(self) -> dict:
+        return {"id": self.conn_id, "container_id": self.container_id, "user": self.user,
+                "source": self.source, "tls": self.tls}

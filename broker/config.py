@@ -1,0 +1,218 @@
+"""Broker node configuration: one TOML file → frozen dataclasses.
+
+Read strictly with :mod:`broker.tomlconfig`: unknown keys are rejected and every error names the
+file, the key path and the value (``etc/broker.toml: acceptors.amqp.port: 70000 must be <= 65535``).
+Paths are relative to the config file's folder. The full reference is in ``docs/broker.md``.
+
+Tests and the local deployment may override ports and the data directory from the command line
+(``--amqp-port``, ``--management-port``, ``--data-dir``); see :func:`apply_overrides`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from broker.core.addresses import ANYCAST, MULTICAST, AddressSettings, SettingsResolver
+from broker.store.journal import JournalConfig
+from broker.tomlconfig import ConfigError, Table, open_config
+
+__all__ = ["AcceptorConfig", "BrokerConfig", "ConfigError", "load_config", "apply_overrides", "check_anonymous"]
+
+MECHANISMS = ("PLAIN", "ANONYMOUS", "EXTERNAL")
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    cert_file: Path
+    key_file: Path
+    ca_file: Path | None = None  # CA for client certificates (EXTERNAL)
+    require_client_cert: bool = False
+
+
+@dataclass(frozen=True)
+class AcceptorConfig:
+    name: str
+    host: str = "127.0.0.1"
+    port: int = 5672
+    tls: TlsConfig | None = None
+    sasl_mechanisms: tuple[str, ...] = ("PLAIN",)
+    allow_no_sasl: bool = False  # clients that skip SASL are anonymous; needs [anonymous] in the users file
+
+    @property
+    def scheme(self) -> str:
+        return "amqps" if self.tls else "amqp"
+
+
+@dataclass(frozen=True)
+class ManagementConfig:
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = 8161
+
+
+@dataclass(frozen=True)
+class ActivityConfig:
+    enabled: bool = True
+    path: Path | None = None  # default <data-dir>/activity.jsonl
+    flush_interval_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class AddressDecl:
+    name: str
+    routing_types: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    file: Path
+    name: str
+    data_dir: Path
+    persistent: bool
+    acceptors: tuple[AcceptorConfig, ...]
+    management: ManagementConfig
+    users_file: Path
+    max_frame_bytes: int
+    idle_timeout_s: float
+    producer_window: int
+    journal: JournalConfig
+    activity: ActivityConfig
+    settings: SettingsResolver
+    addresses: tuple[AddressDecl, ...] = ()
+    log_level: str = "INFO"
+    log_json: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def _address_settings(t: Table, base: AddressSettings) -> AddressSettings:
+    rt = t.choice("default-routing-type", (ANYCAST, MULTICAST), base.default_routing_type)
+    auto = t.bool("auto-create", base.auto_create)
+    mdc = t.int("max-delivery-count", base.max_delivery_count, min=0)
+    dla = t.str("dead-letter-address", base.dead_letter_address if base.dead_letter_address else "")
+    t.done()
+    return AddressSettings(rt, auto, mdc, dla or None)
+
+
+def _tls(t: Table) -> TlsConfig | None:
+    if not t.data:
+        t.done()
+        return None
+    cert = t.path_value("cert-file")
+    key = t.path_value("key-file")
+    ca = t.path_value("ca-file", None)
+    req = t.bool("require-client-cert", False)
+    t.done()
+    for k, p in (("cert-file", cert), ("key-file", key), ("ca-file", ca)):
+        if p is not None and not p.is_file():
+            raise t.error(k, f"{str(p)!r}: no such file")
+    if req and ca is None:
+        raise t.error("require-client-cert", "true needs ca-file")
+    return TlsConfig(cert, key, ca, req)
+
+
+def load_config(file: str | Path) -> BrokerConfig:
+    """Read and validate a broker TOML file. Raises ConfigError naming file, key and value."""
+    root = open_config(file)
+    f = root.file
+
+    node = root.table("node")
+    name = node.str("name", "broker")
+    data_dir = node.path_value("data-dir", "data")
+    persistent = node.bool("persistent", True)
+    node.done()
+
+    acceptors = []
+    for aname, t in root.tables("acceptors").items():
+        host = t.str("host", "127.0.0.1")
+        port = t.int("port", 5672, min=0, max=65535)
+        mechs = tuple(t.str_list("sasl-mechanisms", ["PLAIN"]))
+        for i, m in enumerate(mechs):
+            if m not in MECHANISMS:
+                raise t.error(f"sasl-mechanisms[{i}]", f"{m!r} must be one of {', '.join(MECHANISMS)}")
+        allow_no_sasl = t.bool("allow-no-sasl", False)
+        tls = _tls(t.table("tls"))
+        t.done()
+        if "EXTERNAL" in mechs and (tls is None or tls.ca_file is None):
+            raise ConfigError(f, f"acceptors.{aname}.sasl-mechanisms", "EXTERNAL needs [tls] with ca-file")
+        acceptors.append(AcceptorConfig(aname, host, port, tls, mechs, allow_no_sasl))
+    if not acceptors:
+        raise ConfigError(f, "acceptors", "missing: at least one [acceptors.<name>] table is required")
+
+    mt = root.table("management")
+    management = ManagementConfig(mt.bool("enabled", True), mt.str("host", "127.0.0.1"),
+                                  mt.int("port", 8161, min=0, max=65535))
+    mt.done()
+
+    st = root.table("security")
+    users_file = st.path_value("users-file", "users.toml")
+    st.done()
+    if not users_file.is_file():
+        raise ConfigError(f, "security.users-file", f"{str(users_file)!r}: no such file")
+
+    at = root.table("amqp")
+    max_frame = at.int("max-frame-bytes", 65536, min=512)
+    idle = at.float("idle-timeout-s", 60.0, min=0.0)
+    window = at.int("producer-window", 1000, min=1)
+    at.done()
+
+    journal = JournalConfig.from_table(root.table("journal"))
+
+    lt = root.table("activity-log")
+    activity = ActivityConfig(lt.bool("enabled", True), lt.path_value("path", None),
+                              lt.float("flush-interval-s", 10.0, min=0.01))
+    lt.done()
+
+    default = _address_settings(root.table("address-defaults"), AddressSettings())
+    rules = []
+    for pattern, t in root.tables("address-settings").items():
+        rules.append((pattern, _address_settings(t, default)))
+    settings = SettingsResolver(default, tuple(rules))
+
+    decls = []
+    for aname, t in root.tables("addresses").items():
+        rts = t.str_list("routing-types", [default.default_routing_type])
+        for i, r in enumerate(rts):
+            if r not in (ANYCAST, MULTICAST):
+                raise t.error(f"routing-types[{i}]", f"{r!r} must be one of anycast, multicast")
+        if not rts:
+            raise t.error("routing-types", "[] must name at least one routing type")
+        t.done()
+        decls.append(AddressDecl(aname, tuple(rts)))
+
+    lg = root.table("logging")
+    level = lg.choice("level", ("DEBUG", "INFO", "WARNING", "ERROR"), "INFO")
+    json_lines = lg.bool("json", False)
+    lg.done()
+    root.done()
+    return BrokerConfig(f, name, data_dir, persistent, tuple(acceptors), management, users_file,
+                        max_frame, idle, window, journal, activity, settings, tuple(decls),
+                        level, json_lines)
+
+
+def check_anonymous(cfg: BrokerConfig, anonymous_enabled: bool) -> None:
+    """Acceptors may offer ANONYMOUS (or no SASL) only if the users file enables ``[anonymous]``."""
+    if anonymous_enabled:
+        return
+    for a in cfg.acceptors:
+        if "ANONYMOUS" in a.sasl_mechanisms or a.allow_no_sasl:
+            key = "sasl-mechanisms" if "ANONYMOUS" in a.sasl_mechanisms else "allow-no-sasl"
+            raise ConfigError(cfg.file, f"acceptors.{a.name}.{key}",
+                              f"anonymous access is disabled in {cfg.users_file} ([anonymous] enabled = false)")
+
+
+def apply_overrides(cfg: BrokerConfig, *, amqp_port: int | None = None, management_port: int | None = None,
+                    data_dir: Path | None = None, name: str | None = None) -> BrokerConfig:
+    """Command-line overrides: the first plain acceptor's port, the management port, the data dir."""
+    if amqp_port is not None:
+        acc = list(cfg.acceptors)
+        idx = next((i for i, a in enumerate(acc) if a.tls is None), 0)
+        acc[idx] = replace(acc[idx], port=amqp_port)
+        cfg = replace(cfg, acceptors=tuple(acc))
+    if management_port is not None:
+        cfg = replace(cfg, management=replace(cfg.management, port=management_port))
+    if data_dir is not None:
+        cfg = replace(cfg, data_dir=data_dir)
+    if name is not None:
+        cfg = replace(cfg, name=name)
+    return cfg

@@ -1,0 +1,321 @@
+"""Addresses, routing types and the broker's message core.
+
+Theory of operation
+-------------------
+The model is Artemis's: an *address* is a name producers send to; *queues* hang off addresses.
+
+* ``anycast`` — the address has one queue of the same name; its consumers compete
+  (point-to-point).
+* ``multicast`` — every subscriber gets its own queue (publish-subscribe). A non-durable
+  subscriber's queue is temporary: it is deleted when the consumer leaves. A durable
+  subscription's queue is named ``<container-id>.<link-name>`` (Artemis style), is persisted, and
+  keeps collecting messages while its consumer is away; it is deleted only when the consumer
+  closes its link (AMQP 1.0 §2.6.3: closing a link destroys its terminus) or by management.
+
+An address may carry both routing types; a message sent to it reaches the anycast queue and
+every multicast queue. Unknown addresses are created on first use when the matching
+:class:`AddressSettings` allow it (``auto_create``); otherwise the caller gets
+:class:`AddressNotFound` (AMQP ``amqp:not-found``).
+
+Settings are chosen by Artemis-style match (``#`` any number of words, ``*`` exactly one word,
+words separated by ``.``); the most specific match wins (fewest wildcards, then longest).
+
+:class:`Broker` is the whole core: addresses, queues, message ids, dead-lettering, and
+recovery from the store. It is pure (no clock, no I/O); durability goes through an injected
+``store`` object with ``add(queue, msg)``, ``remove(queue, msg)``, ``queue_created(defn)`` and
+``queue_deleted(name)``. A message is written once per durable queue it lands in, so the HA
+replication of the journal replays to exactly this state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Protocol
+
+from broker.core.deliveries import Message
+from broker.core.queues import ANYCAST, MULTICAST, Queue, Subscription
+from broker.errors import LodestoneError
+
+__all__ = [
+    "ANYCAST", "MULTICAST", "Address", "AddressSettings", "AddressNotFound", "Broker", "Store",
+    "NullStore", "SettingsResolver", "match_address",
+]
+
+ROUTING_TYPES = (ANYCAST, MULTICAST)
+
+
+class AddressNotFound(LodestoneError):
+    """The address does not exist and may not be auto-created (AMQP ``amqp:not-found``)."""
+
+    condition = "amqp:not-found"
+
+
+class Store(Protocol):
+    """What the core asks of durable storage (the shell adapts the journal to this)."""
+
+    def add(self, queue: str, msg: Message) -> None: ...
+    def remove(self, queue: str, msg: Message) -> None: ...
+    def queue_created(self, definition: dict) -> None: ...
+    def queue_deleted(self, name: str) -> None: ...
+
+
+class NullStore:
+    """A store that forgets everything (non-persistent brokers, unit tests)."""
+
+    def add(self, queue: str, msg: Message) -> None:
+        pass
+
+    def remove(self, queue: str, msg: Message) -> None:
+        pass
+
+    def queue_created(self, definition: dict) -> None:
+        pass
+
+    def queue_deleted(self, name: str) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class AddressSettings:
+    """Per-address behaviour, chosen by match (Artemis ``address-setting``)."""
+
+    default_routing_type: str = ANYCAST
+    auto_create: bool = True
+    max_delivery_count: int = 10  # 0 = unlimited
+    dead_letter_address: str | None = "DLQ"
+
+
+@dataclass(frozen=True)
+class SettingsResolver:
+    """Chooses the AddressSettings for an address: the most specific matching pattern wins."""
+
+    default: AddressSettings = field(default_factory=AddressSettings)
+    rules: tuple[tuple[str, AddressSettings], ...] = ()
+
+    def for_address(self, address: str) -> AddressSettings:
+        best = None
+        best_key = None
+        for pattern, settings in self.rules:
+            if match_address(pattern, address):
+                key = (-(pattern.count("#") + pattern.count("*")), len(pattern))
+                if best_key is None or key > best_key:
+                    best, best_key = settings, key
+        return best if best is not None else self.default
+
+
+def match_address(pattern: str, address: str) -> bool:
+    """Artemis wildcard match: words split on ``.``, ``*`` = one word, ``#`` = zero or more words."""
+    return _match(tuple(pattern.split(".")), tuple(address.split(".")))
+
+
+def _match(p: tuple[str, ...], a: tuple[str, ...]) -> bool:
+    if not p:
+        return not a
+    head = p[0]
+    if head == "#":
+        return any(_match(p[1:], a[i:]) for i in range(len(a) + 1))
+    if not a:
+        return False
+    return (head == "*" or head == a[0]) and _match(p[1:], a[1:])
+
+
+class Address:
+    """One address: its routing types and the queues bound to it."""
+
+    __slots__ = ("name", "routing_types", "queues", "auto_created")
+
+    def __init__(self, name: str, routing_types: Iterable[str], auto_created: bool = False):
+        self.name = name
+        self.routing_types = set(routing_types)
+        self.queues: dict[str, Queue] = {}
+        self.auto_created = auto_created
+
+    def __repr__(self) -> str:
+        return f"Address({self.name!r}, {sorted(self.routing_types)}, queues={list(self.queues)})"
+
+
+class Broker:
+    """The message core of one node. See the module docstring."""
+
+    def __init__(self, settings: SettingsResolver | None = None, store: Store | None = None):
+        self.settings = settings or SettingsResolver()
+        self.store: Store = store or NullStore()
+        self.addresses: dict[str, Address] = {}
+        self.queues: dict[str, Queue] = {}
+        self._next_mid = 1
+        self.dropped_unrouted = 0
+        self.temp_counter = 0
+
+    # -- ids -------------------------------------------------------------------------------
+    def next_mid(self) -> int:
+        mid = self._next_mid
+        self._next_mid = mid + 1
+        return mid
+
+    def bump_mid(self, seen: int) -> None:
+        """Recovery: message ids continue above every id found in the store."""
+        if seen >= self._next_mid:
+            self._next_mid = seen + 1
+
+    # -- addresses ---------------------------------------------------------------------------
+    def declare_address(self, name: str, routing_types: Iterable[str], *, auto_created: bool = False) -> Address:
+        """Create an address (or add routing types to an existing one). Anycast gets its queue."""
+        types = set(routing_types)
+        bad = types - set(ROUTING_TYPES)
+        if bad:
+            raise ValueError(f"unknown routing type {sorted(bad)[0]!r}")
+        addr = self.addresses.get(name)
+        if addr is None:
+            addr = Address(name, types, auto_created)
+            self.addresses[name] = addr
+        else:
+            addr.routing_types |= types
+        if ANYCAST in addr.routing_types and name not in addr.queues:
+            self._create_queue(name, addr, ANYCAST, durable=True)
+        return addr
+
+    def resolve(self, name: str, routing_type: str | None, *, may_create: bool) -> Address:
+        """The address a link names, auto-creating it (or a missing routing type) when allowed.
+
+        ``routing_type`` None means "whatever the address has" (the settings' default for a new
+        one). ``may_create`` is the caller's createAddress permission; the settings decide too.
+        """
+        addr = self.addresses.get(name)
+        if addr is not None and (routing_type is None or routing_type in addr.routing_types):
+            return addr
+        settings = self.settings.for_address(name)
+        if not (may_create and settings.auto_create):
+            raise AddressNotFound(f"address {name!r} does not exist"
+                                  + (f" with routing type {routing_type}" if addr else ""))
+        return self.declare_address(name, [routing_type or settings.default_routing_type], auto_created=True)
+
+    def needs_create(self, name: str, routing_type: str | None) -> bool:
+        """Would :meth:`resolve` have to create something? (The caller checks createAddress.)"""
+        addr = self.addresses.get(name)
+        return addr is None or (routing_type is not None and routing_type not in addr.routing_types)
+
+    def delete_address(self, name: str) -> None:
+        addr = self.addresses.pop(name, None)
+        if addr is None:
+            raise AddressNotFound(f"address {name!r} does not exist")
+        for qname in list(addr.queues):
+            self.delete_queue(qname)
+
+    # -- queues ----------------------------------------------------------------------------
+    def _create_queue(self, name: str, addr: Address, routing_type: str, *, durable: bool,
+                      subscription: bool = False, temporary: bool = False) -> Queue:
+        settings = self.settings.for_address(addr.name)
+        q = Queue(self, name, addr.name, routing_type, durable=durable,
+                  max_delivery_count=settings.max_delivery_count,
+                  dead_letter_address=settings.dead_letter_address,
+                  subscription=subscription, temporary=temporary)
+        addr.queues[name] = q
+        self.queues[name] = q
+        if durable:
+            self.store.queue_created(q.definition())
+        return q
+
+    def delete_queue(self, name: str) -> None:
+        q = self.queues.pop(name, None)
+        if q is None:
+            return
+        q.deleted = True
+        q.drain_all()
+        addr = self.addresses.get(q.address)
+        if addr is not None:
+            addr.queues.pop(name, None)
+        if q.durable:
+            self.store.queue_deleted(name)
+
+    def anycast_queue(self, address: str) -> Queue:
+        """The competing-consumer queue of an anycast address."""
+        return self.addresses[address].queues[address]
+
+    def subscription_queue(self, address: str, sub_name: str | None, *, durable: bool) -> Queue:
+        """The queue of one multicast subscriber.
+
+        Durable: named ``sub_name`` (``<container-id>.<link-name>``), reused if it exists.
+        Non-durable: a fresh temporary queue deleted when its consumer leaves.
+        """
+        addr = self.addresses[address]
+        if durable:
+            assert sub_name
+            q = self.queues.get(sub_name)
+            if q is not None:
+                if q.address != address:
+                    raise AddressNotFound(f"subscription {sub_name!r} belongs to address {q.address!r}")
+                return q
+            return self._create_queue(sub_name, addr, MULTICAST, durable=True, subscription=True)
+        self.temp_counter += 1
+        name = f"{sub_name or 'sub'}.{self.temp_counter}"
+        return self._create_queue(name, addr, MULTICAST, durable=False, subscription=True, temporary=True)
+
+    def subscribe(self, queue: Queue, sub: Subscription) -> None:
+        queue.add_subscription(sub)
+
+    # -- routing ---------------------------------------------------------------------------
+    def publish(self, address: str, body: bytes, durable: bool) -> bool:
+        """Route one message to every queue of ``address``. True when the store was written.
+
+        The address must exist (the driver resolved it when the producer attached). A message
+        that reaches no queue (a multicast address without subscribers) is dropped, as in Artemis.
+        """
+        addr = self.addresses.get(address)
+        if addr is None or not addr.queues:
+            self.dropped_unrouted += 1
+            return False
+        stored = False
+        for q in addr.queues.values():
+            if q.enqueue(Message(self.next_mid(), body, durable, address)):
+                stored = True
+        return stored
+
+    def dead_letter(self, queue: Queue, msg: Message) -> None:
+        """Move an exhausted or rejected message to its dead-letter address (dropped if none)."""
+        dla = queue.dead_letter_address
+        if not dla or dla == queue.address:
+            self.dropped_unrouted += 1
+            return
+        addr = self.addresses.get(dla)
+        if addr is None:
+            addr = self.declare_address(dla, [ANYCAST], auto_created=True)
+        for q in addr.queues.values():
+            q.enqueue(Message(self.next_mid(), msg.body, msg.durable, msg.address, 0))
+
+    # -- recovery ----------------------------------------------------------------------------
+    def restore_queue(self, definition: dict) -> Queue:
+        """Recreate a durable queue from its store record (no store write)."""
+        name = definition["name"]
+        address = definition["address"]
+        rtype = definition["routing_type"]
+        addr = self.addresses.get(address)
+        if addr is None:
+            addr = Address(address, [rtype], auto_created=True)
+            self.addresses[address] = addr
+        else:
+            addr.routing_types.add(rtype)
+        q = self.queues.get(name)
+        if q is not None:
+            return q
+        settings = self.settings.for_address(address)
+        q = Queue(self, name, address, rtype, durable=True,
+                  max_delivery_count=settings.max_delivery_count,
+                  dead_letter_address=settings.dead_letter_address,
+                  subscription=bool(definition.get("subscription")))
+        addr.queues[name] = q
+        self.queues[name] = q
+        return q
+
+    def restore_message(self, queue: str, mid: int, body: bytes, address: str, delivery_count: int = 0) -> bool:
+        """Put a recovered durable message back in its queue. False if the queue is unknown."""
+        self.bump_mid(mid)
+        q = self.queues.get(queue)
+        if q is None:
+            return False
+        q.restore(Message(mid, body, True, address, delivery_count))
+        return True
+
+
+def with_overrides(base: AddressSettings, **kw) -> AddressSettings:
+    """A copy of ``base`` with some fields replaced (config layering)."""
+    return replace(base, **kw)

@@ -1,0 +1,240 @@
+#!/usr/bin/env python3
+"""Broker benchmark: Lodestone's broker beside RabbitMQ (AMQP 1.0 plugin), same client, same run.
+
+Workloads: 1 producer → 1 consumer on one queue, non-durable and durable, 100 B and 4 KiB bodies
+(``loadtest/amqp_client.py``, python-qpid-proton). For each: msgs/s (end to end) and the broker's
+CPU per message (utime+stime of the broker process from /proc over the measured interval), as the
+median of ``--rounds`` rounds; brokers alternate within a round. Ratios are Lodestone / RabbitMQ:
+for CPU per message lower is better, for msgs/s higher is better. The Python client limits the
+message rate on a 2-core machine, so the CPU per message is the figure to compare.
+
+RabbitMQ: Debian's ``rabbitmq-server`` (installed with apt-get if missing), run from a scratch
+folder on loopback with its ``rabbitmq_amqp1_0`` plugin enabled offline, on OS-chosen free ports;
+nothing in /etc is touched. Queues ``bench-t`` (transient) and ``bench-d`` (durable) are declared
+with ``rabbitmqctl eval`` and addressed as ``/amq/queue/<name>``. ``--no-rabbitmq`` skips it.
+
+    .venv/bin/python loadtest/bench_broker.py [--n 50000] [--rounds 3] [--sizes 100,4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+CLIENT = HERE / "amqp_client.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- Lodestone ---------------------------------------------------------------------------------
+
+class Lodestone:
+    name = "lodestone"
+
+    def __init__(self, work: Path):
+        self.work = work / "lodestone"
+        self.work.mkdir(parents=True)
+        sys.path.insert(0, str(REPO))
+        from broker.core.security import hash_password
+        (self.work / "users.toml").write_text(
+            f'[users.bench]\npassword = "{hash_password("bench", n=1024)}"\nroles = ["app"]\n\n'
+            '[[permissions]]\nmatch = "#"\nsend = ["app"]\nconsume = ["app"]\ncreate-address = ["app"]\n')
+        (self.work / "broker.toml").write_text(
+            '[node]\nname = "bench"\ndata-dir = "data"\n'
+            '[acceptors.amqp]\nhost = "127.0.0.1"\nport = 0\n'
+            '[management]\nport = 0\n[activity-log]\nflush-interval-s = 10\n[logging]\nlevel = "WARNING"\n')
+        self.proc = subprocess.Popen([sys.executable, "-m", "broker", "run", str(self.work / "broker.toml")],
+                                     cwd=REPO, stdout=subprocess.PIPE, stderr=open(self.work / "stderr.log", "wb"))
+        self.url = None
+        deadline = time.monotonic() + 30
+        for raw in self.proc.stdout:
+            parts = raw.decode().split()
+            if parts[:2] == ["listening", "amqp"]:
+                self.url = parts[2].replace("amqp://", "amqp://bench:bench@")
+            if parts[:2] == ["listening", "management"] or time.monotonic() > deadline:
+                break
+        if self.url is None:
+            raise SystemExit(f"lodestone broker did not start: {(self.work / 'stderr.log').read_text()}")
+        self.pid = self.proc.pid
+
+    def address(self, durable: bool) -> str:
+        return "bench-d" if durable else "bench-t"
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+
+
+# -- RabbitMQ ----------------------------------------------------------------------------------
+
+class RabbitMQ:
+    name = "rabbitmq"
+    SBIN = Path("/usr/lib/rabbitmq/bin")
+
+    def __init__(self, work: Path):
+        if not (self.SBIN / "rabbitmq-server").exists():
+            print("installing rabbitmq-server (apt-get) ...", file=sys.stderr, flush=True)
+            subprocess.run(["apt-get", "install", "-y", "rabbitmq-server"], check=True,
+                           env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}, stdout=subprocess.DEVNULL)
+        self.dir = work / "rmq"
+        for d in ("home", "log", "mnesia"):
+            (self.dir / d).mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        dist = free_port()
+        self.nodename = f"lodestone-bench-{os.getpid()}@localhost"
+        self.env = {**os.environ,
+                    "HOME": str(self.dir / "home"),
+                    "RABBITMQ_CONF_ENV_FILE": str(self.dir / "rabbitmq-env.conf"),
+                    "RABBITMQ_CONFIG_FILE": str(self.dir / "rabbitmq.conf"),
+                    "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.dir / "enabled_plugins"),
+                    "RABBITMQ_MNESIA_BASE": str(self.dir / "mnesia"),
+                    "RABBITMQ_LOG_BASE": str(self.dir / "log"),
+                    "RABBITMQ_NODENAME": self.nodename,
+                    "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
+                    "RABBITMQ_NODE_PORT": str(self.port),
+                    "RABBITMQ_DIST_PORT": str(dist),  # else AMQP port + 20000, which may exceed 65535
+                    "ERL_EPMD_ADDRESS": "127.0.0.1",
+                    "PATH": f"{self.SBIN}:{os.environ.get('PATH', '')}"}
+        (self.dir / "rabbitmq-env.conf").write_text("")
+        (self.dir / "rabbitmq.conf").write_text(
+            f"listeners.tcp.1 = 127.0.0.1:{self.port}\n"
+            "distribution.listener.interface = 127.0.0.1\n"
+            f"distribution.listener.port_range.min = {dist}\ndistribution.listener.port_range.max = {dist}\n"
+            "loopback_users.guest = true\nlog.console = false\nlog.file.level = warning\n")
+        self.epmd_was_running = self._epmd_pid() is not None
+        self._ctl("rabbitmq-plugins", "enable", "--offline", "rabbitmq_amqp1_0")
+        self.proc = subprocess.Popen([str(self.SBIN / "rabbitmq-server")], cwd=self.dir, env=self.env,
+                                     stdout=open(self.dir / "log" / "stdout.log", "wb"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.pidfile = self.dir / "mnesia" / f"{self.nodename}.pid"
+        try:
+            self._ctl("rabbitmqctl", "-q", "wait", "--timeout", "180", str(self.pidfile))
+        except subprocess.SubprocessError:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # our own process group (start_new_session)
+            self.proc.wait()
+            log = "\n".join(p.read_text(errors="replace")[-2000:] for p in (self.dir / "log").glob("*.log"))
+            raise SystemExit(f"rabbitmq did not start:\n{log}")
+        self.pid = int(self.pidfile.read_text().strip())
+        for q, durable in (("bench-t", "false"), ("bench-d", "true")):
+            self._ctl("rabbitmqctl", "-q", "eval",
+                      f'rabbit_amqqueue:declare(rabbit_misc:r(<<"/">>, queue, <<"{q}">>), {durable}, '
+                      f'false, [], none, <<"bench">>).')
+        self.url = f"amqp://guest:guest@127.0.0.1:{self.port}"
+
+    def _ctl(self, *args: str) -> None:
+        subprocess.run([str(self.SBIN / args[0]), *args[1:]], env=self.env, check=True, cwd=self.dir,
+                       stdout=subprocess.DEVNULL, timeout=120)
+
+    @staticmethod
+    def _epmd_pid() -> int | None:
+        out = subprocess.run(["ss", "-ltnpH", "sport = :4369"], capture_output=True, text=True).stdout
+        for part in out.split("pid=")[1:]:
+            return int(part.split(",")[0])
+        return None
+
+    def address(self, durable: bool) -> str:
+        return "/amq/queue/bench-d" if durable else "/amq/queue/bench-t"
+
+    def stop(self) -> None:
+        try:
+            self._ctl("rabbitmqctl", "-q", "stop", str(self.pidfile))
+        except subprocess.SubprocessError:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        if not self.epmd_was_running:  # we started epmd with this node: stop it, by its pid
+            pid = self._epmd_pid()
+            if pid is not None and Path(f"/proc/{pid}/comm").read_text().strip() == "epmd":
+                os.kill(pid, signal.SIGTERM)
+
+
+# -- running -----------------------------------------------------------------------------------
+
+def run_client(broker, durable: bool, size: int, n: int) -> dict:
+    cmd = [sys.executable, str(CLIENT), "--url", broker.url, "--address", broker.address(durable), "--n", str(n),
+           "--size", str(size), "--broker-pid", str(broker.pid)] + (["--durable"] if durable else [])
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    try:
+        return json.loads(p.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return {"error": f"client failed: {p.stderr.strip()[-300:]}"}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=50000, help="messages per run")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--sizes", default="100,4096")
+    ap.add_argument("--no-rabbitmq", action="store_true", help="measure Lodestone only")
+    ap.add_argument("--json", action="store_true", help="also print every result as JSON lines")
+    a = ap.parse_args()
+    sizes = [int(s) for s in a.sizes.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="lodestone-bench-"))
+    brokers = []
+    try:
+        brokers.append(Lodestone(work))
+        if not a.no_rabbitmq:
+            brokers.append(RabbitMQ(work))
+        results: dict[tuple, list[dict]] = {}
+        for rnd in range(a.rounds):
+            for durable in (False, True):
+                for size in sizes:
+                    for b in brokers:
+                        r = run_client(b, durable, size, a.n)
+                        results.setdefault((b.name, durable, size), []).append(r)
+                        if a.json:
+                            print(json.dumps({"round": rnd, "broker": b.name, **r}), flush=True)
+                        if r.get("error"):
+                            print(f"{b.name} durable={durable} size={size}: {r['error']}", file=sys.stderr)
+    finally:
+        for b in brokers:
+            b.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+    def med(rs, key):
+        vals = [r[key] for r in rs if key in r]
+        return statistics.median(vals) if vals else float("nan")
+
+    print(f"\n1 producer -> 1 consumer, n={a.n}, median of {a.rounds} rounds (python-qpid-proton client)")
+    print(f"{'workload':<22}" + "".join(f"{b.name + ' msgs/s':>18}{b.name + ' µs/msg':>18}" for b in brokers)
+          + ("   ratio µs/msg   ratio msgs/s" if len(brokers) > 1 else ""))
+    for durable in (False, True):
+        for size in sizes:
+            line = f"{('durable' if durable else 'non-durable') + f' {size} B':<22}"
+            vals = {}
+            for b in brokers:
+                rs = results[(b.name, durable, size)]
+                vals[b.name] = (med(rs, "msgs_per_s"), med(rs, "broker_cpu_us_per_msg"))
+                line += f"{vals[b.name][0]:>18,.0f}{vals[b.name][1]:>18.1f}"
+            if len(brokers) > 1:
+                (lr, lc), (rr, rc) = vals["lodestone"], vals["rabbitmq"]
+                line += f"   {lc / rc:>12.2f}   {lr / rr:>12.2f}"
+            print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

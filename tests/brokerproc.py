@@ -1,0 +1,299 @@
+"""Run real broker nodes as subprocesses, for integration and end-to-end tests.
+
+    from tests.brokerproc import start_broker
+
+    b = start_broker(tmp_path)                          # etc/users.toml, PLAIN, ports from the OS
+    b.amqp_url, b.management_url, b.node_id, b.pid
+    b.kill(); b.restart()                               # kill -9, then start again on the same data dir
+    b.terminate()                                       # SIGTERM; returns the exit status
+
+The helper writes a config file (``<tmp>/<name>/broker.toml``) with port 0 everywhere and learns
+the real ports from the ``listening amqp|amqps|management <url>`` lines the broker prints. Extra
+config goes in ``config={"table": {"key": value}}`` (dotted table names allowed, e.g.
+``{"address-defaults": {"max-delivery-count": 2}}``). ``tls=trustme.CA()`` adds an ``amqps``
+acceptor with a server certificate for 127.0.0.1/localhost issued by that CA (which also verifies
+client certificates for EXTERNAL). Every process started is killed at interpreter exit if a
+test forgot it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+USERS_FILE = REPO / "etc" / "users.toml"
+ADMIN = ("admin", "admin")
+_LIVE: set["BrokerProcess"] = set()
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {v!r} as TOML")
+
+
+def _table_name(name: str) -> str:
+    return ".".join(p if p.replace("-", "").replace("_", "").isalnum() else json.dumps(p)
+                    for p in name.split("\x00"))
+
+
+@dataclass
+class BrokerProcess:
+    """A broker subprocess and what it printed. Create with :func:`start_broker`."""
+
+    workdir: Path
+    config_path: Path
+    proc: subprocess.Popen | None = None
+    urls: dict[str, str] = field(default_factory=dict)
+    start_timeout_s: float = 30.0
+    _reader: threading.Thread | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> "BrokerProcess":
+        stderr = open(self.workdir / "stderr.log", "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "broker", "run", str(self.config_path)],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        stderr.close()
+        _LIVE.add(self)
+        self.urls = {}
+        want = {"amqp", "management"} | ({"amqps"} if "[acceptors.amqps" in self.config_path.read_text() else set())
+        lines: list[str] = []
+        done = threading.Event()
+
+        def reader() -> None:
+            for raw in self.proc.stdout:
+                line = raw.decode(errors="replace").strip()
+                lines.append(line)
+                parts = line.split()
+                if len(parts) == 3 and parts[0] == "listening":
+                    self.urls[parts[1]] = parts[2]
+                    if want <= set(self.urls):
+                        done.set()
+            done.set()
+
+        self._reader = threading.Thread(target=reader, daemon=True)
+        self._reader.start()
+        if not done.wait(self.start_timeout_s) or not want <= set(self.urls):
+            self.kill()
+            raise RuntimeError(f"broker did not start (stdout {lines!r}); stderr:\n{self.stderr_text()}")
+        return self
+
+    def kill(self) -> None:
+        """kill -9 and reap."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self._release()
+
+    def _release(self) -> None:
+        _LIVE.discard(self)
+        if self.proc is not None:
+            if self._reader is not None:
+                self._reader.join(5)  # EOF once the process is gone
+                self._reader = None
+            if self.proc.stdout is not None and not self.proc.stdout.closed:
+                self.proc.stdout.close()
+
+    def terminate(self, timeout_s: float = 20.0) -> int:
+        """SIGTERM; wait for a clean exit and return the exit status."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise
+        self._release()
+        return self.proc.returncode
+
+    def restart(self) -> "BrokerProcess":
+        """Start again with the same config and data directory (new OS-chosen ports)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.terminate()
+        return self.start()
+
+    stop = terminate
+
+    # -- what it offers ----------------------------------------------------------------------
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def amqp_url(self) -> str:
+        return self.urls["amqp"]
+
+    @property
+    def amqps_url(self) -> str:
+        return self.urls["amqps"]
+
+    @property
+    def management_url(self) -> str:
+        return self.urls["management"]
+
+    @property
+    def host(self) -> str:
+        return self.amqp_url.split("://", 1)[1].rsplit(":", 1)[0]
+
+    @property
+    def port(self) -> int:
+        return int(self.amqp_url.rsplit(":", 1)[1])
+
+    @property
+    def data_dir(self) -> Path:
+        return self.workdir / "data"
+
+    @property
+    def node_id(self) -> str:
+        return (self.data_dir / "node.id").read_text().strip()
+
+    def stderr_text(self) -> str:
+        try:
+            return (self.workdir / "stderr.log").read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def management_get(self, path: str, auth: tuple[str, str] | None = ADMIN) -> tuple[int, Any]:
+        """GET a management route (blocking, urllib); returns (status, decoded JSON or text)."""
+        req = urllib.request.Request(self.management_url + path)
+        if auth is not None:
+            import base64
+            req.add_header("Authorization", "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode())
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                status, body, ctype = resp.status, resp.read(), resp.headers.get("Content-Type", "")
+        except urllib.error.HTTPError as exc:
+            status, body, ctype = exc.code, exc.read(), exc.headers.get("Content-Type", "")
+        return status, (json.loads(body) if "json" in ctype else body.decode())
+
+    def queue(self, name: str) -> dict | None:
+        status, qs = self.management_get("/api/v1/queues")
+        assert status == 200, qs
+        return next((q for q in qs if q["name"] == name), None)
+
+    def __hash__(self) -> int:
+        return id(self)
+
+
+def write_config(workdir: Path, *, name: str = "broker", users_file: Path | None = USERS_FILE,
+                 mechanisms: tuple[str, ...] = ("PLAIN",), tls=None, config: dict[str, dict[str, Any]] | None = None) -> Path:
+    """Write a broker config for tests (ports 0, data dir ``<workdir>/data``); returns its path."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    tables: dict[str, dict[str, Any]] = {
+        "node": {"name": name, "data-dir": str(workdir / "data")},
+        "acceptors\x00amqp": {"host": "127.0.0.1", "port": 0, "sasl-mechanisms": list(mechanisms)},
+        "management": {"host": "127.0.0.1", "port": 0},
+        "security": {},
+        "activity-log": {"flush-interval-s": 1.0},
+    }
+    if users_file is not None:
+        tables["security"]["users-file"] = str(users_file)
+    if tls is not None:
+        cert = tls.issue_cert("127.0.0.1", "localhost")
+        cert.private_key_and_cert_chain_pem.write_to_path(str(workdir / "server.pem"))
+        tls.cert_pem.write_to_path(str(workdir / "ca.pem"))
+        tables["acceptors\x00amqps"] = {"host": "127.0.0.1", "port": 0,
+                                        "sasl-mechanisms": list(dict.fromkeys([*mechanisms, "EXTERNAL"]))}
+        tables["acceptors\x00amqps\x00tls"] = {"cert-file": str(workdir / "server.pem"),
+                                              "key-file": str(workdir / "server.pem"),
+                                              "ca-file": str(workdir / "ca.pem")}
+    for tname, values in (config or {}).items():
+        key = tname.replace(".", "\x00") if not tname.startswith("address-settings.") else \
+            "address-settings\x00" + tname.split(".", 1)[1]
+        tables.setdefault(key, {}).update(values)
+    lines = []
+    for tname, values in tables.items():
+        lines.append(f"[{_table_name(tname)}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+        lines.append("")
+    path = workdir / "broker.toml"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def start_broker(tmp_path: Path, *, name: str = "broker", **kw) -> BrokerProcess:
+    """Write a config under ``tmp_path/name`` and start a broker on it (see the module docstring).
+
+    Keyword arguments go to :func:`write_config` (``users_file``, ``mechanisms``, ``tls``,
+    ``config``). ANONYMOUS needs a users file with ``[anonymous] enabled = true``
+    (:func:`write_users_file`).
+    """
+    workdir = Path(tmp_path) / name
+    path = write_config(workdir, name=name, **kw)
+    return BrokerProcess(workdir, path).start()
+
+
+_HASHES: dict[str, str] = {}
+
+
+def write_users_file(path: Path, users: dict[str, tuple[str, list[str]]], *,
+                     permissions: list[dict[str, Any]] | None = None,
+                     anonymous_roles: list[str] | None = None) -> Path:
+    """Write a users file (``users = {name: (password, roles)}``); hashes use a cheap scrypt cost.
+
+    ``permissions`` are ``[[permissions]]`` tables, default: role ``admin`` may do everything on
+    ``#``, role ``app`` may send, consume and create addresses. ``anonymous_roles`` enables
+    ANONYMOUS with those roles.
+    """
+    from broker.core.security import hash_password
+
+    if permissions is None:
+        permissions = [{"match": "#", "send": ["admin", "app"], "consume": ["admin", "app"],
+                        "create-address": ["admin", "app"], "delete-address": ["admin"],
+                        "manage": ["admin"]}]
+    lines = []
+    for name, (password, roles) in users.items():
+        h = _HASHES.get(password)
+        if h is None:
+            h = _HASHES[password] = hash_password(password, n=1024)
+        lines += [f"[users.{json.dumps(name)}]", f"password = {json.dumps(h)}",
+                  f"roles = {_toml_value(roles)}", ""]
+    if anonymous_roles is not None:
+        lines += ["[anonymous]", "enabled = true", f"roles = {_toml_value(anonymous_roles)}", ""]
+    for perm in permissions:
+        lines.append("[[permissions]]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in perm.items()]
+        lines.append("")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines))
+    return path
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for b in list(_LIVE):
+        b.kill()
+
+
+def wait_for(predicate, timeout_s: float = 10.0, interval_s: float = 0.05):
+    """Poll ``predicate()`` until it returns something truthy; raise AssertionError on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {predicate}")
+        time.sleep(interval_s)

@@ -1,0 +1,105 @@
+"""Broker config: the shipped files load; bad values name file, key and value."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from broker.config import apply_overrides, check_anonymous, load_config
+from broker.tomlconfig import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+ETC = REPO / "etc"
+
+
+def write(tmp_path: Path, body: str) -> Path:
+    (tmp_path / "users.toml").write_text("")
+    p = tmp_path / "broker.toml"
+    p.write_text(body)
+    return p
+
+
+BASE = """
+[acceptors.amqp]
+port = 0
+"""
+
+
+@pytest.mark.parametrize("name,amqp,mgmt", [
+    ("broker.toml", 5672, 8161),
+    ("broker-1.toml", 15672, 18161),
+    ("broker-2.toml", 15673, 18162),
+    ("broker-3.toml", 15674, 18163),
+])
+def test_shipped_configs_load(name, amqp, mgmt):
+    cfg = load_config(ETC / name)
+    assert cfg.acceptors[0].port == amqp and cfg.management.port == mgmt
+    assert cfg.management.host == "127.0.0.1" and cfg.acceptors[0].host == "127.0.0.1"
+    assert cfg.users_file == ETC / "users.toml"
+    assert cfg.data_dir.resolve().parent == REPO / "var"
+
+
+def test_defaults(tmp_path):
+    cfg = load_config(write(tmp_path, BASE))
+    assert cfg.data_dir == tmp_path / "data" and cfg.persistent
+    assert cfg.acceptors[0].sasl_mechanisms == ("PLAIN",)
+    s = cfg.settings.for_address("anything")
+    assert (s.default_routing_type, s.auto_create, s.max_delivery_count, s.dead_letter_address) == \
+        ("anycast", True, 10, "DLQ")
+    assert cfg.journal.sync == "batch" and cfg.producer_window == 1000
+
+
+@pytest.mark.parametrize("extra,path,fragment", [
+    ("[acceptors.amqp]\nport = 70000", "acceptors.amqp.port", "70000 must be <= 65535"),
+    ("[acceptors.amqp]\nport = 1\nsasl-mechanisms = ['CRAM']", "acceptors.amqp.sasl-mechanisms[0]", "'CRAM'"),
+    ("[acceptors.amqp]\nport = 1\nsasl-mechanisms = ['EXTERNAL']", "acceptors.amqp.sasl-mechanisms", "EXTERNAL needs"),
+    ("[acceptors.amqp]\nprot = 1", "acceptors.amqp.prot", "unknown key"),
+    ("[acceptors.amqp]\nport = 1\n[address-defaults]\nmax-delivery-count = -1",
+     "address-defaults.max-delivery-count", "-1 must be >= 0"),
+    ("[acceptors.amqp]\nport = 1\n[address-defaults]\ndefault-routing-type = 'fanout'",
+     "address-defaults.default-routing-type", "'fanout'"),
+    ("[acceptors.amqp]\nport = 1\n[addresses.orders]\nrouting-types = ['both']",
+     "addresses.orders.routing-types[0]", "'both'"),
+    ("[acceptors.amqp]\nport = 1\n[journal]\nsync = 'sometimes'", "journal.sync", "'sometimes'"),
+    ("[acceptors.amqp]\nport = 1\n[security]\nusers-file = 'nope.toml'", "security.users-file", "no such file"),
+    ("[acceptors.amqp]\nport = 1\n[acceptors.amqp.tls]\ncert-file = 'x.pem'\nkey-file = 'x.pem'",
+     "acceptors.amqp.tls.cert-file", "no such file"),
+    ("[node]\nname = 'x'", "acceptors", "at least one"),
+    ("[acceptors.amqp]\nport = 1\n[amqp]\nmax-frame-bytes = 100", "amqp.max-frame-bytes", "100 must be >= 512"),
+])
+def test_errors_name_file_key_and_value(tmp_path, extra, path, fragment):
+    p = write(tmp_path, extra)
+    with pytest.raises(ConfigError) as ei:
+        load_config(p)
+    err = ei.value
+    assert err.file == str(p) and err.path == path and fragment in str(err)
+    assert str(err).startswith(f"{p}: {path}: ")
+
+
+def test_anonymous_needs_the_users_file_to_enable_it(tmp_path):
+    cfg = load_config(write(tmp_path, "[acceptors.amqp]\nport = 0\nsasl-mechanisms = ['PLAIN', 'ANONYMOUS']"))
+    check_anonymous(cfg, True)
+    with pytest.raises(ConfigError) as ei:
+        check_anonymous(cfg, False)
+    assert ei.value.path == "acceptors.amqp.sasl-mechanisms"
+
+
+def test_overrides(tmp_path):
+    cfg = apply_overrides(load_config(write(tmp_path, BASE)), amqp_port=1234, management_port=0,
+                          data_dir=tmp_path / "d")
+    assert cfg.acceptors[0].port == 1234 and cfg.management.port == 0 and cfg.data_dir == tmp_path / "d"
+
+
+def test_address_settings_table(tmp_path):
+    cfg = load_config(write(tmp_path, BASE + """
+[address-defaults]
+max-delivery-count = 5
+[address-settings."events.#"]
+default-routing-type = "multicast"
+[address-settings."events.audit"]
+dead-letter-address = ""
+"""))
+    assert cfg.settings.for_address("events.x").default_routing_type == "multicast"
+    assert cfg.settings.for_address("events.x").max_delivery_count == 5  # inherits the defaults
+    assert cfg.settings.for_address("events.audit").dead_letter_address is None
