@@ -10,7 +10,8 @@ Each line is ``<crc32 hex> <json>\\n`` where the JSON is one record:
 * ``["D", key]`` — delete (expired or replaced).
 
 ``load()`` replays the file; a line with a bad CRC or a torn last line (crash during a write) is
-skipped, so a crash loses at most the last unflushed batch. ``write()`` appends one batch with one
+skipped, so a crash loses at most the last unflushed batch. A torn tail (no final newline) is cut
+off, else the next append would be glued onto it and fail its CRC too. ``write()`` appends one batch with one
 ``os.write`` and an optional fsync; it is called from a worker thread by the shell. When the file
 holds many more records than live entries, ``compact()`` rewrites it (temp file + ``os.replace``).
 """
@@ -34,6 +35,7 @@ class EmbeddedCacheStore:
         self.records = 0
         self.skipped = 0
         self._fd: int | None = None
+        self._pad = b""
 
     @staticmethod
     def _line(rec: list) -> bytes:
@@ -48,30 +50,49 @@ class EmbeddedCacheStore:
         except FileNotFoundError:
             return out
         self.records = 0
-        for raw in data.split(b"\n"):
-            if not raw:
-                continue
-            crc, _, body = raw.partition(b" ")
-            try:
-                if int(crc, 16) != zlib.crc32(body):
-                    raise ValueError("crc")
-                rec = json.loads(body)
-                op = rec[0]
-                if op == "P":
-                    out[rec[1]] = (rec[2], float(rec[3]), float(rec[4]))
-                elif op == "T":
-                    if rec[1] in out:
-                        ident, _, stored = out[rec[1]]
-                        out[rec[1]] = (ident, float(rec[2]), stored)
-                elif op == "D":
-                    out.pop(rec[1], None)
-                else:
-                    raise ValueError(op)
-            except (ValueError, IndexError, TypeError, KeyError):
-                self.skipped += 1
-                continue
-            self.records += 1
+        self.skipped = 0
+        cut = data.rfind(b"\n") + 1
+        for raw in data[:cut].split(b"\n"):
+            if raw:
+                self._replay(raw, out)
+        tail = data[cut:]  # empty unless the last write was cut short
+        if tail:
+            if self._replay(tail, out):
+                self._pad = b"\n"  # a whole record that only lacks its newline
+            else:
+                self._cut_torn_tail(cut)
         return out
+
+    def _replay(self, raw: bytes, out: dict[str, tuple[str, float, float]]) -> bool:
+        """Apply one line to ``out``; False (and counted in ``skipped``) if it is damaged."""
+        crc, _, body = raw.partition(b" ")
+        try:
+            if int(crc, 16) != zlib.crc32(body):
+                raise ValueError("crc")
+            rec = json.loads(body)
+            op = rec[0]
+            if op == "P":
+                out[rec[1]] = (rec[2], float(rec[3]), float(rec[4]))
+            elif op == "T":
+                if rec[1] in out:
+                    ident, _, stored = out[rec[1]]
+                    out[rec[1]] = (ident, float(rec[2]), stored)
+            elif op == "D":
+                out.pop(rec[1], None)
+            else:
+                raise ValueError(op)
+        except (ValueError, IndexError, TypeError, KeyError):
+            self.skipped += 1
+            return False
+        self.records += 1
+        return True
+
+    def _cut_torn_tail(self, size: int) -> None:
+        """Drop the bytes after the last newline (a write cut short by a crash)."""
+        try:
+            os.truncate(self.path, size)
+        except OSError:
+            self._pad = b"\n"  # cannot truncate: start the next append on a fresh line
 
     def _open(self) -> int:
         if self._fd is None:
@@ -88,7 +109,8 @@ class EmbeddedCacheStore:
         if not lines:
             return 0
         fd = self._open()
-        data = b"".join(lines)
+        data = self._pad + b"".join(lines)
+        self._pad = b""
         view = memoryview(data)
         while view:
             n = os.write(fd, view)

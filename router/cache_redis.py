@@ -43,7 +43,8 @@ class RedisCache:
         self.timeout_ms = timeout_ms
         self.client = redis.Redis.from_url(
             url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
-            decode_responses=True, retry_on_timeout=False, health_check_interval=0)
+            decode_responses=True, retry_on_timeout=False, health_check_interval=0,
+            encoding_errors="surrogatepass")  # keys are Python str: lone surrogates round trip
         self._cas = self.client.register_script(_CAS)
 
     def _k(self, key: str) -> str:

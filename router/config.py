@@ -99,6 +99,7 @@ class PoolConfig:
     password: str | None = None
     targets: tuple[TargetConfig, ...] = ()
     source: str = "static"
+    source_options: Mapping[str, str] = field(default_factory=dict)  # for dynamic sources
 
 
 @dataclass(frozen=True)
@@ -404,8 +405,11 @@ def import_artemis_xml(path: str | Path, *, local_target: TargetConfig | None = 
     broker.xml has no management URL, ``management_urls`` / ``node_ids`` (connector name → value)
     may supply them, else the target is probed by TCP connect. CONSISTENT_HASH gets
     ``HASH=FNV1A, VIRTUAL_NODES=1`` and CONSISTENT_HASH_MODULO ``HASH=FNV1A`` unless set, and keys
-    resolve as Artemis does. Discovery-group and cluster-connection pools are recognised but
-    rejected (their membership sources come with the cluster issue). Errors are ConfigError
+    resolve as Artemis does. A discovery-group pool becomes ``source = "discovery"`` with the
+    group's settings as ``source_options`` (``discovery-group`` = its name, plus each child
+    element of the ``<discovery-group>``), a cluster-connection pool ``source = "cluster"``
+    (Artemis precedence: cluster > discovery > static); either is refused while no membership
+    source of that name is registered (they come with the cluster issue). Errors are ConfigError
     naming the file and ``connection-routers.<name>.<element>``.
     """
     from defusedxml import ElementTree as DET
@@ -431,8 +435,11 @@ def import_artemis_xml(path: str | Path, *, local_target: TargetConfig | None = 
         except ValueError as exc:
             raise ConfigError(p, f"connectors.{cname}", f"{(c.text or '').strip()!r}: {exc}") \
                 from None
-    groups = {g.get("name") for g in _children(_child(core, "discovery-groups"), "discovery-group")} \
-        if _child(core, "discovery-groups") is not None else set()
+    groups: dict[str, dict[str, str]] = {}
+    dgs = _child(core, "discovery-groups")
+    for g in _children(dgs, "discovery-group") if dgs is not None else []:
+        groups[g.get("name")] = {_local(c.tag): (c.text or "").strip() for c in g
+                                 if isinstance(c.tag, str)}
     out: dict[str, RouterConfig] = {}
     crs = _child(core, "connection-routers")
     for r in _children(crs, "connection-router") if crs is not None else []:
@@ -466,7 +473,7 @@ def import_artemis_xml(path: str | Path, *, local_target: TargetConfig | None = 
         local_filter = None
         lf_el = _child(r, "local-target-filter")
         if lf_el is not None:
-            local_filter = lf_el.text if lf_el.text is not None else ""
+            local_filter = (lf_el.text or "").strip()  # Artemis getString() trims
         for key, val, local in (("key-filter", key_filter, False),
                                 ("local-target-filter", local_filter, True)):
             try:
@@ -498,17 +505,22 @@ def import_artemis_xml(path: str | Path, *, local_target: TargetConfig | None = 
         po = _child(r, "pool")
         if po is not None:
             targets = []
-            if _child(po, "cluster-connection") is not None:
-                raise err("pool.cluster-connection",
-                          f"{_text(po, 'cluster-connection')!r}: cluster pools are not supported yet")
+            source, options = "static", {}
             dg = _child(po, "discovery-group-ref")
-            if dg is not None:
+            if _child(po, "cluster-connection") is not None:
+                source, where_src = "cluster", "pool.cluster-connection"
+                options = {"cluster-connection": _text(po, "cluster-connection") or ""}
+            elif dg is not None:
                 g = dg.get("discovery-group-name")
                 if g not in groups:
                     raise err("pool.discovery-group-ref", f"{g!r} is not a <discovery-group>")
-                raise err("pool.discovery-group-ref",
-                          f"{g!r}: discovery pools are not supported yet")
-            sc = _child(po, "static-connectors")
+                source, where_src = "discovery", "pool.discovery-group-ref"
+                options = {"discovery-group": g, **groups[g]}
+            if source != "static" and source not in membership_source_names():
+                raise err(where_src, f"{next(iter(options.values()))!r}: {source} pools are not "
+                                     f"supported yet (no {source!r} membership source; known: "
+                                     f"{', '.join(membership_source_names())})")
+            sc = _child(po, "static-connectors") if source == "static" else None
             for ref in _children(sc, "connector-ref") if sc is not None else []:
                 cname = (ref.text or "").strip()
                 if cname not in connectors:
@@ -519,12 +531,12 @@ def import_artemis_xml(path: str | Path, *, local_target: TargetConfig | None = 
                                             (management_urls or {}).get(cname),
                                             (node_ids or {}).get(cname)))
             lte = (_text(po, "local-target-enabled", "false") or "").lower() == "true"
-            if not targets:
+            if source == "static" and not targets:
                 raise err("pool", "Pool configuration not valid (no static-connectors)")
             pool = PoolConfig(num(po, "check-period", 5000, 1, "pool."),
                               num(po, "quorum-size", 1, 1, "pool."),
                               num(po, "quorum-timeout", 3000, 0, "pool."), lte, _text(po, "username"),
-                              _text(po, "password"), tuple(targets))
+                              _text(po, "password"), tuple(targets), source, options)
             if lte and local_target is None:
                 raise err("pool.local-target-enabled",
                           "true needs a local target (pass local_target=...)")

@@ -33,7 +33,7 @@ class Child:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=log, env=env,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_die_with_parent)
         threading.Thread(target=self._read_stdout, daemon=True).start()
 
     def _read_stdout(self) -> None:
@@ -63,6 +63,16 @@ class Child:
                 self.proc.send_signal(sig)
             except ProcessLookupError:
                 pass
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if the supervisor dies, even by SIGKILL (Linux prctl)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass  # not Linux: children are still stopped on a normal exit
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,10 @@ Theory of operation
   written behind in pipelined compare-and-set batches; hits in the local tier refresh the Redis
   TTL in the same batches. Any Redis failure sets ``degraded`` and the service keeps deciding
   from its local tier (no read is attempted while degraded; the writer pings once a second and
-  flushes what queued up when Redis is back). A Redis outage never fails a connection.
+  flushes what queued up when Redis is back). A Redis outage never fails a connection. A write
+  that loses the compare-and-set adopts the other replica's value, unless that names a node not
+  ready here (we moved away from it): then ours is written again over it. A local idle expiry
+  never deletes the shared entry (Redis keeps the TTL, refreshed by every replica's hits).
 * **Quorum waits.** A REFUSED_UNAVAILABLE below quorum with ``quorum-timeout > 0`` parks only
   that connection on a ``trio.Event`` that the pool's change listener sets; it re-decides on
   every pool change until the deadline (Artemis blocks a thread and polls; we do neither).
@@ -57,7 +60,8 @@ COUNTERS = ("route_ok", "route_refused_unavailable", "route_refused_use_another"
             "cache_miss", "cache_stale", "local_match", "pin_hit", "quorum_waits",
             "quorum_wait_timeouts", "redis_hits", "redis_misses", "redis_errors", "redis_writes",
             "redis_conflicts", "redis_writes_dropped", "persist_writes", "persist_errors",
-            "pins_reloads", "pins_errors", "probe_rounds", "management_lookups")
+            "pins_reloads", "pins_errors", "pins_bad_lines", "probe_rounds",
+            "management_lookups")
 
 _OUTCOME_COUNTER = {Outcome.OK: "route_ok",
                     Outcome.REFUSED_UNAVAILABLE: "route_refused_unavailable",
@@ -86,8 +90,8 @@ class RouterService:
         self._holder = Pool(quorum_size=pc.quorum_size if pc else 1, local_target=local_t,
                             local_target_enabled=bool(pc and pc.local_target_enabled))
         if pc is not None:
-            create_membership_source(pc.source, [t.to_target() for t in pc.targets]).start(
-                self._holder)
+            create_membership_source(pc.source, [t.to_target() for t in pc.targets],
+                                     pc.source_options).start(self._holder)
         self._holder.listeners.append(self._on_pool_change)
         policy = (create_policy(config.policy.name, config.policy.properties, self.rng)
                   if config.policy else None)
@@ -96,7 +100,8 @@ class RouterService:
         self._redis = None
         cache = None
         if cc is not None:
-            cache = StickyCache(cc.timeout_ms, track_changes=cc.backend in ("embedded", "redis"))
+            cache = StickyCache(cc.timeout_ms, track_changes=cc.backend in ("embedded", "redis"),
+                                log_expiry=cc.backend != "redis")
             if cc.backend == "embedded":
                 self._store = EmbeddedCacheStore(cc.path)
                 self._load_embedded(cache)
@@ -356,7 +361,14 @@ class RouterService:
 
     async def _redis_call(self, fn, *args, timeout_s: float):
         with trio.move_on_after(timeout_s) as cs:
-            return await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
+            try:
+                return await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
+            except CacheBackendError:
+                raise
+            except Exception as exc:  # the client's bug, not ours: it must not fail a connection
+                log.exception("router %s: unexpected error from the redis client", self.name)
+                raise CacheBackendError(f"redis client error: {type(exc).__name__}: {exc}") \
+                    from exc
         if cs.cancelled_caught:
             raise CacheBackendError(f"redis timeout after {timeout_s * 1000:.0f} ms")
 
@@ -440,7 +452,13 @@ class RouterService:
                 continue
             self.counters["redis_writes"] += len(puts) + len(touches) + len(deletes)
             now = self.clock()
-            for key, ident in conflicts.items():  # another replica decided first: adopt it
+            mine = {k: ident for k, ident, _ in puts} if conflicts else {}
+            for key, ident in conflicts.items():  # another replica decided first: adopt it...
+                if self._holder.ready_target(ident) is None:
+                    # ...unless it names a node that is not ready here (we re-decided away from
+                    # it, perhaps while Redis was down): ours replaces it, as a stale entry is.
+                    self._pending_puts.setdefault(key, (mine[key], ident))
+                    continue
                 self.counters["redis_conflicts"] += 1
                 e = self.core.cache.entries.get(key)
                 self.core.cache.restore(key, ident, now, e[2] if e else now)
@@ -454,10 +472,14 @@ class RouterService:
             mtime = None
         if not initial and mtime == self._pins_mtime:
             return None
+        bad: list[str] = []
         try:
-            table = load_pins(path)
+            table = load_pins(path, bad_lines=bad)
+            if bad and not table:
+                raise PinFileError(f"no valid pin: {'; '.join(bad[:3])}")
         except PinFileError as exc:
             self.counters["pins_errors"] += 1
+            self.counters["pins_bad_lines"] += len(bad)
             self.pins_error = str(exc)
             log.error("router %s: keeping previous pins: %s", self.name, exc)
             self._pins_mtime = mtime
@@ -466,6 +488,11 @@ class RouterService:
             return None
         self._pins_mtime = mtime
         self.pins_error = None
+        if bad:  # a bad line loses only itself
+            self.counters["pins_bad_lines"] += len(bad)
+            more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+            self.pins_error = f"skipped {len(bad)} bad line(s): {'; '.join(bad[:3])}{more}"
+            log.warning("router %s: pins loaded, %s", self.name, self.pins_error)
         self.counters["pins_reloads"] += 1
         return table
 

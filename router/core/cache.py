@@ -10,6 +10,9 @@ when read or swept by ``expire(now)``.
 The shell persists or shares the cache (embedded file, Redis) by draining ``changes`` — the
 ``(key, identity or None)`` writes and deletions since the last drain — and ``touched`` — the
 keys whose access time moved — when ``track_changes`` is on. The hit path allocates nothing.
+With ``log_expiry=False`` an entry dropped because it went idle is not logged as a deletion: a
+shared tier (Redis) keeps its own TTL, refreshed by every replica, so one replica's local idle
+time must not delete the shared entry.
 """
 
 from __future__ import annotations
@@ -20,12 +23,14 @@ from typing import Iterator
 class StickyCache:
     """In-memory sticky cache with expire-after-access."""
 
-    __slots__ = ("timeout_s", "entries", "track_changes", "changes", "touched")
+    __slots__ = ("timeout_s", "entries", "track_changes", "log_expiry", "changes", "touched")
 
-    def __init__(self, timeout_ms: int = 0, *, track_changes: bool = False) -> None:
+    def __init__(self, timeout_ms: int = 0, *, track_changes: bool = False,
+                 log_expiry: bool = True) -> None:
         self.timeout_s = timeout_ms / 1000.0
         self.entries: dict[str, list] = {}
         self.track_changes = track_changes
+        self.log_expiry = log_expiry
         self.changes: dict[str, str | None] = {}
         self.touched: set[str] = set()
 
@@ -39,7 +44,7 @@ class StickyCache:
             return None
         t = self.timeout_s
         if t and now - e[1] >= t:
-            self._drop(key)
+            self._drop(key, expired=True)
             return None
         e[1] = now
         if self.track_changes and t:
@@ -77,10 +82,10 @@ class StickyCache:
             return True
         return False
 
-    def _drop(self, key: str) -> None:
+    def _drop(self, key: str, expired: bool = False) -> None:
         del self.entries[key]
         self.touched.discard(key)
-        if self.track_changes:
+        if self.track_changes and (self.log_expiry or not expired):
             self.changes[key] = None
 
     def expire(self, now: float) -> list[str]:
@@ -90,7 +95,7 @@ class StickyCache:
             return []
         dead = [k for k, e in self.entries.items() if now - e[1] >= t]
         for k in dead:
-            self._drop(k)
+            self._drop(k, expired=True)
         return dead
 
     def drain(self) -> tuple[dict[str, str | None], set[str]]:

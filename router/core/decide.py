@@ -132,7 +132,7 @@ class Router:
                  pins: PinTable | None = None) -> None:
         self.name = name
         self.resolver = resolver
-        self.policy = policy
+        self.policy = policy  # property: also picks the transform step (None = identity)
         self.pool = pool
         self.cache = cache
         self.local_filter = local_filter
@@ -140,6 +140,17 @@ class Router:
         self.pins = pins
         if pool is not None and policy is not None:
             pool.observers.append(policy.observe)
+
+    @property
+    def policy(self) -> Policy | None:
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: Policy | None) -> None:
+        self._policy = policy
+        # Hot path: most policies keep the base (identity) transform_key; skip the call then.
+        self._transform = (policy.transform_key if policy is not None
+                           and type(policy).transform_key is not Policy.transform_key else None)
 
     # -- management setters (Artemis ConnectionRouterControl) ----------------------------------
     def set_key_filter(self, pattern: str | None) -> None:
@@ -190,8 +201,9 @@ class Router:
 
     def _expl(self, raw, filtered, key, local_match, pin, cache, tier, age, reason) -> dict:
         pool = self.pool
-        policy = self.policy
-        kf = self.resolver.key_filter
+        policy = self._policy
+        resolver = self.resolver
+        kf = resolver.key_filter
         lf = self.local_filter
         if pool is not None:
             ready = len(pool._ready)
@@ -199,7 +211,7 @@ class Router:
             total, qmet = len(pool.members), ready >= qsize
         else:
             ready, total, qsize, qmet = 0, 0, 0, False
-        return {"router": self.name, "key_type": self.resolver.key_type.value, "raw_key": raw,
+        return {"router": self.name, "key_type": resolver.key_type_name, "raw_key": raw,
                 "filtered_key": filtered, "key": key,
                 "key_filter": kf.pattern if kf is not None else None,
                 "local_filter": lf.pattern if lf is not None else None,
@@ -223,10 +235,11 @@ class Router:
                                    reason))
 
     def _route(self, raw: str | None, filtered: str, now: float, commit: bool):
-        policy = self.policy
+        policy = self._policy
         key = filtered
-        if policy is not None and key != NULL_KEY:
-            key = policy.transform_key(key)
+        transform = self._transform
+        if transform is not None and key != NULL_KEY:
+            key = transform(key)
         lf = self.local_filter
         if lf is not None and lf.matches(key):
             return self._local(raw, filtered, key, True, "local-target-filter matched")
@@ -260,7 +273,8 @@ class Router:
             if e is not None:
                 target = pool.ready_target(e[0])
                 if target is not None:
-                    return _decision(_OK, target, target is getattr(self.local, "target", None),
+                    lc = self.local
+                    return _decision(_OK, target, lc is not None and target is lc.target,
                                     self._expl(raw, filtered, key, False, pin_note, "hit", "local",
                                                now - e[2], "cache hit"))
                 cache_state = "stale"
@@ -283,6 +297,7 @@ class Router:
                                        None, reason))
         if cache is not None:
             cache.put(key, target.identity, now)
-        return _decision(_OK, target, target is getattr(self.local, "target", None),
+        lc = self.local
+        return _decision(_OK, target, lc is not None and target is lc.target,
                         self._expl(raw, filtered, key, False, pin_note, cache_state, None, None,
                                    f"selected by {policy.name}"))

@@ -88,14 +88,13 @@ def lodestone_source_key(source: str) -> str:
         end = source.find("]")
         host = source[1:end] if end > 0 else source[1:]
     else:
+        host = source
         try:  # a bare address without port (IPv4 or unbracketed IPv6)
-            return str(ipaddress.ip_address(source.partition("%")[0])) + (
-                "%" + source.partition("%")[2] if "%" in source else "")
+            ipaddress.ip_address(source.partition("%")[0])
         except ValueError:
-            pass
-        host, sep, _port = source.rpartition(":")
-        if not sep:
-            host = source
+            head, sep, _port = source.rpartition(":")
+            if sep:
+                host = head
     addr, pct, scope = host.partition("%")
     try:
         ip = ipaddress.ip_address(addr)
@@ -113,11 +112,13 @@ class KeyResolver:
     the connection has none), ``key`` the filtered key (``NULL`` when missing or unmatched).
     """
 
-    __slots__ = ("key_type", "key_filter", "artemis_keys", "sni_lowercase", "_get")
+    __slots__ = ("key_type", "key_type_name", "key_filter", "artemis_keys", "sni_lowercase",
+                 "_get")
 
     def __init__(self, key_type: KeyType = KeyType.SOURCE_IP, key_filter: Filter | None = None, *,
                  artemis_keys: bool = False, sni_lowercase: bool = True) -> None:
         self.key_type = key_type
+        self.key_type_name = key_type.value  # read per decision; Enum.value is a descriptor
         self.key_filter = key_filter
         self.artemis_keys = artemis_keys
         self.sni_lowercase = sni_lowercase

@@ -8,6 +8,10 @@ and lines starting with ``#`` ignored::
 
 ``node_id`` may also be a target's config name. Exact keys win over patterns; patterns are tried
 in file order. A pin whose node is not ready is skipped (normal routing continues).
+
+``parse_pins`` is strict by default (the first bad line raises ``PinFileError``); given a
+``bad_lines`` list it skips each bad line and appends its message (``file:line: why``) instead,
+which is how the router loads the file: one bad line written by the analytics loses only itself.
 """
 
 from __future__ import annotations
@@ -43,46 +47,64 @@ class PinTable:
         return None
 
 
-def parse_pins(text: str, source: str = "<pins>") -> PinTable:
-    """Parse JSON Lines pin records; errors name ``source`` and the line number."""
+def parse_pins(text: str, source: str = "<pins>", *,
+               bad_lines: list[str] | None = None) -> PinTable:
+    """Parse JSON Lines pin records; errors name ``source`` and the line number.
+
+    Without ``bad_lines`` the first bad line raises ``PinFileError``; with it, bad lines are
+    skipped and their messages appended to the list.
+    """
     exact: dict[str, str] = {}
     patterns: list[tuple[Filter, str]] = []
     for lineno, line in enumerate(text.splitlines(), 1):
         s = line.strip()
         if not s or s.startswith("#"):
             continue
-        where = f"{source}:{lineno}"
         try:
-            rec = json.loads(s)
-        except json.JSONDecodeError as exc:
-            raise PinFileError(f"{where}: invalid JSON: {exc.msg}") from None
-        if not isinstance(rec, dict):
-            raise PinFileError(f"{where}: {s!r} must be a JSON object")
-        node = rec.get("node_id")
-        if not isinstance(node, str) or not node:
-            raise PinFileError(f"{where}: node_id {node!r} must be a non-empty string")
-        unknown = set(rec) - {"key", "pattern", "node_id", "comment", "score"}
-        if unknown:
-            raise PinFileError(f"{where}: unknown field {sorted(unknown)[0]!r}")
-        if ("key" in rec) == ("pattern" in rec):
-            raise PinFileError(f"{where}: give exactly one of \"key\" or \"pattern\"")
-        if "key" in rec:
-            if not isinstance(rec["key"], str):
-                raise PinFileError(f"{where}: key {rec['key']!r} must be a string")
-            exact[rec["key"]] = node
-        else:
-            pat = rec["pattern"]
-            if not isinstance(pat, str):
-                raise PinFileError(f"{where}: pattern {pat!r} must be a string")
-            try:
-                patterns.append((Filter(pat), node))
-            except FilterError as exc:
-                raise PinFileError(f"{where}: {exc}") from None
+            _parse_line(s, f"{source}:{lineno}", exact, patterns)
+        except PinFileError as exc:
+            if bad_lines is None:
+                raise
+            bad_lines.append(str(exc))
     return PinTable(exact, tuple(patterns), source)
 
 
-def load_pins(path: str | Path) -> PinTable:
-    """Read and parse a pins file (``PinFileError`` if unreadable or malformed)."""
+def _parse_line(s: str, where: str, exact: dict[str, str],
+                patterns: list[tuple[Filter, str]]) -> None:
+    """Parse one record into ``exact`` / ``patterns``; PinFileError names ``where``."""
+    try:
+        rec = json.loads(s)
+    except json.JSONDecodeError as exc:
+        raise PinFileError(f"{where}: invalid JSON: {exc.msg}") from None
+    if not isinstance(rec, dict):
+        raise PinFileError(f"{where}: {s!r} must be a JSON object")
+    node = rec.get("node_id")
+    if not isinstance(node, str) or not node:
+        raise PinFileError(f"{where}: node_id {node!r} must be a non-empty string")
+    unknown = set(rec) - {"key", "pattern", "node_id", "comment", "score"}
+    if unknown:
+        raise PinFileError(f"{where}: unknown field {sorted(unknown)[0]!r}")
+    if ("key" in rec) == ("pattern" in rec):
+        raise PinFileError(f"{where}: give exactly one of \"key\" or \"pattern\"")
+    if "key" in rec:
+        if not isinstance(rec["key"], str):
+            raise PinFileError(f"{where}: key {rec['key']!r} must be a string")
+        exact[rec["key"]] = node
+    else:
+        pat = rec["pattern"]
+        if not isinstance(pat, str):
+            raise PinFileError(f"{where}: pattern {pat!r} must be a string")
+        try:
+            patterns.append((Filter(pat), node))
+        except FilterError as exc:
+            raise PinFileError(f"{where}: {exc}") from None
+
+
+def load_pins(path: str | Path, *, bad_lines: list[str] | None = None) -> PinTable:
+    """Read and parse a pins file (``PinFileError`` if unreadable, or malformed when strict).
+
+    ``bad_lines``: skip malformed lines and collect their messages (see ``parse_pins``).
+    """
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -90,4 +112,4 @@ def load_pins(path: str | Path) -> PinTable:
         return PinTable(source=str(p))  # no pins written yet: an empty table
     except (OSError, UnicodeDecodeError) as exc:
         raise PinFileError(f"{p}: cannot read: {exc}") from None
-    return parse_pins(text, str(p))
+    return parse_pins(text, str(p), bad_lines=bad_lines)

@@ -108,3 +108,19 @@ def test_hung_redis_fails_no_decision(tmp_path, targets, redis_server):
         a.wait_status(lambda s: not s["degraded"], timeout=15)
     finally:
         a.quit()
+
+
+def test_redis_cache_keeps_non_ascii_huge_and_lone_surrogate_keys(redis_server):
+    """Keys are Python str (JSON from the management API may hold a lone surrogate); the real
+    client must round-trip them, not raise UnicodeEncodeError out of the write-behind."""
+    from router.cache_redis import RedisCache
+
+    rc = RedisCache(redis_server.url, router="r", timeout_ms=60000)
+    keys = ["ключ", "中文😀", "\ud800", "x" * 100_000]
+    try:
+        assert rc.write([(k, f"node-{i}", "") for i, k in enumerate(keys)], [], []) == {}
+        assert [rc.get(k) for k in keys] == [f"node-{i}" for i in range(len(keys))]
+        assert rc.write([("\ud800", "other", "")], ["中文😀"], ["ключ"]) == {"\ud800": "node-2"}
+        assert rc.get("ключ") is None
+    finally:
+        rc.close()

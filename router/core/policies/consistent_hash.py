@@ -15,7 +15,8 @@ and one bisect.
   largest point — a true ring, so the load evens out and a removed target only moves its own keys.
 * ``LOAD_FACTOR = c`` (optional, >= 1.0): consistent hashing with bounded loads (Mirrokni,
   Thorup, Zadimoghaddam 2018). No target takes more than ``ceil(c * (assigned + 1) / n)`` of the
-  keys this policy has assigned; a full target passes the key on along the ring. The choice then
+  keys this policy has assigned (computed exactly); a full target passes the key on along the
+  ring, and a target with no ring point of its own (equal hashes) is still used below the cap. The choice then
   depends on history, so stickiness comes from the sticky cache.
 * More than one target and no hashing is needed for exactly one target (Artemis returns it).
 """
@@ -24,7 +25,10 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
+from fractions import Fraction
 from typing import Sequence
+
+from router.errors import PolicyError
 
 from .base import Policy, Target
 from .hashing import HASHES
@@ -42,6 +46,14 @@ class ConsistentHashPolicy(Policy):
         self.hash = HASHES[self.hash_name]
         self.virtual_nodes = self.int_property("VIRTUAL_NODES", 128, min=1)
         self.load_factor = self.float_property("LOAD_FACTOR", None, min=1.0)
+        if self.load_factor is not None:
+            if not math.isfinite(self.load_factor):
+                raise PolicyError(f"{self.name}: property LOAD_FACTOR="
+                                  f"{self.properties['LOAD_FACTOR']!r} must be finite")
+            # The cap is computed in integers from the exact decimal (1.1 is 11/10): in floats
+            # 1.1 * 100 / 5 = 22.000000000000004 would round the cap up to 23.
+            exact = Fraction(self.properties["LOAD_FACTOR"].strip())
+            self._lf_num, self._lf_den = exact.numerator, exact.denominator
         self.key_deterministic = self.load_factor is None
         self.artemis_ring = self.virtual_nodes == 1
         self.loads: dict[str, int] = {}
@@ -100,7 +112,7 @@ class ConsistentHashPolicy(Policy):
         total = 0
         for t in targets:
             total += loads.get(t.slot, 0)
-        cap = math.ceil(self.load_factor * (total + 1) / len(targets))
+        cap = -(-self._lf_num * (total + 1) // (self._lf_den * len(targets)))  # exact ceil
         owners = self._owners
         m = len(owners)
         tried: set[int] = set()
@@ -115,6 +127,12 @@ class ConsistentHashPolicy(Policy):
             tried.add(o)
             if len(tried) == len(targets):
                 break
+        # A target whose every point was taken by an equal hash (VIRTUAL_NODES = 1, Artemis: the
+        # later target wins) is not on the ring; it may be the one below the cap.
+        for o, t in enumerate(targets):
+            if o not in tried and loads.get(t.slot, 0) < cap:
+                loads[t.slot] = loads.get(t.slot, 0) + 1
+                return t
         # Unreachable for c >= 1 (some target is below the mean); keep the ring owner anyway.
         t = targets[owners[i]]
         loads[t.slot] = loads.get(t.slot, 0) + 1

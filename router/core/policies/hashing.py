@@ -3,6 +3,9 @@
 * ``fnv1a_utf16`` — Artemis's ``ConsistentHashPolicy.getHash``: 32-bit FNV-1a over the UTF-16 code
   units of the Java String, returned as a signed int32 (spec §2.1). Not murmur3.
 * ``murmur3`` — ``mmh3.hash(key)`` (seed 0, UTF-8, signed int32): our default; C speed.
+  mmh3 5.x **segfaults** on a ``str`` holding a lone surrogate (it does not check its UTF-8
+  conversion), and keys can come from JSON (management API, routing logs), where ``"\ud800"``
+  is legal: such keys are encoded here with ``surrogatepass`` first.
 """
 
 from __future__ import annotations
@@ -30,10 +33,12 @@ def fnv1a_utf16(key: str) -> int:
     return h - 0x100000000 if h & 0x80000000 else h
 
 
-def murmur3(key: str) -> int:
-    """MurmurHash3 x86 32-bit of the UTF-8 key, seed 0, signed int32 (``mmh3.hash``)."""
-    return mmh3.hash(key, 0, True)
+def murmur3(key: str, _hash=mmh3.hash) -> int:
+    """MurmurHash3 x86 32-bit of the UTF-8 key, seed 0, signed int32 (= ``mmh3.hash(key)``)."""
+    if key.isascii():
+        return _hash(key)
+    return _hash(key.encode("utf-8", "surrogatepass"))  # same bytes mmh3 hashes, never a crash
 
 
-HASHES: dict[str, Callable[[str], int]] = {"MURMUR3": mmh3.hash, "FNV1A": fnv1a_utf16}
-"""Name → function for the ``HASH`` policy property. ``mmh3.hash(key)`` is called directly (C)."""
+HASHES: dict[str, Callable[[str], int]] = {"MURMUR3": murmur3, "FNV1A": fnv1a_utf16}
+"""Name → function for the ``HASH`` policy property."""

@@ -1,0 +1,144 @@
+"""``lodestone-router`` / ``python -m router``: run the connection router.
+
+    lodestone-router run etc/router.toml [--workers N] [--drain-timeout-s S] [--log-level L] [--log-json]
+    lodestone-router check etc/router.toml          (validate the config and the users file; exit 0/2)
+
+A bad config prints one line naming file, key and value and exits with status 2. Once every
+socket is bound the router prints ``listening <acceptor name> amqp[s]://host:port`` per acceptor
+and ``listening management http://host:port``. SIGTERM/SIGINT stop accepting, drain open
+connections for up to ``--drain-timeout-s`` and exit 0.
+
+``workers`` (config, or ``--workers``; 0 = one per core) > 1 runs a supervisor and that many
+worker processes sharing the ports with SO_REUSEPORT (see ``router.workers``). The internal
+``worker`` sub-command is what the supervisor starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lodestone-router", description="Lodestone AMQP 1.0 connection router")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, help_ in (("run", "run the router from a TOML config file"),
+                        ("check", "validate a router config (and its users file) and exit")):
+        sp = sub.add_parser(name, help=help_)
+        sp.add_argument("config", type=Path, help="router config file, e.g. etc/router.toml")
+        if name == "run":
+            sp.add_argument("--workers", type=int, default=None,
+                            help="worker processes (overrides the config; 0 = one per core)")
+            sp.add_argument("--drain-timeout-s", type=float, default=None,
+                            help="on SIGTERM, how long open connections may keep running (default 10)")
+            sp.add_argument("--log-level", default="INFO")
+            sp.add_argument("--log-json", action="store_true", help="log JSON lines on stderr")
+    w = sub.add_parser("worker", help=argparse.SUPPRESS)
+    w.add_argument("config", type=Path)
+    w.add_argument("--index", type=int, required=True)
+    w.add_argument("--count", type=int, required=True)
+    w.add_argument("--ports", required=True, help="JSON {acceptor: port}")
+    w.add_argument("--drain-timeout-s", type=float, default=None)
+    w.add_argument("--log-level", default="INFO")
+    w.add_argument("--log-json", action="store_true")
+    return p
+
+
+def _load(path: Path):
+    from broker.tomlconfig import ConfigError
+    from router.config import load_router_config
+
+    cfg = load_router_config(path)
+    if cfg.users_file is not None:
+        from broker.core.security import load_users
+
+        load_users(cfg.users_file)  # fail now, with the file's own error, not after binding
+    for acc in cfg.acceptors:
+        for key, p in (("tls-cert", acc.tls_cert), ("tls-key", acc.tls_key), ("tls-client-ca", acc.tls_client_ca),
+                       ("upstream-ca", acc.upstream_ca)):
+            if p is not None and not Path(p).is_file():
+                raise ConfigError(cfg.file or path, f"acceptors.{acc.name}.{key}", f"{str(p)!r}: no such file")
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser().parse_args(argv)
+    from broker.tomlconfig import ConfigError
+
+    try:
+        cfg = _load(args.config)
+        if args.command == "run" and args.workers is not None and args.workers < 0:
+            raise ConfigError("<command line>", "--workers", f"{args.workers} must be >= 0")
+        if args.command != "check":
+            from router.net.tls import server_context
+
+            for acc in cfg.acceptors:  # certificate/key problems are config errors too
+                if acc.tls_cert is not None:
+                    try:
+                        server_context(acc.tls_cert, acc.tls_key, client_ca=acc.tls_client_ca)
+                    except (OSError, ValueError) as exc:
+                        raise ConfigError(cfg.file or args.config, f"acceptors.{acc.name}.tls-cert",
+                                          f"{str(acc.tls_cert)!r}: {exc}") from None
+    except ConfigError as exc:
+        print(f"lodestone-router: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "check":
+        print(f"{args.config}: ok ({len(cfg.routers)} router(s), {len(cfg.acceptors)} acceptor(s))")
+        return 0
+
+    from broker.logsetup import setup_logging
+
+    setup_logging(args.log_level, args.log_json)
+    drain = args.drain_timeout_s
+    if args.command == "worker":
+        return _run(cfg, worker=args.index, workers=args.count, ports=json.loads(args.ports), drain=drain)
+
+    from router.workers import default_workers, run_supervisor
+
+    workers = cfg.workers if args.workers is None else args.workers
+    if workers == 0:
+        workers = default_workers()
+    if workers > 1:
+        extra = ["--log-level", args.log_level] + (["--log-json"] if args.log_json else [])
+        if drain is not None:
+            extra += ["--drain-timeout-s", str(drain)]
+        return run_supervisor(str(args.config), cfg.acceptors, workers, log_level_args=extra)
+    return _run(cfg, worker=0, workers=1, ports=None, drain=drain)
+
+
+def _run(cfg, *, worker: int, workers: int, ports, drain) -> int:
+    import trio
+
+    from broker.tomlconfig import ConfigError
+    from router.server import DEFAULT_DRAIN_TIMEOUT_S, serve_router
+
+    try:
+        trio.run(lambda: serve_router(cfg, worker=worker, workers=workers, ports=ports,
+                                      drain_timeout_s=DEFAULT_DRAIN_TIMEOUT_S if drain is None else drain))
+    except BaseException as exc:  # noqa: BLE001 - unwrapped and re-raised below if unknown
+        leaf = _leaf(exc)
+        if isinstance(leaf, ConfigError):
+            print(f"lodestone-router: {leaf}", file=sys.stderr)
+            return 2
+        if isinstance(leaf, OSError):  # port in use, address not available
+            print(f"lodestone-router: {leaf}", file=sys.stderr)
+            return 1
+        if isinstance(leaf, KeyboardInterrupt):
+            return 0
+        raise
+    return 0
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,365 @@
+"""The router's management HTTP API (JSON over HTTP/1.1 on ``broker.http``), OpenAPI described.
+
+Routes (``/openapi.json`` has the full document; docs/router.md has examples):
+
+=======  ==============================================  ==============================================
+GET      /health                                         liveness (open, no credentials)
+GET      /api/v1/router                                  process summary: name, worker(s), acceptors, routers
+GET      /api/v1/routers                                 every router: config, filters, pool readiness
+GET      /api/v1/routers/{r}                             one router
+GET      /api/v1/routers/{r}/target?key=K                Artemis ``getTargetAsJSON`` + outcome + explanation
+GET/PUT  /api/v1/routers/{r}/key-filter                  ``{"key_filter": "regex" | null}``
+GET/PUT  /api/v1/routers/{r}/local-target-filter         ``{"local_target_filter": "regex" | null}``
+GET      /api/v1/routers/{r}/pool                        targets (ready, node id, connections), quorum
+GET      /api/v1/routers/{r}/cache                       sticky-cache entries
+GET      /api/v1/counters                                edge counters (total and per acceptor) + routers'
+GET      /metrics                                        Prometheus text format
+GET      /openapi.json                                   this API as OpenAPI 3.0
+=======  ==============================================  ==============================================
+
+Credentials: HTTP Basic. With ``[management] user``/``password`` those are checked; otherwise,
+with a users file, any user holding the ``manage`` permission on ``activemq.management`` (as on the
+broker). With neither, the API is open — it binds to 127.0.0.1 by default.
+
+Like Artemis' ``getTargetAsJSON``, the target lookup runs the router's decision for the raw key
+(no key filter), populates the sticky cache as a side effect and names the same target a real
+connection with that key gets.
+"""
+
+from __future__ import annotations
+
+import hmac
+import inspect
+import logging
+import re
+from typing import Any
+
+import trio
+
+from broker.http import HttpError, Metric, Request, Response, json_response, metrics_response, require_basic_auth, serve_http
+from router.core.decide import Decision, Outcome
+from router.errors import FilterError
+from router.net.stats import COUNTER_NAMES
+
+log = logging.getLogger("router.management")
+
+MANAGEMENT_ADDRESS = "activemq.management"
+_ROUTE = re.compile(r"^/api/v1/routers/([^/]+)(/[a-z-]+)?$")
+
+
+async def serve_management(running, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve the management API for a ``RunningRouter``; ``task_status.started((host, port))``."""
+    cfg = running.config.management
+    api = ManagementApi(running)
+    await serve_http(api.handle, cfg.host, cfg.port, task_status=task_status)
+
+
+class ManagementApi:
+    """Request handler over a ``router.server.RunningRouter``."""
+
+    def __init__(self, running):
+        self.running = running
+        self.cfg = running.config
+
+    # -- auth ------------------------------------------------------------------------------------
+    def _check(self, user: str, password: str) -> bool:
+        m = self.cfg.management
+        if m.user is not None:
+            return hmac.compare_digest(user.encode(), m.user.encode()) and \
+                hmac.compare_digest(password.encode(), (m.password or "").encode())
+        auth = self.running.edge.authenticator
+        if auth is None:
+            return True
+        principal = auth.authenticate(user, password, None)
+        return principal is not None and auth.check(principal, "manage", MANAGEMENT_ADDRESS)
+
+    def _auth_required(self) -> bool:
+        return self.cfg.management.user is not None or self.running.edge.authenticator is not None
+
+    async def _authorize(self, request: Request) -> None:
+        if not self._auth_required():
+            return
+        # scrypt on a cache miss: off the event loop
+        ok_box = {}
+
+        def check(u: str, p: str) -> bool:
+            return ok_box.setdefault("ok", self._check(u, p))
+
+        from broker.http import basic_auth
+
+        creds = basic_auth(request)
+        if creds is not None:
+            await trio.to_thread.run_sync(check, *creds)
+        require_basic_auth(request, lambda u, p: ok_box.get("ok", False), realm="lodestone-router")
+
+    # -- dispatch --------------------------------------------------------------------------------
+    async def handle(self, request: Request) -> Response:
+        path = request.path.rstrip("/") or "/"
+        if path == "/health":
+            return json_response({"status": "draining" if self.running.draining else "ok",
+                                  "router": self.cfg.name}, 503 if self.running.draining else 200)
+        if path == "/openapi.json":
+            return json_response(openapi_document())
+        await self._authorize(request)
+        if path == "/metrics":
+            return metrics_response(self.metrics())
+        if path == "/api/v1/router":
+            return json_response(self.summary())
+        if path == "/api/v1/routers":
+            return json_response([self.router_view(n) for n in self.running.services])
+        if path == "/api/v1/counters":
+            return json_response(self.counters())
+        m = _ROUTE.match(path)
+        if m:
+            name, sub = m.group(1), m.group(2) or ""
+            service = self.running.services.get(name)
+            if service is None:
+                raise HttpError(404, f"no router named {name!r} (routers: {', '.join(self.running.services)})")
+            if sub == "" and request.method == "GET":
+                return json_response(self.router_view(name))
+            if sub == "/target" and request.method == "GET":
+                key = request.query.get("key")
+                if key is None:
+                    raise HttpError(400, "missing query parameter: key")
+                return json_response(await self.target_for_key(name, key))
+            if sub in ("/key-filter", "/local-target-filter"):
+                field = sub[1:].replace("-", "_")
+                if request.method == "GET":
+                    return json_response({field: self._get_filter(service, field)})
+                if request.method == "PUT":
+                    return json_response(self._put_filter(service, field, request))
+                raise HttpError(405, f"{request.method} not allowed on {path} (GET, PUT)")
+            if sub == "/pool" and request.method == "GET":
+                return json_response(self.pool_view(name))
+            if sub == "/cache" and request.method == "GET":
+                return json_response(self.cache_view(name))
+            if request.method != "GET":
+                raise HttpError(405, f"{request.method} not allowed on {path}")
+        raise HttpError(404, f"no such resource: {path}")
+
+    # -- views -----------------------------------------------------------------------------------
+    def summary(self) -> dict:
+        r = self.running
+        return {
+            "name": self.cfg.name,
+            "worker": r.worker,
+            "workers": r.workers,
+            "draining": r.draining,
+            "acceptors": [{"name": a.name, "mode": a.mode, "router": a.router, "host": a.host,
+                           "port": r.ports.get(a.name, a.port), "tls": a.tls_cert is not None,
+                           "mtls": a.tls_client_ca is not None, "max_connections": a.max_connections,
+                           "active_connections": r.edge.stats.active[a.name]}
+                          for a in self.cfg.acceptors],
+            "routers": list(r.services),
+        }
+
+    def router_view(self, name: str) -> dict:
+        service = self.running.services[name]
+        rc = self.cfg.routers.get(name)
+        out = {
+            "name": name,
+            "key_type": rc.key_type.value if rc is not None else None,
+            "key_filter": self._get_filter(service, "key_filter"),
+            "local_target_filter": self._get_filter(service, "local_target_filter"),
+            "policy": (rc.policy.name if rc is not None and rc.policy is not None else None),
+            "policy_properties": dict(rc.policy.properties) if rc is not None and rc.policy is not None else {},
+            "degraded": bool(getattr(service, "degraded", False)),
+        }
+        out.update({"pool": self.pool_view(name)})
+        return out
+
+    def pool_view(self, name: str) -> dict | None:
+        service = self.running.services[name]
+        pool = getattr(service, "pool", None)
+        if pool is None:
+            return None
+        snap = pool.snapshot() if hasattr(pool, "snapshot") else {}
+        return snap
+
+    def cache_view(self, name: str) -> Any:
+        service = self.running.services[name]
+        entries = getattr(service, "cache_entries", None)
+        if entries is None:
+            return {"enabled": False, "entries": []}
+        value = entries() if callable(entries) else entries
+        return {"enabled": True, "entries": value}
+
+    def counters(self) -> dict:
+        r = self.running
+        routers = {}
+        for name, service in r.services.items():
+            c = getattr(service, "counters", None)
+            routers[name] = dict(c) if c is not None else {}
+        return {"worker": r.worker, "workers": r.workers, "edge": r.edge.stats.totals(),
+                "acceptors": r.edge.stats.by_acceptor(a.name for a in self.cfg.acceptors),
+                "routers": routers,
+                "routing_log": {"lines_written": r.edge.routelog.lines_written,
+                                "lines_dropped": r.edge.routelog.lines_dropped}}
+
+    async def target_for_key(self, name: str, key: str) -> dict:
+        service = self.running.services[name]
+        decision = service.route_for_key(key)
+        if inspect.isawaitable(decision):
+            decision = await decision
+        return target_json(decision)
+
+    # -- filters ---------------------------------------------------------------------------------
+    @staticmethod
+    def _filter_accessors(service, field: str):
+        get_name = "get_key_filter" if field == "key_filter" else "get_local_target_filter"
+        set_name = "set_key_filter" if field == "key_filter" else "set_local_target_filter"
+        for obj in (service, getattr(service, "router", None)):
+            if obj is not None and hasattr(obj, get_name) and hasattr(obj, set_name):
+                return getattr(obj, get_name), getattr(obj, set_name)
+        raise HttpError(500, f"router service has no {field} accessors")
+
+    def _get_filter(self, service, field: str):
+        get, _ = self._filter_accessors(service, field)
+        return get()
+
+    def _put_filter(self, service, field: str, request: Request) -> dict:
+        body = request.json()
+        if not isinstance(body, dict) or field not in body:
+            raise HttpError(400, f'body must be {{"{field}": "<regex>"}} or {{"{field}": null}}')
+        value = body[field]
+        if value is not None and not isinstance(value, str):
+            raise HttpError(400, f"{field} must be a string or null")
+        _, setter = self._filter_accessors(service, field)
+        try:
+            setter(value)
+        except (FilterError, ValueError) as exc:
+            raise HttpError(400, f"{field}: {exc}") from None
+        get, _ = self._filter_accessors(service, field)
+        log.info("%s set to %r via management", field, get())
+        out = {field: get()}
+        if self.running.workers > 1:
+            out["applies_to"] = f"worker {self.running.worker} of {self.running.workers} (see docs/router.md)"
+        return out
+
+    # -- metrics ---------------------------------------------------------------------------------
+    def metrics(self) -> list[Metric]:
+        r = self.running
+        stats = r.edge.stats
+        ms = [Metric("lodestone_router_edge_events_total", "counter",
+                     "Edge events per acceptor (see docs/router.md for each event)",
+                     tuple(({"acceptor": a, "event": e}, v) for (a, e), v in sorted(stats.counters.items()))),
+              Metric("lodestone_router_active_connections", "gauge", "Open client connections per acceptor",
+                     tuple(({"acceptor": a.name}, stats.active[a.name]) for a in self.cfg.acceptors)),
+              Metric("lodestone_router_proxied_bytes_total", "counter", "Bytes proxied per acceptor and direction",
+                     tuple(({"acceptor": a.name, "direction": "client_to_broker"}, stats.bytes_up[a.name])
+                           for a in self.cfg.acceptors) +
+                     tuple(({"acceptor": a.name, "direction": "broker_to_client"}, stats.bytes_down[a.name])
+                           for a in self.cfg.acceptors)),
+              Metric("lodestone_router_routing_log_lines_total", "counter", "Routing-log lines written",
+                     (({}, r.edge.routelog.lines_written),)),
+              Metric("lodestone_router_routing_log_dropped_total", "counter",
+                     "Routing-log lines dropped because the writer fell behind",
+                     (({}, r.edge.routelog.lines_dropped),))]
+        ready, total, quorum, target_ready = [], [], [], []
+        service_counters = []
+        for name, service in r.services.items():
+            pool = getattr(service, "pool", None)
+            if pool is not None:
+                ready.append(({"router": name}, pool.ready_count))
+                total.append(({"router": name}, pool.total_count))
+                quorum.append(({"router": name}, 1 if pool.quorum_met else 0))
+                for st in pool.all_states():
+                    t = st.target
+                    target_ready.append(({"router": name, "target": t.name or f"{t.host}:{t.port}",
+                                          "node_id": t.node_id or ""}, 1 if st.ready else 0))
+            for cname, v in sorted((getattr(service, "counters", None) or {}).items()):
+                service_counters.append(({"router": name, "event": str(cname)}, v))
+        ms += [Metric("lodestone_router_pool_ready_targets", "gauge", "Ready targets per router", tuple(ready)),
+               Metric("lodestone_router_pool_targets", "gauge", "Targets per router", tuple(total)),
+               Metric("lodestone_router_pool_quorum_met", "gauge", "1 when the pool has its quorum", tuple(quorum)),
+               Metric("lodestone_router_target_ready", "gauge", "1 when a target is ready", tuple(target_ready)),
+               Metric("lodestone_router_routing_events_total", "counter", "Routing-core events per router",
+                      tuple(service_counters))]
+        return ms
+
+
+def target_json(decision: Decision) -> dict:
+    """Artemis ``getTargetAsJSON`` shape (``nodeID``, ``local``, ``connector``) plus Lodestone's
+    ``outcome`` and ``explanation``. A refusing decision has ``nodeID``/``connector`` null."""
+    t = decision.target if decision.outcome is Outcome.OK else None
+    connector = None
+    if t is not None and not decision.local:
+        connector = {"name": t.name or f"{t.host}:{t.port}",
+                     "factoryClassName": "org.apache.activemq.artemis.core.remoting.impl.netty.NettyConnectorFactory",
+                     "params": {"host": t.host, "port": t.port, "sslEnabled": bool(t.tls)},
+                     "extraProps": {}}
+    return {"nodeID": t.node_id if t is not None else None,
+            "local": bool(decision.local) if t is not None else False,
+            "connector": connector,
+            "outcome": decision.outcome.value,
+            "target": None if t is None else {"name": t.name, "node_id": t.node_id, "host": t.host,
+                                              "port": t.port, "tls": t.tls},
+            "explanation": decision.explanation.to_dict()}
+
+
+def openapi_document() -> dict:
+    """The OpenAPI 3.0 description of this API."""
+    def op(summary: str, schema: dict | None = None, *, params: list | None = None, body: dict | None = None,
+           auth: bool = True) -> dict:
+        o: dict = {"summary": summary, "responses": {"200": {"description": "OK", "content": {
+            "application/json": {"schema": schema or {"type": "object"}}}}}}
+        if params:
+            o["parameters"] = params
+        if body:
+            o["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+            o["responses"]["400"] = {"description": "invalid body or regular expression"}
+        if auth:
+            o["responses"]["401"] = {"description": "credentials required"}
+        else:
+            o["security"] = []
+        return o
+
+    router_param = {"name": "router", "in": "path", "required": True, "schema": {"type": "string"}}
+    nullable_str = {"type": "string", "nullable": True}
+    target_schema = {"type": "object", "properties": {
+        "nodeID": nullable_str, "local": {"type": "boolean"},
+        "connector": {"type": "object", "nullable": True, "properties": {
+            "name": {"type": "string"}, "factoryClassName": {"type": "string"},
+            "params": {"type": "object"}, "extraProps": {"type": "object"}}},
+        "outcome": {"type": "string", "enum": [o.value for o in Outcome]},
+        "target": {"type": "object", "nullable": True},
+        "explanation": {"type": "object"}}}
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "Lodestone router management API", "version": "1"},
+        "components": {"securitySchemes": {"basic": {"type": "http", "scheme": "basic"}}},
+        "security": [{"basic": []}],
+        "paths": {
+            "/health": {"get": op("Liveness (503 while draining)", auth=False)},
+            "/openapi.json": {"get": op("This document", auth=False)},
+            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {
+                "description": "text exposition format 0.0.4", "content": {"text/plain": {}}}}}},
+            "/api/v1/router": {"get": op("Process summary: acceptors, routers, workers")},
+            "/api/v1/routers": {"get": op("Every router", {"type": "array", "items": {"type": "object"}})},
+            "/api/v1/routers/{router}": {"get": op("One router: key type, filters, policy, pool",
+                                                   params=[router_param])},
+            "/api/v1/routers/{router}/target": {"get": op(
+                "The target for a key (Artemis getTargetAsJSON + outcome + explanation); the key filter "
+                "is not applied and the sticky cache is populated, as in Artemis", target_schema,
+                params=[router_param, {"name": "key", "in": "query", "required": True,
+                                       "schema": {"type": "string"}}])},
+            "/api/v1/routers/{router}/key-filter": {
+                "get": op("Current key filter", {"type": "object", "properties": {"key_filter": nullable_str}},
+                          params=[router_param]),
+                "put": op("Replace the key filter (null or blank clears it)", params=[router_param],
+                          body={"type": "object", "required": ["key_filter"],
+                                "properties": {"key_filter": nullable_str}})},
+            "/api/v1/routers/{router}/local-target-filter": {
+                "get": op("Current local-target filter",
+                          {"type": "object", "properties": {"local_target_filter": nullable_str}},
+                          params=[router_param]),
+                "put": op("Replace the local-target filter (null or blank clears it)", params=[router_param],
+                          body={"type": "object", "required": ["local_target_filter"],
+                                "properties": {"local_target_filter": nullable_str}})},
+            "/api/v1/routers/{router}/pool": {"get": op("Targets with readiness, node ids, connection counts; "
+                                                        "quorum", params=[router_param])},
+            "/api/v1/routers/{router}/cache": {"get": op("Sticky-cache entries", params=[router_param])},
+            "/api/v1/counters": {"get": op("Edge counters (" + ", ".join(COUNTER_NAMES) + ") in total and per "
+                                           "acceptor, and each router's counters")},
+        },
+    }

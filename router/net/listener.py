@@ -1,0 +1,129 @@
+"""Listening sockets and the accept loop.
+
+trio's ``open_tcp_listeners`` does not set ``SO_REUSEPORT``, which several worker processes need
+to share one port (the kernel then spreads new connections over the workers' accept queues). So
+the sockets are made here: resolve, ``socket``, ``SO_REUSEADDR`` (+ ``SO_REUSEPORT`` when asked),
+``bind``, ``listen``, and wrap each in ``trio.SocketListener``.
+
+The accept loop follows trio's ``_highlevel_serve_listeners``: accepting and handling live in
+separate nurseries, so a handler never blocks the accept loop; the connection limit is checked at
+accept time (over-limit connections are counted and closed at once, before any TLS work).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket as _stdlib_socket
+from typing import Awaitable, Callable
+
+import trio
+
+log = logging.getLogger("router.listener")
+
+# Errors from accept() that mean "out of a resource" (fds, memory); trio's serve_listeners sleeps
+# and retries on them rather than crashing.
+_ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+_SLEEP_ON_CAPACITY_S = 0.1
+
+
+async def open_listeners(host: str, port: int, *, reuse_port: bool = False,
+                         backlog: int = 4096) -> list[trio.SocketListener]:
+    """Bind ``host:port`` (every address it resolves to) and return trio listeners.
+
+    With ``reuse_port`` the sockets get ``SO_REUSEPORT`` so sibling processes can bind the same
+    port. ``port`` 0 picks a free port; when ``host`` resolves to several addresses the port the
+    first bind got is reused for the rest, so one acceptor has one port.
+    """
+    infos = await trio.socket.getaddrinfo(host, port, type=_stdlib_socket.SOCK_STREAM,
+                                          flags=_stdlib_socket.AI_PASSIVE)
+    listeners: list[trio.SocketListener] = []
+    chosen_port = port
+    seen = set()
+    try:
+        for family, type_, proto, _canon, sockaddr in infos:
+            key = (family, sockaddr[0])
+            if key in seen:
+                continue
+            seen.add(key)
+            sock = trio.socket.socket(family, type_, proto)
+            try:
+                sock.setsockopt(_stdlib_socket.SOL_SOCKET, _stdlib_socket.SO_REUSEADDR, 1)
+                if reuse_port:
+                    sock.setsockopt(_stdlib_socket.SOL_SOCKET, _stdlib_socket.SO_REUSEPORT, 1)
+                if family == _stdlib_socket.AF_INET6:
+                    sock.setsockopt(_stdlib_socket.IPPROTO_IPV6, _stdlib_socket.IPV6_V6ONLY, 1)
+                addr = (sockaddr[0], chosen_port) + tuple(sockaddr[2:])
+                await sock.bind(addr)
+                if chosen_port == 0:
+                    chosen_port = sock.getsockname()[1]
+                sock.listen(backlog)
+            except BaseException:
+                sock.close()
+                raise
+            listeners.append(trio.SocketListener(sock))
+    except BaseException:
+        for listener in listeners:
+            await listener.aclose()
+        raise
+    return listeners
+
+
+def listener_port(listeners: list[trio.SocketListener]) -> int:
+    """The port the (first) listener is bound to."""
+    return listeners[0].socket.getsockname()[1]
+
+
+class ConnectionLimit:
+    """A per-acceptor cap on concurrent connections (a counter, not a semaphore: over the limit
+    we refuse immediately instead of queueing, so the client is not left waiting)."""
+
+    def __init__(self, limit: int | None):
+        self.limit = limit
+        self.active = 0
+
+    def try_acquire(self) -> bool:
+        if self.limit is not None and self.active >= self.limit:
+            return False
+        self.active += 1
+        return True
+
+    def release(self) -> None:
+        self.active -= 1
+
+
+async def serve_listeners(handler: Callable[[trio.SocketStream], Awaitable[None]],
+                          listeners: list[trio.SocketListener], *, handler_nursery: trio.Nursery,
+                          limit: ConnectionLimit, on_rejected: Callable[[], None]) -> None:
+    """Accept forever on every listener; each accepted stream runs ``handler`` in
+    ``handler_nursery``. Over the limit the stream is closed at once and ``on_rejected`` called.
+    The handler owns closing its stream."""
+    async with trio.open_nursery() as accept_nursery:
+        for listener in listeners:
+            accept_nursery.start_soon(_accept_loop, handler, listener, handler_nursery, limit, on_rejected)
+
+
+async def _accept_loop(handler, listener: trio.SocketListener, handler_nursery: trio.Nursery,
+                       limit: ConnectionLimit, on_rejected) -> None:
+    while True:
+        try:
+            stream = await listener.accept()
+        except OSError as exc:
+            if exc.errno in _ACCEPT_CAPACITY_ERRNOS:
+                log.error("accept failed (%s); retrying in %.1fs", errno.errorcode.get(exc.errno, exc.errno),
+                          _SLEEP_ON_CAPACITY_S)
+                await trio.sleep(_SLEEP_ON_CAPACITY_S)
+                continue
+            raise
+        if not limit.try_acquire():
+            on_rejected()
+            stream.socket.close()  # a plain FIN: the client learns at once, we keep no state
+            continue
+        handler_nursery.start_soon(_run_handler, handler, stream, limit)
+
+
+async def _run_handler(handler, stream: trio.SocketStream, limit: ConnectionLimit) -> None:
+    try:
+        await handler(stream)
+    finally:
+        limit.release()

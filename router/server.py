@@ -1,0 +1,188 @@
+"""The router process: routing services, acceptors, management API, routing log, drain.
+
+Structure (trio, per STYLE.md): one *system* nursery runs the long-lived services (each router's
+``RouterService.run`` — health probes, cache tiers —, the routing-log flusher, the management
+API); one *handlers* nursery holds every client connection; one *accept* nursery runs the accept
+loops. On SIGTERM/SIGINT the accept nursery is cancelled and the listeners closed (no new
+connections), the handlers nursery gets ``drain_timeout_s`` to finish on its own (redirects and
+refusals finish in milliseconds; proxied connections run until they close), then whatever is
+left is cancelled, the routing log is flushed and the process exits 0.
+
+``serve_router(cfg, ...)`` is the entry point ``python -m router run`` uses; tests may call it
+in-process too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from broker.logsetup import print_listening
+from router.config import AcceptorConfig, RouterProcessConfig
+from router.net.connection import Acceptor, AcceptorSettings, EdgeContext
+from router.net.listener import ConnectionLimit, listener_port, open_listeners, serve_listeners
+from router.net.stats import EdgeStats
+from router.net.tls import client_context, server_context
+from router.routelog import RouteLog, worker_log_path
+
+log = logging.getLogger("router.server")
+
+DEFAULT_DRAIN_TIMEOUT_S = 10.0
+
+
+@dataclass
+class RunningRouter:
+    """What a started router exposes (management API and tests use it)."""
+
+    config: RouterProcessConfig
+    services: dict[str, Any]
+    acceptors: dict[str, Acceptor]
+    limits: dict[str, ConnectionLimit]
+    edge: EdgeContext
+    ports: dict[str, int] = field(default_factory=dict)
+    management_address: tuple[str, int] | None = None
+    worker: int = 0
+    workers: int = 1
+    draining: bool = False
+
+
+def acceptor_settings(acc: AcceptorConfig) -> AcceptorSettings:
+    """Build the run-time settings of one acceptor from its config."""
+    ssl_ctx = None
+    if acc.tls_cert is not None:
+        ssl_ctx = server_context(acc.tls_cert, acc.tls_key, client_ca=acc.tls_client_ca)
+    mechs = list(acc.sasl_mechanisms)
+    if acc.anonymous and "ANONYMOUS" not in mechs:
+        mechs.append("ANONYMOUS")
+    if ssl_ctx is None or acc.tls_client_ca is None:
+        mechs = [m for m in mechs if m != "EXTERNAL"]  # EXTERNAL needs a verified client certificate
+    upstream_ctx = None
+    if acc.mode == "proxy":
+        upstream_ctx = client_context(ca=acc.upstream_ca) if acc.upstream_ca is not None else client_context()
+    return AcceptorSettings(
+        name=acc.name, mode=acc.mode, router=acc.router, ssl_context=ssl_ctx, mechanisms=tuple(mechs) or ("PLAIN",),
+        tls_handshake_timeout_s=acc.tls_handshake_timeout_ms / 1000,
+        handshake_timeout_s=acc.handshake_timeout_ms / 1000,
+        upstream_connect_timeout_s=acc.connect_timeout_ms / 1000,
+        idle_timeout_s=acc.idle_timeout_s or None,
+        upstream_ssl_context=upstream_ctx,
+        upstream_tls=acc.upstream_tls,
+        # diagnostic knob for loadtest/bench_proxy.py: LODESTONE_SPLICE=0 forces the stream pump
+        use_splice=os.environ.get("LODESTONE_SPLICE", "1") != "0",
+    )
+
+
+def _url(acc: AcceptorConfig, host: str, port: int) -> str:
+    scheme = "amqps" if acc.tls_cert is not None else "amqp"
+    h = f"[{host}]" if ":" in host else host
+    return f"{scheme}://{h}:{port}"
+
+
+async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: int = 1,
+                       ports: dict[str, int] | None = None, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+                       print_lines: bool = True, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Run the router until SIGTERM/SIGINT (then drain) or cancellation.
+
+    ``worker``/``workers``/``ports`` are set by the multi-process supervisor (router.workers);
+    the primary worker (0) serves the management API and prints the ``listening`` lines.
+    ``task_status.started(RunningRouter)`` once every socket is bound.
+    """
+    from router.service import build_services
+
+    authenticator = None
+    if cfg.users_file is not None:
+        from broker.core.security import load_users
+
+        authenticator = load_users(cfg.users_file)
+        for w in authenticator.warnings():
+            log.warning("%s", w)
+    services = build_services(cfg)
+    rl = cfg.routing_log
+    path = None
+    if rl.enabled and rl.path is not None:
+        path = worker_log_path(rl.path, worker, workers)
+    routelog = RouteLog(path, max_bytes=rl.max_bytes, backup_count=rl.backups)
+    edge = EdgeContext(EdgeStats(), routelog, authenticator, worker=worker)
+    acceptors: dict[str, Acceptor] = {}
+    limits: dict[str, ConnectionLimit] = {}
+    for acc in cfg.acceptors:
+        acceptors[acc.name] = Acceptor(acceptor_settings(acc), services[acc.router], edge)
+        limits[acc.name] = ConnectionLimit(acc.max_connections or None)
+    running = RunningRouter(cfg, services, acceptors, limits, edge, worker=worker, workers=workers)
+    primary = worker == 0
+
+    try:
+        async with trio.open_nursery() as system:
+            for name, service in services.items():
+                await system.start(service.run)
+            await system.start(routelog.run)
+
+            bound: dict[str, list[trio.SocketListener]] = {}
+            try:
+                for acc in cfg.acceptors:
+                    port = (ports or {}).get(acc.name, acc.port)
+                    bound[acc.name] = await open_listeners(acc.host, port, reuse_port=workers > 1)
+                    running.ports[acc.name] = listener_port(bound[acc.name])
+                if primary:
+                    from router.management import serve_management
+
+                    running.management_address = await system.start(serve_management, running)
+            except BaseException:
+                for ls in bound.values():
+                    for listener in ls:
+                        await listener.aclose()
+                raise
+            if print_lines and primary:
+                for acc in cfg.acceptors:
+                    print_listening(acc.name, _url(acc, acc.host, running.ports[acc.name]))
+                if running.management_address is not None:
+                    host, port = running.management_address
+                    print_listening("management", f"http://{host}:{port}")
+            log.info("router %s worker %d/%d serving %d acceptor(s)", cfg.name, worker, workers, len(bound))
+            task_status.started(running)
+
+            with trio.CancelScope() as handlers_scope:
+                async with trio.open_nursery() as handlers:
+                    async with trio.open_nursery() as accepting:
+                        for acc in cfg.acceptors:
+                            a = acceptors[acc.name]
+                            accepting.start_soon(_serve_acceptor, a, bound[acc.name], handlers, limits[acc.name], edge)
+                        accepting.start_soon(_wait_for_signal, accepting.cancel_scope)
+                    # accepting is over (signal): stop listening, then drain
+                    running.draining = True
+                    for ls in bound.values():
+                        for listener in ls:
+                            await trio.aclose_forcefully(listener)
+                    active = sum(edge.stats.active.values())
+                    log.info("draining: %d connection(s) open, up to %.1fs", active, drain_timeout_s)
+                    handlers_scope.deadline = trio.current_time() + drain_timeout_s
+            if handlers_scope.cancelled_caught:
+                log.info("drain deadline reached; remaining connections were closed")
+            system.cancel_scope.cancel()
+    finally:
+        await routelog.aclose()
+        for service in services.values():
+            close = getattr(service, "aclose", None)
+            if close is not None:
+                with trio.CancelScope(shield=True):
+                    await close()
+
+
+async def _serve_acceptor(acceptor: Acceptor, listeners, handlers: trio.Nursery, limit: ConnectionLimit,
+                          edge: EdgeContext) -> None:
+    name = acceptor.settings.name
+    await serve_listeners(acceptor.handle, listeners, handler_nursery=handlers, limit=limit,
+                          on_rejected=lambda: edge.stats.inc(name, "connection_limit_rejected"))
+
+
+async def _wait_for_signal(accept_scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("received %s: no new connections; draining", signal.Signals(signum).name)
+            accept_scope.cancel()
+            return

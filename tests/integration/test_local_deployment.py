@@ -1,0 +1,104 @@
+"""The README's main command: 3 brokers + the router, real processes, real AMQP clients."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from proton import Message
+from proton.utils import BlockingConnection
+
+from router.client import connect_following_redirects
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+FIXED_PORTS = [5672, 5673, 8160, 15672, 15673, 15674, 18161, 18162, 18163]
+
+
+def _free_ports(n):
+    import socket
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.fixture
+def local_deployment(tmp_path):
+    """A private copy of etc/ (data and logs in tmp_path), its fixed ports swapped for free ones."""
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    mapping = dict(zip(FIXED_PORTS, _free_ports(len(FIXED_PORTS))))
+    for f in (REPO / "etc").glob("*.toml"):
+        text = f.read_text()
+        for old, new in mapping.items():
+            text = re.sub(rf"(?<![0-9]){old}(?![0-9])", str(new), text)
+        (etc / f.name).write_text(text)
+    proc = subprocess.Popen([sys.executable, "-m", "router.local", "--etc", str(etc), "--logs", str(tmp_path / "logs")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    lines = []
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("Ctrl-C"):
+            break
+    assert lines and lines[-1].startswith("Ctrl-C"), "".join(lines)
+    yield proc, "".join(lines), tmp_path, mapping
+    try:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=60) == 0
+    finally:
+        proc.stdout.close()
+
+
+def test_local_deployment_serves_proxy_and_redirect_clients(local_deployment):
+    proc, banner, tmp_path, ports = local_deployment
+    redirect, proxy = f"amqp://127.0.0.1:{ports[5672]}", f"amqp://127.0.0.1:{ports[5673]}"
+    assert redirect in banner and proxy in banner
+    for url in (proxy, redirect):
+        conn = connect_following_redirects(url, user="app", password="app", allowed_mechs="PLAIN",
+                                           allow_insecure_mechs=True)
+        try:
+            conn.create_sender("local.q").send(Message(body=f"via {url}"))
+            receiver = conn.create_receiver("local.q")
+            msg = receiver.receive(timeout=10)
+            receiver.accept()
+            assert msg.body == f"via {url}"
+        finally:
+            conn.close()
+    log = (tmp_path / "var" / "router" / "routing.log")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not (log.exists() and '"outcome":"OK"' in log.read_text()):
+        time.sleep(0.2)
+    assert '"outcome":"OK"' in log.read_text()
+
+
+def test_children_stop_when_the_supervisor_is_killed(local_deployment):
+    proc, banner, tmp_path, ports = local_deployment
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(children) == 4
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 30
+    alive = children
+    while time.monotonic() < deadline:
+        alive = [pid for pid in children if Path(f"/proc/{pid}").exists()
+                 and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]]
+        if not alive:
+            break
+        time.sleep(0.2)
+    assert not alive
