@@ -116,7 +116,7 @@ class Table:
         value = self.data[key]
         kinds = kind if isinstance(kind, tuple) else (kind,)
         # TOML integers are acceptable where a float is expected; bools are never ints here.
-        if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+        if float in kinds and int not in kinds and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if isinstance(value, bool) and bool not in kinds:
             raise self.error(key, f"{value!r} must be {_kind_name(kinds)}")

@@ -84,6 +84,8 @@ class TargetConfig:
     tls: bool = False
     management_url: str | None = None
     node_id: str | None = None
+    username: str | None = None             # management API credentials of this target,
+    password: str | None = None             # overriding the pool's
 
     def to_target(self) -> Target:
         return Target(self.node_id, self.host, self.port, self.tls, self.management_url, self.name)
@@ -254,7 +256,8 @@ def _target(t: Table, default_name: str | None = None) -> TargetConfig:
     port = t.int("port", min=1, max=65535)
     tc = TargetConfig(name=t.str("name", default_name or f"{host}:{port}"), host=host, port=port,
                       tls=t.bool("tls", False), management_url=_mgmt_url(t, "management-url"),
-                      node_id=t.str("node-id", None))
+                      node_id=t.str("node-id", None), username=t.str("username", None),
+                      password=t.str("password", None))
     t.done()
     return tc
 

@@ -132,13 +132,18 @@ async def run_health_checks(pool: Pool, *, check_period_ms: int, username: str |
                             password: str | None = None, clock: Callable[[], float],
                             ssl_context: ssl.SSLContext | None = None,
                             on_round: Callable[[], None] | None = None,
+                            credentials: dict[str, tuple[str | None, str | None]] | None = None,
                             task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Probe every target of ``pool`` each ``check_period_ms`` (first round at once); never returns."""
+    """Probe every target of ``pool`` each ``check_period_ms`` (first round at once); never returns.
+
+    ``credentials`` maps a target's name to its own (username, password), overriding the pool's.
+    """
     period = check_period_ms / 1000.0
     timeout = min(period, 2.0)
 
     async def one(target: Target) -> None:
-        res = await probe_target(target, username=username, password=password,
+        user, pw = (credentials or {}).get(target.name, (username, password))
+        res = await probe_target(target, username=user, password=pw,
                                  timeout_s=timeout, ssl_context=ssl_context)
         pool.report_probe(target.slot, res.ok, res.node_id, res.connection_count, clock(),
                           error=res.error)

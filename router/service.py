@@ -288,10 +288,15 @@ class RouterService:
         def on_round() -> None:
             self.counters["probe_rounds"] += 1
 
+        own = [t for t in (pc.targets if pc else ()) if t.username is not None]
+        if self.config.local_target is not None and self.config.local_target.username is not None:
+            own.append(self.config.local_target)
         await run_health_checks(self._holder, check_period_ms=pc.check_period_ms if pc else 5000,
                                 username=pc.username if pc else None,
                                 password=pc.password if pc else None, clock=self.clock,
-                                on_round=on_round, task_status=task_status)
+                                on_round=on_round,
+                                credentials={t.name: (t.username, t.password) for t in own},
+                                task_status=task_status)
 
     # -- internals: embedded persistence --------------------------------------------------------
     def _load_embedded(self, cache: StickyCache) -> None:

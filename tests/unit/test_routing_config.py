@@ -216,3 +216,13 @@ def test_toml_imports_xml(tmp_path):
 def test_parse_connector_url():
     assert parse_connector_url("tcp://h:1?sslEnabled=true;foo=bar") == ("h", 1, True)
     assert parse_connector_url("tcp://0.0.0.0:61616?host=a;port=2") == ("a", 2, False)
+
+
+def test_integer_policy_properties_are_written_as_integers(tmp_path):
+    """`MODULO = 2` (a TOML integer) must reach the policy as "2", not "2.0"."""
+    p = tmp_path / "r.toml"
+    p.write_text('[routers.r]\nkey-type = "CLIENT_ID"\nlocal-target-filter = "NULL|0"\n'
+                 '[routers.r.local-target]\nhost = "127.0.0.1"\nport = 5672\n'
+                 '[routers.r.policy]\nname = "CONSISTENT_HASH_MODULO"\nproperties = { MODULO = 2 }\n')
+    cfg = load_router_config(p)
+    assert cfg.routers["r"].policy.properties["MODULO"] == "2"

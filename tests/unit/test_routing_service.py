@@ -369,3 +369,33 @@ async def test_redis_down_degrades_without_failing(nursery):
     with trio.fail_after(5):  # the writer pings once a second, then flushes the queue
         while svc.degraded or not {f"k{i}" for i in range(20)} <= set(fake.data):
             await trio.sleep(0.05)
+
+
+async def test_local_target_without_a_pool_probes_with_its_own_credentials(tmp_path):
+    """A pool-less router's local target must be probed with the credentials given on it."""
+    import json as _json
+
+    import trio as _trio
+
+    from broker.http import json_response, require_basic_auth, serve_http
+    from router.config import load_router_config
+    from router.service import build_services
+
+    async def broker_mgmt(request):
+        require_basic_auth(request, lambda u, p: (u, p) == ("ops", "secret"))
+        return json_response({"node_id": "n-local", "active": True, "connection_count": 0})
+
+    async with _trio.open_nursery() as nursery:
+        host, port = await nursery.start(lambda task_status: serve_http(broker_mgmt, "127.0.0.1", 0,
+                                                                         task_status=task_status))
+        cfg_file = tmp_path / "r.toml"
+        cfg_file.write_text(
+            '[routers.r]\nkey-type = "CLIENT_ID"\nlocal-target-filter = "NULL|0"\n'
+            '[routers.r.local-target]\nhost = "127.0.0.1"\nport = 5672\n'
+            f'management-url = "http://{host}:{port}"\nusername = "ops"\npassword = "secret"\n'
+            '[routers.r.policy]\nname = "CONSISTENT_HASH_MODULO"\nproperties = { MODULO = 2 }\n')
+        service = build_services(load_router_config(cfg_file))["r"]
+        await nursery.start(service.run)
+        snapshot = _json.dumps(service.pool.snapshot(), default=str)
+        assert "n-local" in snapshot, snapshot
+        nursery.cancel_scope.cancel()

@@ -44,3 +44,9 @@ def test_unreadable_files(tmp_path):
     (tmp_path / "bad.toml").write_text("a = [")
     with pytest.raises(ConfigError, match="invalid TOML"):
         open_config(tmp_path / "bad.toml")
+
+
+def test_an_integer_stays_an_integer_where_either_is_allowed(tmp_path):
+    root, _ = _cfg(tmp_path, "m = 2\nf = 2.5")
+    assert root.get("m", (str, int, float)) == 2 and isinstance(root.get("m", (str, int, float)), int)
+    assert root.get("f", (str, int, float)) == 2.5
