@@ -2,6 +2,8 @@
 
     lodestone-router run etc/router.toml [--workers N] [--drain-timeout-s S] [--log-level L] [--log-json]
     lodestone-router check etc/router.toml          (validate the config and the users file; exit 0/2)
+    lodestone-router dry-run etc/router.toml --keys FILE --add NAME=HOST:PORT --remove NAME
+                                                    (which keys would move; see router.dryrun_cli)
 
 A bad config prints one line naming file, key and value and exits with status 2. Once every
 socket is bound the router prints ``listening <acceptor name> amqp[s]://host:port`` per acceptor
@@ -37,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
                             help="on SIGTERM, how long open connections may keep running (default 10)")
             sp.add_argument("--log-level", default="INFO")
             sp.add_argument("--log-json", action="store_true", help="log JSON lines on stderr")
+    sub.add_parser("dry-run", add_help=False,
+                   help="report which keys would move if a pool changed (dry-run --help for options)")
     w = sub.add_parser("worker", help=argparse.SUPPRESS)
     w.add_argument("config", type=Path)
     w.add_argument("--index", type=int, required=True)
@@ -67,6 +71,10 @@ def _load(path: Path):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["dry-run"]:
+        from router.dryrun_cli import dry_run_main
+
+        return dry_run_main(argv[1:])
     args = _parser().parse_args(argv)
     from broker.tomlconfig import ConfigError
 
