@@ -27,7 +27,7 @@ __all__ = ["main"]
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lodestone-router", description="Lodestone AMQP 1.0 connection router")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, metavar="{run,check,dry-run}")
     for name, help_ in (("run", "run the router from a TOML config file"),
                         ("check", "validate a router config (and its users file) and exit")):
         sp = sub.add_parser(name, help=help_)
@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
             sp.add_argument("--log-json", action="store_true", help="log JSON lines on stderr")
     sub.add_parser("dry-run", add_help=False,
                    help="report which keys would move if a pool changed (dry-run --help for options)")
-    w = sub.add_parser("worker", help=argparse.SUPPRESS)
+    w = sub.add_parser("worker")  # internal: what the supervisor starts; not listed in --help
     w.add_argument("config", type=Path)
     w.add_argument("--index", type=int, required=True)
     w.add_argument("--count", type=int, required=True)
