@@ -82,6 +82,7 @@ class BrokerConfig:
     addresses: tuple[AddressDecl, ...] = ()
     log_level: str = "INFO"
     log_json: bool = False
+    handshake_timeout_s: float = 10.0  # [amqp]: SASL, and then the client's Open, must finish in time
     extra: dict = field(default_factory=dict)
 
 
@@ -154,6 +155,7 @@ def load_config(file: str | Path) -> BrokerConfig:
     max_frame = at.int("max-frame-bytes", 65536, min=512)
     idle = at.float("idle-timeout-s", 60.0, min=0.0)
     window = at.int("producer-window", 1000, min=1)
+    handshake = at.float("handshake-timeout-s", 10.0, min=0.1)
     at.done()
 
     journal = JournalConfig.from_table(root.table("journal"))
@@ -187,7 +189,7 @@ def load_config(file: str | Path) -> BrokerConfig:
     root.done()
     return BrokerConfig(f, name, data_dir, persistent, tuple(acceptors), management, users_file,
                         max_frame, idle, window, journal, activity, settings, tuple(decls),
-                        level, json_lines)
+                        level, json_lines, handshake)
 
 
 def check_anonymous(cfg: BrokerConfig, anonymous_enabled: bool) -> None:

@@ -63,6 +63,12 @@ class JournalStore:
         self.journal.ack(queue, msg.mid)
         self.on_write()
 
+    def delivery_count_changed(self, queue: str, msg: Message) -> None:
+        # a failed attempt came back to the queue: keep the count so max-delivery-count holds
+        # across a restart (recovery hands it to Broker.restore_message)
+        self.journal.update_delivery_count(queue, msg.mid, msg.delivery_count)
+        self.on_write()
+
     def queue_created(self, definition: dict) -> None:
         self.journal.put_kv(QUEUES_NS, definition["name"], json.dumps(definition).encode())
         self.on_write()

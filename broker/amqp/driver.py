@@ -6,17 +6,25 @@ Theory of operation
 node's connection nursery, so shutdown can reach every connection). A connection goes through:
 
 1. TLS (acceptors with a ``[tls]`` table): ``trio.SSLStream`` handshake within
-   ``HANDSHAKE_TIMEOUT_S``; the client certificate, if any, is kept for SASL EXTERNAL.
+   ``[amqp] handshake-timeout-s``; the client certificate, if any, is kept for SASL EXTERNAL.
 2. SASL with the sans-IO :class:`broker.amqp.sasl.SaslServer` (AMQP 1.0 §5.3): PLAIN checks the
    users file, ANONYMOUS and no-SASL only when the node allows anonymous access, EXTERNAL maps
-   the certificate's CN. A failed exchange writes the ``sasl-outcome`` and closes; garbage gets
-   our protocol header (§2.2) and a close. Only this connection is affected.
+   the certificate's CN. A failed exchange writes the ``sasl-outcome`` and closes; a bad
+   protocol header gets our protocol header (§2.2) and a close; a malformed SASL frame (or EOF
+   inside one) after our sasl-mechanisms gets ``sasl-outcome(sys-perm)``, SASL's only way to
+   end an exchange (§5.3.3.6). Only this connection is affected.
 3. The AMQP engine (:class:`broker.amqp.engine.AmqpEngine`): the reader task reads the socket
    dry each pass (one large ``receive_some``) and pushes everything into proton; a writer task
    sends whatever proton wants to write whenever the engine (or another connection delivering
    to one of our consumers) wakes it; a ticker runs proton's idle-timeout timer. When proton
    closes the transport (peer Close, protocol error, idle timeout) the writer flushes the final
    frames and the connection ends.
+
+A client that has authenticated but sends no Open within ``[amqp] handshake-timeout-s`` gets
+``Close(amqp:connection:forced)`` (after our header and a failed Open). Whenever this side ends a
+plain-TCP connection it sends FIN and keeps reading (discarding) for up to ``LINGER_S`` before
+closing the socket: closing with unread client bytes in the kernel buffer sends an RST, which can
+destroy the Close we just wrote before the client reads it.
 
 Every timeout of a connection lives here (the handshake deadlines and proton's idle timer).
 """
@@ -31,7 +39,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from broker.amqp.engine import AmqpEngine
-from broker.amqp.frames import NEED_DATA, SASL_HEADER
+from broker.amqp.frames import FRAME_SASL, NEED_DATA, SASL_HEADER, SaslOutcome, encode_frame
 from broker.amqp.sasl import (
     AmqpHeaderReceived,
     AuthFailed,
@@ -39,6 +47,7 @@ from broker.amqp.sasl import (
     NoSasl,
     SaslHeaderReceived,
     SaslServer,
+    SaslState,
     parse_plain,
 )
 from broker.errors import NotThisProtocol, RemoteProtocolError
@@ -51,9 +60,10 @@ log = logging.getLogger("lodestone.broker.amqp")
 
 __all__ = ["serve_amqp", "handle_connection", "make_ssl_context"]
 
-HANDSHAKE_TIMEOUT_S = 10.0
+HANDSHAKE_TIMEOUT_S = 10.0  # the default of [amqp] handshake-timeout-s
 RECV_BYTES = 256 * 1024
 CLOSE_GRACE_S = 5.0
+LINGER_S = 2.0
 _conn_ids = itertools.count(1)
 
 
@@ -76,7 +86,11 @@ async def serve_amqp(node: "Node", acceptor: "AcceptorConfig", *, task_status=tr
     task_status.started((host, port))
 
     async def handler(stream: trio.SocketStream) -> None:
-        await handle_connection(node, acceptor, stream, ctx)
+        try:
+            await handle_connection(node, acceptor, stream, ctx)
+        except Exception:  # a bug in one connection's handling must not stop the node
+            node.counters["internal_error"] += 1
+            log.exception("connection handler failed; that connection is closed, the node keeps serving")
 
     await trio.serve_listeners(handler, listeners, handler_nursery=node.connection_nursery)
 
@@ -115,15 +129,19 @@ async def handle_connection(node: "Node", acceptor: "AcceptorConfig", sock_strea
         cn = None
         if ctx is not None:
             stream = trio.SSLStream(sock_stream, ctx, server_side=True)
-            with trio.fail_after(HANDSHAKE_TIMEOUT_S):
+            with trio.fail_after(node.cfg.handshake_timeout_s):
                 await stream.do_handshake()
             cn = _cert_cn(stream.getpeercert())
-        with trio.fail_after(HANDSHAKE_TIMEOUT_S):
+        with trio.fail_after(node.cfg.handshake_timeout_s):
             result = await _authenticate(node, acceptor, stream, source, source_ip, cn)
         if result is None:
+            if stream is sock_stream:
+                await _linger(sock_stream)
             return
         principal, leftover = result
         await _pump(node, stream, conn_id, principal, source, ctx is not None, leftover)
+        if stream is sock_stream:
+            await _linger(sock_stream)
     except trio.TooSlowError:
         node.counters["handshake_timeout"] += 1
         log.info("handshake timeout", extra={"fields": {"conn": conn_id, "source": source}})
@@ -132,6 +150,14 @@ async def handle_connection(node: "Node", acceptor: "AcceptorConfig", sock_strea
         log.debug("connection broken: %r", exc, extra={"fields": {"conn": conn_id, "source": source}})
     finally:
         await trio.aclose_forcefully(stream)
+
+
+async def _linger(stream: trio.SocketStream) -> None:
+    """Half-close our side and drain the client's bytes until it closes (bounded by LINGER_S)."""
+    with trio.move_on_after(LINGER_S):
+        await stream.send_eof()
+        while await stream.receive_some(RECV_BYTES):
+            pass
 
 
 async def _authenticate(node: "Node", acceptor: "AcceptorConfig", stream, source: str, source_ip: str,
@@ -147,6 +173,8 @@ async def _authenticate(node: "Node", acceptor: "AcceptorConfig", stream, source
             if ev is NEED_DATA:
                 data = await stream.receive_some(65536)
                 if not data:
+                    if sasl.state is SaslState.AWAIT_INIT:  # EOF before (or inside) sasl-init
+                        await stream.send_all(_SASL_SYS_PERM)
                     return None
                 sasl.receive_data(data)
                 continue
@@ -180,16 +208,25 @@ async def _authenticate(node: "Node", acceptor: "AcceptorConfig", stream, source
     except NotThisProtocol as exc:
         node.counters["bad_protocol_header"] += 1
         log.info("not an AMQP client: %s", exc.description, extra={"fields": {"source": source}})
-        if exc.reply:
-            await stream.send_all(exc.reply)
+        # what the state machine queued before it raised (e.g. sasl-outcome when the client
+        # pipelined a bad AMQP header after sasl-init) goes out before the reply
+        await stream.send_all(sasl.data_to_send() + exc.reply)
         return None
     except RemoteProtocolError as exc:
         node.counters["sasl_protocol_error"] += 1
         log.info("SASL protocol error: %s", exc.description,
                  extra={"fields": {"source": source, "condition": exc.condition}})
+        out = sasl.data_to_send()
         if exc.reply:
-            await stream.send_all(exc.reply)
+            out += exc.reply
+        elif sasl.state is SaslState.AWAIT_INIT:
+            out += _SASL_SYS_PERM
+        if out:
+            await stream.send_all(out)
         return None
+
+
+_SASL_SYS_PERM = encode_frame(FRAME_SASL, 0, SaslOutcome(SaslOutcome.SYS_PERM))
 
 
 async def _decide(node: "Node", ev: AuthRequested, source_ip: str, cn: str | None):
@@ -260,8 +297,16 @@ async def _pump(node: "Node", stream, conn_id: str, principal, source: str, tls:
                     now = trio.current_time()
                     await trio.sleep(max(deadline - now, 0.05) if deadline else 1.0)
 
+            async def open_deadline() -> None:
+                await trio.sleep(node.cfg.handshake_timeout_s)
+                if engine.fail_before_open("amqp:connection:forced",
+                                           f"no open frame within {node.cfg.handshake_timeout_s:g} s"):
+                    node.counters["open_timeout"] += 1
+
             nursery.start_soon(writer)
             nursery.start_soon(ticker)
+            if not engine.opened:
+                nursery.start_soon(open_deadline)
             if leftover:
                 engine.push(leftover)
                 wakeup.set()
@@ -276,6 +321,10 @@ async def _pump(node: "Node", stream, conn_id: str, principal, source: str, tls:
             # let the writer flush proton's last frames (Close with an error, if any)
             await trio.sleep(CLOSE_GRACE_S)
             nursery.cancel_scope.cancel()
+    except* (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError) as group:
+        # the peer reset or vanished (a TLS peer without close_notify too): this connection only
+        node.counters["connection_broken"] += 1
+        log.debug("connection broken: %r", group.exceptions[0], extra={"fields": {"conn": conn_id, "source": source}})
     finally:
         engine.finish()
         node.engine_finished(engine)

@@ -28,6 +28,12 @@ producer's message dispatched to our consumer) marks us dirty through ``wake``, 
 turns into a write. Proton's own protocol errors (garbage after the header, oversized frames)
 make the transport write a Close with the error condition and report end-of-stream; the shell
 then flushes and closes this connection only.
+
+Before the client's Open there is no connection for proton to close in every case (a frame cut
+short by EOF, a Begin before Open, a client that never sends Open): :meth:`fail_before_open`
+then makes :meth:`take_output` finish with our header (if proton has not written it yet), an
+Open marked ``amqp:connection-establishment-failed`` and a Close carrying the error
+(``frames.close_frames``, §2.4.1/§2.7.9), after which the engine counts as closed.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from cproton_ffi import ffi, lib
 from proton import Collector, Condition, Connection, Delivery, Endpoint, Event, Link, Message, Terminus, Transport
 from proton import TransportException, symbol
 
+from broker.amqp.frames import close_frames
 from broker.core.addresses import ANYCAST, MULTICAST, AddressNotFound
 from broker.core.deliveries import Outcome
 from broker.core.queues import Subscription
@@ -53,6 +60,8 @@ log = logging.getLogger("lodestone.broker.amqp")
 __all__ = ["AmqpEngine", "message_durable", "with_delivery_count"]
 
 UNAUTHORIZED = "amqp:unauthorized-access"
+FRAMING_ERROR = "amqp:connection:framing-error"
+ILLEGAL_STATE = "amqp:illegal-state"
 NOT_FOUND = "amqp:not-found"
 INTERNAL = "amqp:internal-error"
 
@@ -246,6 +255,8 @@ class AmqpEngine:
         self.opened = False
         self.closed = False  # transport finished (both directions)
         self.error: Condition | None = None
+        self._wrote_any = False  # proton's protocol header has gone out (it is the first output)
+        self._fail_open: tuple[str, str] | None = None  # see fail_before_open()
 
         self.transport = Transport(Transport.SERVER)
         self.transport.max_frame_size = node.cfg.max_frame_bytes
@@ -287,12 +298,30 @@ class AmqpEngine:
         if self.opened and not conn.state & Endpoint.REMOTE_CLOSED and conn.state & Endpoint.LOCAL_ACTIVE:
             # EOF without Close (a crashed client, a truncated frame): say so in our Close
             # (§2.7.9), as proton does for its own framing errors, before the tail goes away.
-            self.error = Condition("amqp:connection:framing-error", "connection aborted: end of stream before close")
+            self.error = Condition(FRAMING_ERROR, "connection aborted: end of stream before close")
             conn.condition = self.error
             conn.close()
             self.process()
         self.transport.close_tail()
         self.process()
+        if not self.opened and not self.closed and self.transport.condition is None:
+            # proton answers EOF right after the header with Open+Close(framing-error) itself,
+            # but says nothing when the stream ends inside a frame: write that Close ourselves
+            self.fail_before_open(FRAMING_ERROR, "end of stream inside a frame before open")
+
+    def fail_before_open(self, condition: str, description: str) -> bool:
+        """Close a connection whose client has not opened it (yet) with an AMQP error.
+
+        The next :meth:`take_output` ends with our header (unless already written), a failed
+        Open and ``Close(condition, description)``, then marks the engine closed. False (and
+        nothing done) once the client's Open has arrived or the engine is closed.
+        """
+        if self.opened or self.closed or self._fail_open is not None:
+            return False
+        self._fail_open = (condition, description)
+        self.error = Condition(condition, description)
+        self.wake()
+        return True
 
     def take_output(self) -> bytes:
         """Everything the transport wants to write now (b"" if nothing)."""
@@ -307,6 +336,15 @@ class AmqpEngine:
             chunk = t.peek(p)
             t.pop(len(chunk))
             out.append(chunk)
+        if self._fail_open is not None and not self.closed:
+            if out:
+                self._wrote_any = True
+            out.append(close_frames(*self._fail_open, header_sent=self._wrote_any, open_sent=False,
+                                    container_id=self.node.container_id))
+            self._fail_open = None
+            self._transport_done()
+        elif out and not self._wrote_any:
+            self._wrote_any = True
         return b"".join(out) if len(out) != 1 else out[0]
 
     def tick(self, now: float) -> float:
@@ -318,6 +356,9 @@ class AmqpEngine:
     def abort(self, condition: str, description: str) -> None:
         """Close the connection from our side with an error (e.g. shutdown, store failure)."""
         if self.closed:
+            return
+        if not self.opened:
+            self.fail_before_open(condition, description)
             return
         self.connection.condition = Condition(condition, description)
         self.connection.close()
@@ -343,6 +384,8 @@ class AmqpEngine:
                 _pn_collector_pop(col)
 
     def _slow_event(self, ev: Event) -> None:
+        if self._fail_open is not None:
+            return  # closing before open: nothing the client sent after that matters
         t = ev.type
         if t is _E_LINK_REMOTE_OPEN:
             self._attach(ev.link)
@@ -351,6 +394,9 @@ class AmqpEngine:
         elif t is _E_LINK_REMOTE_DETACH:
             self._detach(ev.link, closed=False)
         elif t is _E_SESSION_REMOTE_OPEN:
+            if not self.opened:  # §2.4.1: Open is the first frame; proton lets a Begin through
+                self.fail_before_open(ILLEGAL_STATE, "begin received before open")
+                return
             ev.session.open()
         elif t is _E_SESSION_REMOTE_CLOSE:
             self._end_session(ev.session)

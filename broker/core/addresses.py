@@ -22,8 +22,8 @@ words separated by ``.``); the most specific match wins (fewest wildcards, then 
 
 :class:`Broker` is the whole core: addresses, queues, message ids, dead-lettering, and
 recovery from the store. It is pure (no clock, no I/O); durability goes through an injected
-``store`` object with ``add(queue, msg)``, ``remove(queue, msg)``, ``queue_created(defn)`` and
-``queue_deleted(name)``. A message is written once per durable queue it lands in, so the HA
+``store`` object with ``add(queue, msg)``, ``remove(queue, msg)``,
+``delivery_count_changed(queue, msg)``, ``queue_created(defn)`` and ``queue_deleted(name)``. A message is written once per durable queue it lands in, so the HA
 replication of the journal replays to exactly this state.
 """
 
@@ -55,6 +55,7 @@ class Store(Protocol):
 
     def add(self, queue: str, msg: Message) -> None: ...
     def remove(self, queue: str, msg: Message) -> None: ...
+    def delivery_count_changed(self, queue: str, msg: Message) -> None: ...
     def queue_created(self, definition: dict) -> None: ...
     def queue_deleted(self, name: str) -> None: ...
 
@@ -66,6 +67,9 @@ class NullStore:
         pass
 
     def remove(self, queue: str, msg: Message) -> None:
+        pass
+
+    def delivery_count_changed(self, queue: str, msg: Message) -> None:
         pass
 
     def queue_created(self, definition: dict) -> None:

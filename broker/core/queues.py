@@ -17,9 +17,12 @@ Unsettled messages of a subscription that goes away return to the head of the qu
 original order with one more failed delivery attempt; past the queue's ``max_delivery_count``
 they go to the dead-letter address instead (via the owning :class:`~broker.core.addresses.Broker`).
 
-Durable messages in durable queues are written to the store: ``store.add`` on enqueue and
-``store.remove`` when acknowledged or moved elsewhere. The store is an injected object (the
-journal adapter in the shell, a list in tests); the queue only says *what* changed.
+Durable messages in durable queues are written to the store: ``store.add`` on enqueue,
+``store.delivery_count_changed`` when a failed attempt comes back to the queue (a consumer
+went away, or settled ``modified`` with delivery-failed/undeliverable-here) so that
+``max_delivery_count`` still holds after a restart, and ``store.remove`` when acknowledged or
+moved elsewhere. The store is an injected object (the journal adapter in the shell, a list in
+tests); the queue only says *what* changed.
 
 Nothing here reads a clock or does I/O.
 """
@@ -143,6 +146,7 @@ class Queue:
                 if self._exhausted(msg):
                     self._dead_letter(msg)
                 else:
+                    self._count_changed(msg)
                     back.append(msg)
             self.messages.extendleft(reversed(back))
         if self.temporary and not self.subs:
@@ -196,17 +200,24 @@ class Queue:
         if outcome is Outcome.REJECTED:
             self._dead_letter(msg)
             return
-        if outcome is Outcome.MODIFIED and (delivery_failed or undeliverable_here):
+        failed = outcome is Outcome.MODIFIED and (delivery_failed or undeliverable_here)
+        if failed:
             msg.delivery_count += 1
         if self._exhausted(msg):
             self._dead_letter(msg)
             return
+        if failed:
+            self._count_changed(msg)
         self.released += 1
         self.messages.appendleft(msg)
         self.dispatch()
 
     def _exhausted(self, msg: Message) -> bool:
         return self.max_delivery_count > 0 and msg.delivery_count >= self.max_delivery_count
+
+    def _count_changed(self, msg: Message) -> None:
+        if msg.durable and self.durable:
+            self.broker.store.delivery_count_changed(self.name, msg)
 
     def _ack(self, msg: Message) -> None:
         self.acked += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -316,8 +317,10 @@ def test_connection_open_close_logged(broker):
     c = connect(broker, container_id="log-me")
     c.close()
 
-    def logged():
-        text = broker.stderr_text()
-        return "connection open" in text and "container_id=log-me" in text and \
-            sum(1 for line in text.splitlines() if "connection close" in line and "log-me" in line) == 1
-    wait_for(logged)
+    def lines(what):
+        return [line for line in broker.stderr_text().splitlines()
+                if f" {what} " in line and "container_id=log-me " in line]
+    wait_for(lambda: len(lines("connection close")) == 1)
+    for what in ("connection open", "connection close"):
+        (line,) = lines(what)  # exactly one line each, with container-id, user and source
+        assert " user=app " in line and re.search(r" source=127\.0\.0\.1:\d+( |$)", line), line

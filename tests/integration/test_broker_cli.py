@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -24,10 +25,22 @@ def test_help():
     assert p.returncode == 0 and "--amqp-port" in p.stdout
 
 
+def test_console_script_help():
+    exe = Path(sys.executable).with_name("lodestone-broker")
+    if not exe.exists():
+        pytest.skip("the package is not installed in this environment (pip install -e .)")
+    p = subprocess.run([str(exe), "--help"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.startswith("usage: lodestone-broker") and "run" in p.stdout
+
+
 @pytest.mark.parametrize("body,expected", [
     ("[acceptors.amqp]\nport = 70000\n", "acceptors.amqp.port: 70000 must be <= 65535"),
     ("[acceptors.amqp]\nport = 0\nbogus = 1\n", "acceptors.amqp.bogus: unknown key (value 1)"),
     ("[acceptors.amqp\n", "invalid TOML"),
+    ("[acceptors.amqp]\nport = 0\nsasl-mechanisms = ['PLAIN', 'KERBEROS']\n",
+     "acceptors.amqp.sasl-mechanisms[1]: 'KERBEROS' must be one of PLAIN, ANONYMOUS, EXTERNAL"),
+    ("[acceptors.amqp]\nport = 0\n[journal]\nsync = 'sometimes'\n", "journal.sync: 'sometimes'"),
+    ("[acceptors.amqp]\nport = 0\n[amqp]\nhandshake-timeout-s = 0\n", "amqp.handshake-timeout-s: 0"),
 ])
 def test_config_error_is_one_line_exit_2(tmp_path, body, expected):
     (tmp_path / "users.toml").write_text("")

@@ -67,6 +67,7 @@ def test_defaults(tmp_path):
      "acceptors.amqp.tls.cert-file", "no such file"),
     ("[node]\nname = 'x'", "acceptors", "at least one"),
     ("[acceptors.amqp]\nport = 1\n[amqp]\nmax-frame-bytes = 100", "amqp.max-frame-bytes", "100 must be >= 512"),
+    ("[acceptors.amqp]\nport = 1\n[amqp]\nhandshake-timeout-s = -1", "amqp.handshake-timeout-s", "-1"),
 ])
 def test_errors_name_file_key_and_value(tmp_path, extra, path, fragment):
     p = write(tmp_path, extra)

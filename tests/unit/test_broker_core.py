@@ -33,6 +33,10 @@ class ListStore:
         self.ops.append(("remove", queue, msg.mid))
         del self.live[(queue, msg.mid)]
 
+    def delivery_count_changed(self, queue, msg):
+        assert (queue, msg.mid) in self.live
+        self.ops.append(("count", queue, msg.mid, msg.delivery_count))
+
     def queue_created(self, d):
         self.ops.append(("queue", d["name"]))
 
@@ -189,6 +193,44 @@ def test_max_delivery_count_dead_letters():
     dlq = b.anycast_queue("DLQ")
     assert [m.body for m in dlq.messages] == [b"poison"]
     assert [k[0] for k in store.live] == ["DLQ"]  # moved in the store too
+
+
+def test_failed_attempts_are_written_to_the_store():
+    """Delivery counts of durable messages reach the store, so max-delivery-count survives a
+    restart: modified(delivery-failed) and a consumer going away count; released does not;
+    the attempt that dead-letters writes a remove, not a count."""
+    store = ListStore()
+    b = make(store, max_delivery_count=3)
+    b.resolve("q", None, may_create=True)
+    q = b.anycast_queue("q")
+    b.publish("q", b"d", durable=True)
+    b.publish("q", b"n", durable=False)
+    mid = q.messages[0].mid
+
+    def attempt(finish):
+        s = Sink(credit=2)
+        q.add_subscription(s.sub)
+        assert sorted(s.bodies) == [b"d", b"n"]
+        finish(s)
+        if not s.sub.closed:
+            q.remove_subscription(s.sub)
+
+    def counts():
+        return [op for op in store.ops if op[0] == "count"]
+
+    attempt(lambda s: [q.settle(s.sub, m.mid, Outcome.RELEASED) for m in s.got])
+    assert counts() == []
+    attempt(lambda s: [q.settle(s.sub, m.mid, Outcome.MODIFIED, delivery_failed=True) for m in s.got])
+    assert counts() == [("count", "q", mid, 1)]  # the non-durable one never reaches the store
+    attempt(lambda s: q.remove_subscription(s.sub))
+    assert counts() == [("count", "q", mid, 1), ("count", "q", mid, 2)]
+    attempt(lambda s: [q.settle(s.sub, m.mid, Outcome.MODIFIED, undeliverable_here=True) for m in s.got])
+    assert len(counts()) == 2 and ("remove", "q", mid) in store.ops and q.dead_lettered == 2
+    # recovery hands the stored count back
+    b2 = make()
+    b2.resolve("q", None, may_create=True)
+    b2.restore_message("q", 7, b"d", "q", delivery_count=2)
+    assert b2.anycast_queue("q").messages[0].delivery_count == 2
 
 
 def test_at_most_once_subscription_acks_on_dispatch():
