@@ -1,28 +1,37 @@
 #!/usr/bin/env python3
-"""Benchmark the router's edge against direct-to-backend and HAProxy, in one run on this machine.
+"""Benchmark the router's edge against direct-to-backend, HAProxy and a naive trio proxy, in one run.
 
-    .venv/bin/python loadtest/bench_proxy.py [--rounds 2] [--secs 3] [--conc 50] [--streams 4]
-                                             [--targets a,b,...] [--tests cps,bulk-D,bulk-U]
+How to run (from the repo root; needs gcc, libssl-dev, haproxy; about 4 minutes with the defaults):
+
+    .venv/bin/python loadtest/bench_proxy.py                       # everything, 2 rounds
+    .venv/bin/python loadtest/bench_proxy.py --tests cps           # connection rate only (~1.5 min)
+    .venv/bin/python loadtest/bench_proxy.py --tests cps --targets direct,haproxy,trio-naive,proxy,proxy-w2
+    options: [--rounds 2] [--secs 2.5] [--warmup 0.5] [--conc 50] [--streams 4] [--json out.json] [--no-pin]
 
 What runs (all on 127.0.0.1, ports from the OS):
 
 * ``amqpload`` (loadtest/amqpload.c, compiled here with gcc): an epoll load generator and a
-  backend that speak just enough AMQP 1.0 (SASL PLAIN + header + Open, frames encoded with
-  Lodestone's own codec) to pass through the router, then move raw bytes (echo / down / up).
+  backend that speak just enough AMQP 1.0 (SASL PLAIN + header + Open) to pass through the
+  router, then move raw bytes (echo / down / up).
 * targets: ``direct`` (client → backend), ``haproxy`` (mode tcp; ``-tls``: TLS-terminating,
-  nbthread 1), ``proxy`` (Lodestone proxy acceptor, 1 worker; ``-tls``: TLS-terminating,
-  ``-nosplice``: the stream pump instead of splice), ``proxy-w2`` (``workers = 2``, allowed on
-  both cores), ``redirect-tls`` (Lodestone redirect acceptor: TLS + SASL + Open + redirect; the
-  client stops at the router's Close).
+  nbthread 1), ``trio-naive`` (loadtest/naive_trio_proxy.py: a plain trio byte proxy, the
+  "Python baseline"; ``-tls``: TLS-terminating), ``proxy`` (Lodestone proxy acceptor, 1 worker;
+  ``-tls``: TLS-terminating, ``-nosplice``: the stream pump instead of splice), ``proxy-w2``
+  (``workers = 2``, allowed on both cores), ``redirect-tls`` (Lodestone redirect acceptor:
+  TLS + SASL + Open + redirect; the client stops at the router's Close).
+  The router does more per connection than the byte proxies: SASL exchange + authentication,
+  routing decision, upstream connect + SASL replay, two routing-log lines.
 * tests: ``cps`` = new connections/s (connect, [TLS], AMQP handshake, 64-byte echo, close; for
   redirect: connect, TLS, handshake, read the redirect, close), ``bulk-D``/``bulk-U`` = MB/s
   backend→client / client→backend over ``--streams`` connections.
 
 CPU pinning (2 cores): load generator + backend on CPU0, the proxy under test on CPU1 (the
-``-w2`` variant may use both). The proxy's CPU time during each run comes from /proc (process +
-children), giving CPU µs per connection and ms per MB — the fair comparison, because TLS
-connection rates are capped by the load generator's own full handshakes. Medians over rounds,
-targets interleaved per round to spread noise. Ratios are printed against direct and HAProxy.
+``-w2`` variant may use both, so it competes with the load generator: read its conn/s as what
+two workers add, its CPU per connection as the cost). The proxy's CPU time during each run comes
+from /proc (process + children), giving CPU µs per connection and ms per MB — the fair
+comparison, because TLS connection rates are capped by the load generator's own full
+handshakes. Medians over rounds, targets interleaved per round to spread noise. The table
+prints ratios against direct, HAProxy and the naive trio proxy measured in the same run.
 """
 
 from __future__ import annotations
@@ -44,8 +53,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-ALL_TARGETS = ["direct", "haproxy", "proxy", "proxy-nosplice", "proxy-w2",
-               "direct-tls", "haproxy-tls", "proxy-tls", "proxy-w2-tls", "redirect-tls"]
+ALL_TARGETS = ["direct", "haproxy", "trio-naive", "proxy", "proxy-nosplice", "proxy-w2",
+               "direct-tls", "haproxy-tls", "trio-naive-tls", "proxy-tls", "proxy-w2-tls", "redirect-tls"]
 ALL_TESTS = ["cps", "bulk-D", "bulk-U"]
 
 
@@ -155,6 +164,15 @@ backend be
                                                  preexec_fn=raise_nofile)
         wait_port(self.ports["haproxy"])
 
+    def start_naive(self, backend_port: int) -> None:
+        p = subprocess.Popen(self.cpus("1") + [sys.executable, str(HERE / "naive_trio_proxy.py"),
+                                               f"127.0.0.1:{backend_port}", str(self.pem)],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, preexec_fn=raise_nofile)
+        self.procs["trio-naive"] = p
+        for _ in range(2):
+            _, kind, port = p.stdout.readline().decode().split()
+            self.ports["trio-naive" if kind == "plain" else "trio-naive-tls"] = int(port)
+
     def start_router(self, name: str, backend_port: int, *, workers: int, splice: bool, cpus: str) -> None:
         cfg = self.work / f"{name}.toml"
         cfg.write_text("\n".join([
@@ -197,6 +215,8 @@ backend be
         self.ports["direct-tls"] = self.start_backend("backend-tls", tls=True)
         if any(t.startswith("haproxy") for t in targets):
             self.start_haproxy(be)
+        if any(t.startswith("trio-naive") for t in targets):
+            self.start_naive(be)
         if any(t in targets for t in ("proxy", "proxy-tls", "redirect-tls")):
             self.start_router("proxy", be, workers=1, splice=True, cpus="1")
         if "proxy-nosplice" in targets:
@@ -210,6 +230,8 @@ backend be
             return None
         if target.startswith("haproxy"):
             return "haproxy"
+        if target.startswith("trio-naive"):
+            return "trio-naive"
         if target == "redirect-tls":
             return "proxy"
         return target.removesuffix("-tls")
@@ -278,8 +300,8 @@ def applicable(target: str, test: str) -> bool:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--secs", type=float, default=3.0)
-    ap.add_argument("--warmup", type=float, default=1.0)
+    ap.add_argument("--secs", type=float, default=2.5)
+    ap.add_argument("--warmup", type=float, default=0.5)
     ap.add_argument("--conc", type=int, default=50)
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--targets", default=",".join(ALL_TARGETS))
@@ -293,6 +315,7 @@ def main() -> int:
         targets = [t for t in targets if not t.startswith("haproxy")]
         print("haproxy not found: HAProxy baselines skipped (Debian package 'haproxy')", file=sys.stderr)
     bench = Bench(a)
+    started = time.monotonic()
     results: dict[tuple[str, str], list[dict]] = {}
     try:
         bench.setup(targets)
@@ -323,7 +346,7 @@ def main() -> int:
         summary[(t, test)] = s
 
     print(f"\n{'target':15s} {'test':7s} {'median':>10s} {'unit':7s} {'proxy CPU':>14s} {'vs direct':>9s} "
-          f"{'vs HAProxy':>10s} {'CPU vs HAProxy':>14s}")
+          f"{'vs HAProxy':>10s} {'CPU vs HAProxy':>14s} {'CPU vs naive':>12s}")
     for t in targets:
         for test in tests:
             s = summary.get((t, test))
@@ -332,19 +355,24 @@ def main() -> int:
             tls = t.endswith("-tls")
             direct = summary.get(("direct-tls" if tls else "direct", test))
             hap = summary.get(("haproxy-tls" if tls else "haproxy", test))
+            naive = summary.get(("trio-naive-tls" if tls else "trio-naive", test))
             cpu = ""
             if "cpu_per" in s:
                 cpu = f"{s['cpu_per']:.0f} µs/conn" if test == "cps" else f"{s['cpu_per']:.2f} ms/MB"
             vs_direct = f"{s['median'] / direct['median']:.2f}" if direct and direct["median"] else ""
             vs_hap = f"{s['median'] / hap['median']:.2f}" if hap and hap["median"] and hap is not s else ""
-            cpu_ratio = ""
+            cpu_ratio = cpu_naive = ""
             if hap and "cpu_per" in s and "cpu_per" in hap and hap is not s:
                 cpu_ratio = f"{s['cpu_per'] / hap['cpu_per']:.2f}x"
+            if naive and "cpu_per" in s and "cpu_per" in naive and naive is not s:
+                cpu_naive = f"{s['cpu_per'] / naive['cpu_per']:.2f}x"
             print(f"{t:15s} {test:7s} {s['median']:>10.1f} {s['unit']:7s} {cpu:>14s} {vs_direct:>9s} {vs_hap:>10s} "
-                  f"{cpu_ratio:>14s}" + (f"  errors={s['errors']}" if s["errors"] else ""))
+                  f"{cpu_ratio:>14s} {cpu_naive:>12s}" + (f"  errors={s['errors']}" if s["errors"] else ""))
     print("\nproxy CPU = the proxy process's CPU time per connection (cps) or per MB (bulk); the fair\n"
           "comparison for TLS, where the load generator's handshakes cap the rate. redirect-tls is compared\n"
-          "with haproxy-tls (both: TLS handshake per connection; the redirect never touches a backend).")
+          "with haproxy-tls / trio-naive-tls (all: TLS handshake per connection; the redirect never touches\n"
+          "a backend). proxy-w2 runs on both cores, sharing CPU0 with the load generator and backend.\n"
+          f"elapsed {time.monotonic() - started:.0f} s")
     if a.json:
         Path(a.json).write_text(json.dumps({f"{t}|{test}": s for (t, test), s in summary.items()}, indent=1))
     return 0

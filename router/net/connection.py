@@ -2,10 +2,12 @@
 
 Theory of operation
 -------------------
-``Acceptor.handle(stream)`` is the whole life of one connection and the one place that owns its
-deadlines. Phases, each under its own ``trio.move_on_after``:
+``Acceptor.handle(sock, peer)`` is the whole life of one connection and the one place that owns
+its deadlines. The socket comes straight from ``accept`` (``router.net.listener``) and is wrapped
+in the lean streams of ``router.net.fastio`` (no trio stream layers on the hot path). One cancel
+scope carries the deadline of each phase in turn (``_Conn.phase`` tells which one fired):
 
-1. **TLS** (TLS acceptors only): ``SSLStream.do_handshake`` within ``tls_handshake_timeout_s``.
+1. **TLS** (TLS acceptors only): ``FastTLSStream.do_handshake`` within ``tls_handshake_timeout_s``.
    The SNI host name comes from the context's ``sni_callback`` (``router.net.tls``); with mTLS the
    verified certificate's CN is the SASL EXTERNAL identity.
 2. **Handshake**: SASL + AMQP header + Open, sniffed by ``router.sniff.amqp.HandshakeSniffer``
@@ -22,14 +24,16 @@ deadlines. Phases, each under its own ``trio.move_on_after``:
    and wait at most ``close_linger_s`` for the client's Close/EOF so the frames are not lost to
    a reset.
 5. **Proxy mode**: connect to the target (``upstream_connect_timeout_s``, TLS upstream if the
-   target says so), replay the client's SASL header + sasl-init (``SaslClientReplay``; the
-   client's own credentials), swallow the broker's SASL exchange, send the client's AMQP header
-   + Open (+ anything pipelined), then ``router.net.proxy.pump`` with ``idle_timeout_s``. From
+   target says so), replay the client's SASL header + sasl-init (the client's own credentials)
+   pipelined with its AMQP header + Open (+ anything pipelined) in one write, parse the broker's
+   SASL outcome from its first bytes (a byte-exact memo of known ok-answers, else
+   ``SaslClientReplay``; replay phase, again ``upstream_connect_timeout_s``), pass what follows
+   the outcome to the client, then ``router.net.proxy.pump`` with ``idle_timeout_s``. From
    here on the broker speaks for itself: its Open, and its Close with its error, reach the client
    byte for byte. SASL EXTERNAL cannot be replayed (the router holds no client key), so in proxy
    mode an EXTERNAL client is refused with ``amqp:not-implemented`` after its Open.
 
-Whatever happens, ``finally`` closes every stream with ``aclose_forcefully``.
+Whatever happens, ``finally`` closes every stream (TLS streams with a close_notify, bounded).
 """
 
 from __future__ import annotations
@@ -53,10 +57,19 @@ from broker.amqp.sasl import SaslClientReplay, UpstreamAuthFailed, UpstreamAuthO
 from broker.errors import NotThisProtocol, RemoteProtocolError
 from router.core.decide import Decision, Outcome
 from router.core.keys import ConnectionInfo
+from router.net import fastio
 from router.net import proxy as proxy_mod
-from router.net.stats import EdgeStats
+from router.net.stats import COUNTER_NAMES, EdgeStats
 from router.net.tls import peer_common_name, sni_of
-from router.routelog import RouteLog, utc_timestamp
+from router.routelog import (
+    RouteLog,
+    json_bool,
+    json_float,
+    json_int,
+    json_str,
+    json_str_list,
+    utc_timestamp,
+)
 from router.sniff.amqp import NEED_DATA, AuthFailed, AuthRequested, Detected, HandshakeSniffer
 
 log = logging.getLogger("router.connection")
@@ -150,41 +163,81 @@ def format_source(sockaddr) -> tuple[str, str, int]:
 
 
 _TLS_CLOSE_S = 1.0
+_INF = float("inf")
+
+# Phases of one connection: which deadline the connection's single cancel scope enforces.
+_PH_TLS, _PH_HANDSHAKE, _PH_ROUTE, _PH_CONNECT, _PH_REPLAY, _PH_PROXY, _PH_LINGER = range(7)
+
+# Upstream SASL replies that ended in outcome ok, byte for byte (SASL header + mechanisms +
+# outcome): a broker answers every replay with the same bytes, so a reply that starts with a
+# known prefix is an UpstreamAuthOk whose leftover is the rest (the parse is a pure function of
+# the bytes; anything else goes through SaslClientReplay).
+_UPSTREAM_OK_PREFIXES: dict[bytes, None] = {}
+_MAX_OK_PREFIXES = 32
+
+_ADDR_CACHE: dict[tuple[str, int], tuple[int, tuple] | None] = {}
 
 
-async def _connect_tcp(host: str, port: int) -> trio.SocketStream:
-    """TCP connect; an IP literal skips trio's resolver and happy-eyeballs machinery (a nursery
-    and tasks per connect), which is most of a connect's cost on the proxy's hot path."""
+def _ip_address_for(host: str, port: int) -> tuple[int, tuple] | None:
+    """(family, sockaddr) when ``host`` is an IP literal, None for a name (memoized)."""
+    key = (host, port)
+    try:
+        return _ADDR_CACHE[key]
+    except KeyError:
+        pass
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
-        return await trio.open_tcp_stream(host, port)
-    sock = trio.socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        await sock.connect((host, port))
-    except BaseException:
-        sock.close()
-        raise
-    return trio.SocketStream(sock)
+        r = None
+    else:
+        r = (socket.AF_INET6, (host, port, 0, 0)) if ip.version == 6 else (socket.AF_INET, (host, port))
+    if len(_ADDR_CACHE) < 4096:
+        _ADDR_CACHE[key] = r
+    return r
 
 
-async def _close(stream: trio.abc.Stream) -> None:
+async def _connect_tcp(host: str, port: int) -> socket.socket:
+    """TCP connect (a non-blocking stdlib socket). An IP literal skips the resolver; a name is
+    resolved by trio and its addresses are tried in order."""
+    addr = _ip_address_for(host, port)
+    if addr is not None:
+        return await fastio.connect_tcp(*addr)
+    infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    last: OSError = OSError(f"{host} has no address")
+    for family, _type, _proto, _canon, sockaddr in infos:
+        try:
+            return await fastio.connect_tcp(family, sockaddr)
+        except OSError as exc:
+            last = exc
+    raise last
+
+
+def _close_now(stream) -> bool:
+    """Close a stream without waiting when possible (plain sockets; TLS whose close_notify goes
+    out at once). False: a TLS close_notify is still to be written (then use :func:`_close`)."""
+    if type(stream) is fastio.FastTLSStream and not stream.send_close_notify():
+        return False
+    stream.close()
+    return True
+
+
+async def _close(stream) -> None:
     """Close a stream; a TLS stream gets its close_notify (bounded by _TLS_CLOSE_S, shielded so
     it also happens when the connection is being cancelled), so TLS peers see a clean end."""
-    if isinstance(stream, trio.SSLStream) and getattr(stream, "_lodestone_handshook", False):
-        with trio.CancelScope(shield=True) as scope:
-            scope.deadline = trio.current_time() + _TLS_CLOSE_S
-            try:
-                await stream.aclose()
-                return
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                pass
-    await trio.aclose_forcefully(stream)
+    if _close_now(stream):
+        return
+    with trio.CancelScope(shield=True) as scope:
+        scope.deadline = trio.current_time() + _TLS_CLOSE_S
+        try:
+            await stream.aclose()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+    stream.close()
 
 
 @dataclass
 class _Conn:
-    """Per-connection facts gathered along the way (for the routing log)."""
+    """Per-connection facts gathered along the way (for the routing log), and its streams."""
 
     id: str
     source: str
@@ -199,114 +252,58 @@ class _Conn:
     mechanism: str | None = None
     container_id: str | None = None
     open_hostname: str | None = None
+    phase: int = _PH_TLS
+    client: Any = None          # FastSocketStream | FastTLSStream once wrapped
+    upstream: Any = None
+    decision: Decision | None = None
+    decision_us: int = 0
+    leftover: bytes = b""       # broker bytes after its sasl-outcome, for the client
+
+
+_ROUTE_COUNTER = {Outcome.OK: "route_ok", Outcome.REFUSED_UNAVAILABLE: "route_refused_unavailable",
+                  Outcome.REFUSED_USE_ANOTHER: "route_refused_use_another"}
+_END_COUNTER = {proxy_mod.EndReason.CLOSED: "proxy_closed",
+                proxy_mod.EndReason.IDLE_TIMEOUT: "proxy_idle_timeout",
+                proxy_mod.EndReason.CLIENT_ERROR: "proxy_client_error",
+                proxy_mod.EndReason.UPSTREAM_ERROR: "proxy_upstream_error",
+                proxy_mod.EndReason.CANCELLED: "proxy_cancelled"}
 
 
 class Acceptor:
-    """One configured acceptor: ``handle`` is called for each accepted TCP stream."""
+    """One configured acceptor: ``handle`` is called for each accepted TCP socket."""
 
     def __init__(self, settings: AcceptorSettings, service, edge: EdgeContext):
         self.settings = settings
         self.service = service
         self.edge = edge
+        self._counters = edge.stats.counters
+        self._keys = {name: (settings.name, name) for name in COUNTER_NAMES}
+        self._upstream_ctx = settings.upstream_ssl_context
 
     def _inc(self, name: str, n: int = 1) -> None:
-        self.edge.stats.inc(self.settings.name, name, n)
+        self._counters[self._keys[name]] += n
 
     # -- the one place that owns every deadline ------------------------------------------------
-    async def handle(self, tcp: trio.SocketStream) -> None:
-        """Serve one client connection to the end. Never raises for peer behaviour."""
+    async def handle(self, sock: socket.socket, peer) -> None:
+        """Serve one accepted client socket to the end (``peer``: its address from ``accept``).
+        Owns and closes the socket; never raises for peer behaviour.
+
+        One cancel scope carries each phase's deadline in turn (``c.phase`` says which), so a
+        timeout is told apart after the scope by the phase it hit."""
         s = self.settings
-        stats = self.edge.stats
-        stats.active[s.name] += 1
-        self._inc("accepted")
+        active = self.edge.stats.active
+        active[s.name] += 1
+        self._counters[self._keys["accepted"]] += 1
+        host, port = peer[0], peer[1]
+        c = _Conn(self.edge.next_connection_id(), f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
+                  host, port, trio.current_time(), self.edge.clock())
         try:
-            source, host, port = format_source(tcp.socket.getpeername())
-        except OSError:
-            stats.active[s.name] -= 1
-            await trio.aclose_forcefully(tcp)
-            return
-        c = _Conn(self.edge.next_connection_id(), source, host, port, trio.current_time(), self.edge.clock())
-        client: trio.abc.Stream = tcp
-        upstream: trio.abc.Stream | None = None
-        try:
-            # 1. TLS
-            if s.ssl_context is not None:
-                # https_compatible=False: our aclose sends close_notify (TLS peers, e.g. brokers and
-                # proton, expect it); a peer's missing close_notify surfaces as a broken stream.
-                client = trio.SSLStream(tcp, s.ssl_context, server_side=True)
-                with trio.move_on_after(s.tls_handshake_timeout_s) as scope:
-                    try:
-                        await client.do_handshake()
-                    except trio.BrokenResourceError as exc:
-                        self._inc("tls_handshake_failed")
-                        log.debug("%s: TLS handshake failed: %s", c.source, exc.__cause__ or exc)
-                        return
-                if scope.cancelled_caught:
-                    self._inc("tls_handshake_timeout")
-                    return
-                self._inc("tls_handshake_ok")
-                client._lodestone_handshook = True  # _close may send close_notify
-                ssl_object = client._ssl_object  # trio keeps the SSLObject here; SNI lives on it
-                c.sni = sni_of(ssl_object)
-                c.cert_cn = peer_common_name(ssl_object)
-
-            # 2. SASL + Open
-            with trio.move_on_after(s.handshake_timeout_s) as scope:
-                detected = await self._sniff(client, c)
+            with trio.CancelScope() as scope:
+                proxy = await self._serve(sock, c, scope)
             if scope.cancelled_caught:
-                self._inc("handshake_timeout")
-                return
-            if detected is None:
-                return
-
-            # 3. Route
-            info = ConnectionInfo(source=c.source, sni_host=c.sni, container_id=c.container_id,
-                                  user=c.user, roles=c.roles, acceptor=s.name)
-            t0 = time.perf_counter_ns()
-            decision: Decision = await self.service.route(info)
-            decision_us = (time.perf_counter_ns() - t0) // 1000
-            self._inc({Outcome.OK: "route_ok", Outcome.REFUSED_UNAVAILABLE: "route_refused_unavailable",
-                       Outcome.REFUSED_USE_ANOTHER: "route_refused_use_another"}[decision.outcome])
-
-            target = decision.target if decision.outcome is Outcome.OK else None
-            if target is None:
-                self._log_decision(c, decision, decision_us, "refused")
-                await self._refuse(client, self._refusal_text(decision), "refused")
-                return
-            if s.mode == "redirect":
-                self._log_decision(c, decision, decision_us, "redirected")
-                text = (f"Connection router {s.router} redirected this connection to "
-                        f"{target.host}:{target.port}")
-                await self._send_and_linger(client, redirect_frames(target.host, target.port, text))
-                self._inc("redirected")
-                return
-
-            # 5. Proxy
-            if detected.mechanism == "EXTERNAL":
-                self._inc("proxy_external_refused")
-                self._log_decision(c, decision, decision_us, "refused_external")
-                await self._refuse(client, f"Connection router {s.router} cannot proxy SASL EXTERNAL "
-                                           "(the client certificate cannot be replayed to a broker); "
-                                           "use PLAIN or a redirect acceptor",
-                                   None, condition="amqp:not-implemented")
-                return
-            upstream, leftover = await self._open_upstream(client, c, target, detected)
-            if upstream is None:
-                self._log_decision(c, decision, decision_us, "upstream_failed")
-                return
-            self._log_decision(c, decision, decision_us, "proxied")
-            self._inc("proxied")
-            if leftover:
-                await client.send_all(leftover)
-            result = proxy_mod.PumpStats()
-            try:
-                await proxy_mod.pump(client, upstream, idle_timeout_s=s.idle_timeout_s,
-                                     chunk_bytes=s.chunk_bytes, use_splice=s.use_splice, stats=result)
-            except trio.Cancelled:
-                result.reason = proxy_mod.EndReason.CANCELLED  # drain deadline / shutdown
-                self._proxy_closed(c, decision, result)
-                raise
-            self._proxy_closed(c, decision, result)
+                await self._timed_out(c)
+            elif proxy:
+                await self._proxy(c)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             # the client vanished in the middle of one of our writes; nothing to tell anybody
             pass
@@ -314,10 +311,134 @@ class Acceptor:
             self._inc("internal_error")
             log.exception("%s: connection %s failed", s.name, c.id)
         finally:
-            stats.active[s.name] -= 1
-            if upstream is not None:
-                await _close(upstream)
-            await _close(client)
+            active[s.name] -= 1
+            if c.upstream is not None and not _close_now(c.upstream):
+                await _close(c.upstream)
+            if c.client is None:
+                sock.close()
+            elif not _close_now(c.client):
+                await _close(c.client)
+
+    async def _serve(self, sock: socket.socket, c: _Conn, scope: trio.CancelScope) -> bool:
+        """Phases 1-4 and the upstream connect + replay of phase 5, under ``scope``. True when
+        the connection is ready to be pumped (``c.client``/``c.upstream`` set)."""
+        s = self.settings
+        try:
+            fastio.prepare_socket(sock)
+        except OSError:
+            return False  # the client is already gone
+        # 1. TLS
+        if s.ssl_context is not None:
+            scope.deadline = trio.current_time() + s.tls_handshake_timeout_s
+            try:
+                client = c.client = fastio.FastTLSStream(sock, s.ssl_context, server_side=True)
+            except OSError as exc:  # the socket broke before the handshake began
+                self._inc("tls_handshake_failed")
+                log.debug("%s: TLS setup failed: %s", c.source, exc)
+                return False
+            try:
+                await client.do_handshake()
+            except trio.BrokenResourceError as exc:
+                self._inc("tls_handshake_failed")
+                log.debug("%s: TLS handshake failed: %s", c.source, exc.__cause__ or exc)
+                return False
+            self._inc("tls_handshake_ok")
+            ssl_object = client.ssl_object
+            c.sni = sni_of(ssl_object)
+            c.cert_cn = peer_common_name(ssl_object)
+        else:
+            client = c.client = fastio.FastSocketStream(sock)
+
+        # 2. SASL + Open
+        c.phase = _PH_HANDSHAKE
+        scope.deadline = trio.current_time() + s.handshake_timeout_s
+        detected = await self._sniff(client, c)
+        if detected is None:
+            return False
+
+        # 3. Route (the service bounds its own quorum wait)
+        c.phase = _PH_ROUTE
+        scope.deadline = _INF
+        info = ConnectionInfo(source=c.source, sni_host=c.sni, container_id=c.container_id,
+                              user=c.user, roles=c.roles, acceptor=s.name)
+        t0 = time.perf_counter_ns()
+        decision: Decision = await self.service.route(info)
+        decision_us = c.decision_us = (time.perf_counter_ns() - t0) // 1000
+        c.decision = decision
+        self._inc(_ROUTE_COUNTER[decision.outcome])
+
+        target = decision.target if decision.outcome is Outcome.OK else None
+        if target is None:
+            self._log_decision(c, decision, decision_us, "refused")
+            await self._refuse(client, self._refusal_text(decision), "refused", c=c, scope=scope)
+            return False
+        if s.mode == "redirect":
+            self._log_decision(c, decision, decision_us, "redirected")
+            text = (f"Connection router {s.router} redirected this connection to "
+                    f"{target.host}:{target.port}")
+            self._inc("redirected")  # before the linger, whose deadline may end this scope
+            await self._send_and_linger(client, redirect_frames(target.host, target.port, text), c=c, scope=scope)
+            return False
+
+        # 5. Proxy
+        if detected.mechanism == "EXTERNAL":
+            self._inc("proxy_external_refused")
+            self._log_decision(c, decision, decision_us, "refused_external")
+            await self._refuse(client, f"Connection router {s.router} cannot proxy SASL EXTERNAL "
+                                       "(the client certificate cannot be replayed to a broker); "
+                                       "use PLAIN or a redirect acceptor",
+                               None, condition="amqp:not-implemented", c=c, scope=scope)
+            return False
+        if not await self._open_upstream(client, c, target, detected, scope):
+            return False  # logged ("upstream_failed") and answered by _open_upstream
+        c.phase = _PH_PROXY  # the pump runs after this scope, with its own idle deadline
+        return True
+
+    async def _timed_out(self, c: _Conn) -> None:
+        """The connection's cancel scope fired: count the phase's timeout, answer the client."""
+        ph = c.phase
+        if ph == _PH_TLS:
+            self._inc("tls_handshake_timeout")
+        elif ph == _PH_HANDSHAKE:
+            self._inc("handshake_timeout")
+        elif ph in (_PH_CONNECT, _PH_REPLAY):
+            r = self.settings.router
+            target = c.decision.target
+            where = f"{target.name}:{target.port}" if target.name else f"{target.host}:{target.port}"
+            if c.upstream is not None:
+                c.upstream.close()
+                c.upstream = None
+            self._inc("upstream_connect_timeout")
+            text = (f"Connection router {r} timed out connecting to broker {where}" if ph == _PH_CONNECT
+                    else f"Connection router {r} timed out replaying the handshake to {where}")
+            await self._refuse(c.client, text, None)
+            self._log_decision(c, c.decision, c.decision_us, "upstream_failed")
+        # _PH_LINGER: the client did not close within close_linger_s; nothing to count
+
+    async def _proxy(self, c: _Conn) -> None:
+        s = self.settings
+        decision = c.decision
+        self._log_decision(c, decision, c.decision_us, "proxied")
+        self._inc("proxied")
+        result = proxy_mod.PumpStats()
+        try:
+            if c.leftover:
+                # the broker's bytes after its sasl-outcome (its AMQP header + Open, usually)
+                try:
+                    await c.client.send_all(c.leftover)
+                except trio.BrokenResourceError as exc:
+                    result.reason = proxy_mod.EndReason.CLIENT_ERROR
+                    result.error = f"client: send {exc}"
+                    self._proxy_closed(c, decision, result)
+                    return
+                result.bytes_down = len(c.leftover)
+            await proxy_mod.pump(c.client, c.upstream, idle_timeout_s=s.idle_timeout_s,
+                                 chunk_bytes=s.chunk_bytes, use_splice=s.use_splice, stats=result)
+        except trio.Cancelled:
+            result.reason = proxy_mod.EndReason.CANCELLED  # drain deadline / shutdown
+            self._proxy_closed(c, decision, result)
+            raise
+        self._proxy_closed(c, decision, result)
 
     # -- phase 2 ------------------------------------------------------------------------------
     async def _sniff(self, client: trio.abc.Stream, c: _Conn) -> Detected | None:
@@ -428,21 +549,31 @@ class Acceptor:
         return f"Connection router {r} is not ready" + (f" ({reason})" if reason else "")
 
     async def _refuse(self, client: trio.abc.Stream, description: str, counter: str | None,
-                      condition: str = "amqp:connection:forced") -> None:
+                      condition: str = "amqp:connection:forced", *, c: _Conn | None = None,
+                      scope: trio.CancelScope | None = None) -> None:
         if counter:
             self._inc(counter)
-        await self._send_and_linger(client, refuse_frames(condition, description))
+        await self._send_and_linger(client, refuse_frames(condition, description), c=c, scope=scope)
 
-    async def _send_and_linger(self, client: trio.abc.Stream, data: bytes) -> None:
+    async def _send_and_linger(self, client: trio.abc.Stream, data: bytes, *, c: _Conn | None = None,
+                               scope: trio.CancelScope | None = None) -> None:
         """Write our last frames, half-close, and give the client ``close_linger_s`` to answer
-        with its Close and EOF (closing at once could reset the connection before it read them)."""
+        with its Close and EOF (closing at once could reset the connection before it read them).
+        Inside the connection's scope (``c``, ``scope``) the linger is that scope's deadline
+        (phase LINGER); elsewhere it gets a scope of its own."""
         try:
             await client.send_all(data)
             if isinstance(client, trio.abc.HalfCloseableStream):
                 await client.send_eof()
-            with trio.move_on_after(self.settings.close_linger_s):
+            if scope is not None and c is not None:
+                c.phase = _PH_LINGER
+                scope.deadline = trio.current_time() + self.settings.close_linger_s
                 while await client.receive_some(_RECEIVE_BYTES):
                     pass
+            else:
+                with trio.move_on_after(self.settings.close_linger_s):
+                    while await client.receive_some(_RECEIVE_BYTES):
+                        pass
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
 
@@ -456,149 +587,155 @@ class Acceptor:
             pass
 
     # -- phase 5 ------------------------------------------------------------------------------
-    async def _open_upstream(self, client: trio.abc.Stream, c: _Conn, target,
-                             detected: Detected) -> tuple[trio.abc.Stream | None, bytes]:
-        """Connect and replay the handshake. Returns (upstream, bytes for the client) or
-        (None, b"") after telling the client why not."""
+    async def _open_upstream(self, client: trio.abc.Stream, c: _Conn, target, detected: Detected,
+                             scope: trio.CancelScope) -> bool:
+        """Connect and replay the handshake (``c.upstream``, ``c.leftover``), under ``scope``
+        with the connect deadline. False after telling the client why not.
+
+        The replay is pipelined (AMQP §5.3.2 lets a client send its SASL header, sasl-init,
+        AMQP header and Open without waiting): the client's SASL bytes and its AMQP header +
+        Open go out in one write, and the broker's SASL outcome is parsed from the first bytes
+        it answers with; whatever follows the outcome (its AMQP header, Open) is for the client.
+        A broker that refuses the credentials never reads the pipelined Open."""
         s = self.settings
         r = s.router
-        where = f"{target.name or target.host}:{target.port}" if target.name else f"{target.host}:{target.port}"
-        upstream: trio.abc.Stream | None = None
-        ok = False
+        where = f"{target.name}:{target.port}" if target.name else f"{target.host}:{target.port}"
+        c.phase = _PH_CONNECT
+        scope.deadline = trio.current_time() + s.upstream_connect_timeout_s
+        usock = None
         try:
-            with trio.move_on_after(s.upstream_connect_timeout_s) as scope:
-                try:
-                    upstream = await _connect_tcp(target.host, target.port)
-                    if target.tls or s.upstream_tls:
-                        ctx = s.upstream_ssl_context or ssl.create_default_context()
-                        upstream = trio.SSLStream(upstream, ctx, server_hostname=target.host)
-                        await upstream.do_handshake()
-                        upstream._lodestone_handshook = True
-                except (OSError, trio.BrokenResourceError) as exc:
-                    self._inc("upstream_connect_failed")
-                    log.info("%s: cannot reach %s: %s", s.name, where, exc)
-                    await self._refuse(client, f"Connection router {r} could not reach broker {where}", None)
-                    return None, b""
-            if scope.cancelled_caught:
-                self._inc("upstream_connect_timeout")
-                await self._refuse(client, f"Connection router {r} timed out connecting to broker {where}", None)
-                return None, b""
+            usock = await _connect_tcp(target.host, target.port)
+            if target.tls or s.upstream_tls:
+                ctx = self._upstream_ctx
+                if ctx is None:
+                    ctx = self._upstream_ctx = ssl.create_default_context()
+                upstream = c.upstream = fastio.FastTLSStream(usock, ctx, server_side=False,
+                                                             server_hostname=target.host)
+                await upstream.do_handshake()
+            else:
+                upstream = c.upstream = fastio.FastSocketStream(usock)
+        except (OSError, trio.BrokenResourceError) as exc:
+            if c.upstream is not None:
+                c.upstream.close()
+                c.upstream = None
+            elif usock is not None:
+                usock.close()
+            self._inc("upstream_connect_failed")
+            log.info("%s: cannot reach %s: %s", s.name, where, exc)
+            self._log_decision(c, c.decision, c.decision_us, "upstream_failed")
+            await self._refuse(client, f"Connection router {r} could not reach broker {where}", None,
+                               c=c, scope=scope)
+            return False
 
-            leftover = b""
-            with trio.move_on_after(s.upstream_connect_timeout_s) as scope:
-                try:
-                    if detected.sasl_init_bytes is not None:
-                        replay = SaslClientReplay(detected.sasl_init_bytes, max_frame_bytes=s.max_handshake_bytes)
-                        await upstream.send_all(replay.data_to_send())
-                        while True:
-                            ev = replay.next_event()
-                            if ev is NEED_DATA:
-                                data = await upstream.receive_some(_RECEIVE_BYTES)
-                                if not data:
-                                    raise RemoteProtocolError("broker closed during SASL")
-                                replay.receive_data(data)
-                                continue
-                            if isinstance(ev, UpstreamAuthFailed):
-                                self._inc("upstream_auth_failed")
-                                await self._refuse(client, f"broker {where} refused the credentials "
-                                                           f"(sasl-outcome {ev.code})", None,
-                                                   condition="amqp:unauthorized-access")
-                                return None, b""
-                            assert isinstance(ev, UpstreamAuthOk)
-                            leftover = ev.leftover
-                            break
-                    await upstream.send_all(detected.client_bytes)
-                except (RemoteProtocolError, trio.BrokenResourceError) as exc:
-                    self._inc("upstream_protocol_error")
-                    log.info("%s: broker %s broke the handshake replay: %s", s.name, where, exc)
-                    await self._refuse(client, f"Connection router {r}: broker {where} failed the handshake", None)
-                    return None, b""
-            if scope.cancelled_caught:
-                self._inc("upstream_connect_timeout")
-                await self._refuse(client, f"Connection router {r} timed out replaying the handshake to {where}",
-                                   None)
-                return None, b""
-            ok = True
-            return upstream, leftover
-        finally:
-            if not ok and upstream is not None:
-                await trio.aclose_forcefully(upstream)
+        c.phase = _PH_REPLAY
+        scope.deadline = trio.current_time() + s.upstream_connect_timeout_s
+        failed: str | None = None
+        try:
+            if detected.sasl_init_bytes is None:
+                await upstream.send_all(detected.client_bytes)
+            else:
+                await upstream.send_all(detected.sasl_init_bytes + detected.client_bytes)
+                data = await upstream.receive_some(_RECEIVE_BYTES)
+                for prefix in _UPSTREAM_OK_PREFIXES:
+                    if data.startswith(prefix):
+                        c.leftover = data[len(prefix):]
+                        break
+                else:
+                    failed = await self._replay_slow(upstream, c, detected, data)
+        except (RemoteProtocolError, trio.BrokenResourceError) as exc:
+            self._inc("upstream_protocol_error")
+            log.info("%s: broker %s broke the handshake replay: %s", s.name, where, exc)
+            failed = f"Connection router {r}: broker {where} failed the handshake"
+            condition = "amqp:connection:forced"
+        else:
+            condition = "amqp:unauthorized-access"
+        if failed is not None:
+            c.upstream.close()
+            c.upstream = None
+            self._log_decision(c, c.decision, c.decision_us, "upstream_failed")
+            await self._refuse(client, failed, None, condition=condition, c=c, scope=scope)
+            return False
+        return True
 
-    # -- routing log --------------------------------------------------------------------------
+    async def _replay_slow(self, upstream, c: _Conn, detected: Detected, data: bytes) -> str | None:
+        """Parse the broker's SASL answer with ``SaslClientReplay`` (first time, split reads,
+        refusals). Sets ``c.leftover``; returns the client's error text if the broker refused
+        the credentials. Raises RemoteProtocolError / BrokenResourceError."""
+        replay = SaslClientReplay(detected.sasl_init_bytes, max_frame_bytes=self.settings.max_handshake_bytes)
+        replay.data_to_send()  # already sent, pipelined
+        received = bytearray()
+        while True:
+            if not data:
+                raise RemoteProtocolError("broker closed during SASL")
+            received += data
+            replay.receive_data(data)
+            ev = replay.next_event()
+            if ev is not NEED_DATA:
+                break
+            data = await upstream.receive_some(_RECEIVE_BYTES)
+        if isinstance(ev, UpstreamAuthFailed):
+            self._inc("upstream_auth_failed")
+            target = c.decision.target
+            where = f"{target.name}:{target.port}" if target.name else f"{target.host}:{target.port}"
+            return f"broker {where} refused the credentials (sasl-outcome {ev.code})"
+        assert isinstance(ev, UpstreamAuthOk)
+        c.leftover = ev.leftover
+        prefix = bytes(received[:len(received) - len(ev.leftover)])
+        if len(_UPSTREAM_OK_PREFIXES) < _MAX_OK_PREFIXES:
+            _UPSTREAM_OK_PREFIXES[prefix] = None
+        return None
+
+    # -- routing log (schema: docs/router.md; lines formatted directly, see router.routelog) ---
     def _log_decision(self, c: _Conn, decision: Decision, decision_us: int, action: str) -> None:
+        routelog = self.edge.routelog
+        if routelog.path is None:
+            return
         s = self.settings
         e = decision.explanation
         t = decision.target
-        self.edge.routelog.write({
-            "v": 1,
-            "event": "route",
-            "time": utc_timestamp(self.edge.clock()),
-            "connection_id": c.id,
-            "worker": self.edge.worker,
-            "router": s.router,
-            "acceptor": s.name,
-            "mode": s.mode,
-            "key_type": e.key_type,
-            "key_raw": e.raw_key,
-            "key_filtered": e.filtered_key,
-            "key_transformed": e.key,
-            "client_address": c.host,
-            "client_port": c.port,
-            "sni": c.sni,
-            "user": c.user,
-            "roles": list(c.roles),
-            "sasl_mechanism": c.mechanism,
-            "container_id": c.container_id,
-            "open_hostname": c.open_hostname,
-            "target_name": t.name if t is not None else None,
-            "target_node_id": t.node_id if t is not None else None,
-            "target_address": f"{t.host}:{t.port}" if t is not None else None,
-            "local": decision.local,
-            "policy": e.policy,
-            "cache": e.cache,
-            "cache_hit": e.cache == "hit",
-            "cache_tier": e.cache_tier,
-            "pin": e.pin,
-            "quorum_met": e.quorum_met,
-            "ready_targets": e.ready_targets,
-            "outcome": decision.outcome.value,
-            "action": action,
-            "reason": e.reason,
-            "decision_us": int(decision_us),
-        })
+        if t is not None:
+            tname, tnode, taddr = json_str(t.name), json_str(t.node_id), json_str(f"{t.host}:{t.port}")
+        else:
+            tname = tnode = taddr = "null"
+        routelog.write_line(
+            f'{{"v":1,"event":"route","time":"{utc_timestamp(self.edge.clock())}",'
+            f'"connection_id":{json_str(c.id)},"worker":{json_int(self.edge.worker)},'
+            f'"router":{json_str(s.router)},"acceptor":{json_str(s.name)},"mode":{json_str(s.mode)},'
+            f'"key_type":{json_str(e.key_type)},"key_raw":{json_str(e.raw_key)},'
+            f'"key_filtered":{json_str(e.filtered_key)},"key_transformed":{json_str(e.key)},'
+            f'"client_address":{json_str(c.host)},"client_port":{json_int(c.port)},"sni":{json_str(c.sni)},'
+            f'"user":{json_str(c.user)},"roles":{json_str_list(c.roles)},'
+            f'"sasl_mechanism":{json_str(c.mechanism)},"container_id":{json_str(c.container_id)},'
+            f'"open_hostname":{json_str(c.open_hostname)},"target_name":{tname},"target_node_id":{tnode},'
+            f'"target_address":{taddr},"local":{json_bool(decision.local)},"policy":{json_str(e.policy)},'
+            f'"cache":{json_str(e.cache)},"cache_hit":{json_bool(e.cache == "hit")},'
+            f'"cache_tier":{json_str(e.cache_tier)},"pin":{json_str(e.pin)},'
+            f'"quorum_met":{json_bool(e.quorum_met)},"ready_targets":{json_int(e.ready_targets)},'
+            f'"outcome":{json_str(decision.outcome.value)},"action":{json_str(action)},'
+            f'"reason":{json_str(e.reason)},"decision_us":{json_int(int(decision_us))}}}')
 
     def _proxy_closed(self, c: _Conn, decision: Decision, result: proxy_mod.PumpStats) -> None:
         s = self.settings
         stats = self.edge.stats
         stats.bytes_up[s.name] += result.bytes_up
         stats.bytes_down[s.name] += result.bytes_down
-        self._inc({proxy_mod.EndReason.CLOSED: "proxy_closed",
-                   proxy_mod.EndReason.IDLE_TIMEOUT: "proxy_idle_timeout",
-                   proxy_mod.EndReason.CLIENT_ERROR: "proxy_client_error",
-                   proxy_mod.EndReason.UPSTREAM_ERROR: "proxy_upstream_error",
-                   proxy_mod.EndReason.CANCELLED: "proxy_cancelled"}[result.reason])
+        self._inc(_END_COUNTER[result.reason])
+        routelog = self.edge.routelog
+        if routelog.path is None:
+            return
         t = decision.target
-        self.edge.routelog.write({
-            "v": 1,
-            "event": "close",
-            "time": utc_timestamp(self.edge.clock()),
-            "connection_id": c.id,
-            "worker": self.edge.worker,
-            "router": s.router,
-            "acceptor": s.name,
-            "mode": s.mode,
-            "client_address": c.host,
-            "client_port": c.port,
-            "user": c.user,
-            "container_id": c.container_id,
-            "target_name": t.name if t is not None else None,
-            "target_node_id": t.node_id if t is not None else None,
-            "target_address": f"{t.host}:{t.port}" if t is not None else None,
-            "bytes_client_to_broker": result.bytes_up,
-            "bytes_broker_to_client": result.bytes_down,
-            "duration_ms": round((trio.current_time() - c.started) * 1000, 3),
-            "close_reason": result.reason.value,
-            "closed_first_by": result.first_eof,
-            "spliced": result.spliced,
-            "error": result.error,
-        })
+        if t is not None:
+            tname, tnode, taddr = json_str(t.name), json_str(t.node_id), json_str(f"{t.host}:{t.port}")
+        else:
+            tname = tnode = taddr = "null"
+        routelog.write_line(
+            f'{{"v":1,"event":"close","time":"{utc_timestamp(self.edge.clock())}",'
+            f'"connection_id":{json_str(c.id)},"worker":{json_int(self.edge.worker)},'
+            f'"router":{json_str(s.router)},"acceptor":{json_str(s.name)},"mode":{json_str(s.mode)},'
+            f'"client_address":{json_str(c.host)},"client_port":{json_int(c.port)},"user":{json_str(c.user)},'
+            f'"container_id":{json_str(c.container_id)},"target_name":{tname},"target_node_id":{tnode},'
+            f'"target_address":{taddr},"bytes_client_to_broker":{json_int(result.bytes_up)},'
+            f'"bytes_broker_to_client":{json_int(result.bytes_down)},'
+            f'"duration_ms":{json_float(round((trio.current_time() - c.started) * 1000, 3))},'
+            f'"close_reason":{json_str(result.reason.value)},"closed_first_by":{json_str(result.first_eof)},'
+            f'"spliced":{json_bool(result.spliced)},"error":{json_str(result.error)}}}')

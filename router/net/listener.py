@@ -7,7 +7,10 @@ the sockets are made here: resolve, ``socket``, ``SO_REUSEADDR`` (+ ``SO_REUSEPO
 
 The accept loop follows trio's ``_highlevel_serve_listeners``: accepting and handling live in
 separate nurseries, so a handler never blocks the accept loop; the connection limit is checked at
-accept time (over-limit connections are counted and closed at once, before any TLS work).
+accept time (over-limit connections are counted and closed at once, before any TLS work). Unlike
+trio's loop it accepts every pending connection per wakeup (bounded batches) on the stdlib
+socket and hands handlers the stdlib socket and the peer address ``accept`` returned (the edge
+wraps it in ``router.net.fastio`` streams).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import errno
 import logging
 import socket as _stdlib_socket
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import trio
 
@@ -25,6 +28,9 @@ log = logging.getLogger("router.listener")
 # and retries on them rather than crashing.
 _ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 _SLEEP_ON_CAPACITY_S = 0.1
+# accept() errors that concern only the connection being accepted (trio ignores them too).
+_ACCEPT_TRANSIENT_ERRNOS = {errno.ECONNABORTED, errno.EPERM, errno.EPROTO}
+_ACCEPT_BATCH = 64
 
 
 async def open_listeners(host: str, port: int, *, reuse_port: bool = False,
@@ -92,38 +98,58 @@ class ConnectionLimit:
         self.active -= 1
 
 
-async def serve_listeners(handler: Callable[[trio.SocketStream], Awaitable[None]],
+async def serve_listeners(handler: Callable[[_stdlib_socket.socket, Any], Awaitable[None]],
                           listeners: list[trio.SocketListener], *, handler_nursery: trio.Nursery,
                           limit: ConnectionLimit, on_rejected: Callable[[], None]) -> None:
-    """Accept forever on every listener; each accepted stream runs ``handler`` in
-    ``handler_nursery``. Over the limit the stream is closed at once and ``on_rejected`` called.
-    The handler owns closing its stream."""
+    """Accept forever on every listener; each accepted socket runs ``handler(sock, peer)`` in
+    ``handler_nursery`` (``sock``: a stdlib socket, ``peer``: its address as ``accept``
+    returned it). Over the limit the socket is closed at once and ``on_rejected`` called. The
+    handler owns closing its socket."""
     async with trio.open_nursery() as accept_nursery:
         for listener in listeners:
             accept_nursery.start_soon(_accept_loop, handler, listener, handler_nursery, limit, on_rejected)
 
 
+def _stdlib_listener(listener: trio.SocketListener) -> _stdlib_socket.socket:
+    """The stdlib socket under a trio listener (trio's socket wrapper keeps it as ``_sock``)."""
+    return listener.socket._sock  # type: ignore[attr-defined]
+
+
 async def _accept_loop(handler, listener: trio.SocketListener, handler_nursery: trio.Nursery,
                        limit: ConnectionLimit, on_rejected) -> None:
+    # Accept every pending connection per wakeup (up to _ACCEPT_BATCH, then yield so handlers
+    # run): one wait per burst instead of one per connection. accept() returns the peer's
+    # address, so handlers need no getpeername().
+    lsock = _stdlib_listener(listener)
+    accept = lsock.accept
+    start_soon = handler_nursery.start_soon
     while True:
-        try:
-            stream = await listener.accept()
-        except OSError as exc:
-            if exc.errno in _ACCEPT_CAPACITY_ERRNOS:
-                log.error("accept failed (%s); retrying in %.1fs", errno.errorcode.get(exc.errno, exc.errno),
-                          _SLEEP_ON_CAPACITY_S)
-                await trio.sleep(_SLEEP_ON_CAPACITY_S)
+        for _ in range(_ACCEPT_BATCH):
+            try:
+                sock, peer = accept()
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(lsock)
+                break
+            except OSError as exc:
+                if exc.errno in _ACCEPT_CAPACITY_ERRNOS:
+                    log.error("accept failed (%s); retrying in %.1fs", errno.errorcode.get(exc.errno, exc.errno),
+                              _SLEEP_ON_CAPACITY_S)
+                    await trio.sleep(_SLEEP_ON_CAPACITY_S)
+                    break
+                if exc.errno in _ACCEPT_TRANSIENT_ERRNOS:
+                    continue  # the client gave up before we accepted it
+                raise
+            if not limit.try_acquire():
+                on_rejected()
+                sock.close()  # a plain FIN: the client learns at once, we keep no state
                 continue
-            raise
-        if not limit.try_acquire():
-            on_rejected()
-            stream.socket.close()  # a plain FIN: the client learns at once, we keep no state
-            continue
-        handler_nursery.start_soon(_run_handler, handler, stream, limit)
+            start_soon(_run_handler, handler, sock, peer, limit)
+        else:
+            await trio.lowlevel.checkpoint()
 
 
-async def _run_handler(handler, stream: trio.SocketStream, limit: ConnectionLimit) -> None:
+async def _run_handler(handler, sock: _stdlib_socket.socket, peer, limit: ConnectionLimit) -> None:
     try:
-        await handler(stream)
+        await handler(sock, peer)
     finally:
         limit.release()

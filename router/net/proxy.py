@@ -2,27 +2,35 @@
 
 Theory of operation
 -------------------
-One nursery, two pump tasks (client → upstream "up", upstream → client "down"), one cancel scope
-owning the idle deadline. Each pump:
+Plain-to-plain connections start in the calling task (``_pump_small``): one private epoll set
+watches both sockets; each readable side is read once (64 KiB) and written to the other side at
+once, EOFs are passed on with ``shutdown(SHUT_WR)``. Most AMQP connections (a few frames, then
+Close) end there without spawning anything. The first write that would block, or a read that
+fills the whole buffer (bulk traffic), hands the connection over — with the bytes not yet
+written — to the general pump below. TLS connections start there directly.
+
+The general pump: one nursery, two pump tasks (client → upstream "up", upstream → client
+"down"), one cancel scope owning the idle deadline (shared with ``_pump_small``). Each pump:
 
 * reads a large chunk (``chunk_bytes``, 64 KiB by default) and refreshes the shared idle
   deadline (``scope.deadline = now + idle``);
 * writes it with ``send_all`` — back-pressure is simply that we do not read again until the
-  peer has taken the bytes (trio's send_all waits for the socket to drain);
+  peer has taken the bytes (send_all waits for the socket to drain);
 * on EOF from its source it half-closes its destination (``send_eof``) and ends, while the other
   direction keeps running until it too sees EOF or the idle deadline fires. A TLS destination
-  cannot be half-closed by ``trio.SSLStream``; there an EOF from the source closes the whole
-  connection (TLS close_notify), which is what AMQP peers expect after a Close anyway.
+  cannot be half-closed; there an EOF from the source closes the whole connection (TLS
+  close_notify), which is what AMQP peers expect after a Close anyway.
 * a broken peer (reset, TLS error) ends both directions at once.
 
 Splice fast path: when both ends are plain TCP sockets and the OS has ``os.splice`` (Linux), each
 direction starts by copying with plain ``read``/``write`` on the file descriptors (no trio
 stream layers); once a read fills the whole 64 KiB buffer the direction is carrying bulk data and
 switches to moving bytes socket → pipe → socket inside the kernel (``SPLICE_F_MOVE``), never
-copying them into Python. Short-lived connections never pay for the pipes. Readiness comes from trio's ``wait_readable``/``wait_writable``; the pipe is
-private to the direction and its size (1 MiB when the kernel allows) bounds the bytes in flight,
-which is the back-pressure. ``loadtest/bench_proxy.py`` measures both paths
-(``--no-splice``); see docs/router.md for the figures.
+copying them into Python. Short-lived connections never pay for the pipes. Readiness comes from
+trio's ``wait_readable``/``wait_writable``; the pipe is private to the direction and its size
+(1 MiB when the kernel allows) bounds the bytes in flight, which is the back-pressure.
+``loadtest/bench_proxy.py`` measures both paths (target ``proxy-nosplice``); see docs/router.md
+for the figures.
 """
 
 from __future__ import annotations
@@ -30,11 +38,14 @@ from __future__ import annotations
 import enum
 import errno
 import os
+import select
 import socket as _stdlib_socket
 import ssl
 from dataclasses import dataclass
 
 import trio
+
+from router.net.fastio import FastSocketStream
 
 DEFAULT_CHUNK_BYTES = 65536
 _TLS_CLOSE_S = 1.0  # how long a TLS close_notify may take before we just drop the socket
@@ -72,9 +83,11 @@ def splice_available() -> bool:
     return hasattr(os, "splice")
 
 
-def _plain_socket(stream) -> "trio.socket.SocketType | None":
-    if type(stream) is trio.SocketStream and stream.socket.family in (_stdlib_socket.AF_INET,
-                                                                      _stdlib_socket.AF_INET6):
+def _plain_socket(stream):
+    """The TCP socket under a plain stream (``FastSocketStream`` or ``trio.SocketStream``), else None."""
+    t = type(stream)
+    if (t is FastSocketStream or t is trio.SocketStream) and stream.socket.family in (_stdlib_socket.AF_INET,
+                                                                                      _stdlib_socket.AF_INET6):
         return stream.socket
     return None
 
@@ -99,27 +112,125 @@ async def pump(client: trio.abc.Stream, upstream: trio.abc.Stream, *, idle_timeo
     caller closes both streams afterwards (``aclose_forcefully``)."""
     stats = stats if stats is not None else PumpStats()
     csock, usock = _plain_socket(client), _plain_socket(upstream)
-    spliced = use_splice and splice_available() and csock is not None and usock is not None
+    plain = csock is not None and usock is not None
+    spliced = use_splice and splice_available() and plain
     with trio.CancelScope() as scope:
         idle = idle_timeout_s
+        # The deadline is pushed out only when it falls short of now + idle, and then with some
+        # slack (1 %, at most 1 s), so a busy connection does not re-arm trio's deadline heap
+        # on every read: the idle timeout fires between idle and idle + slack after the last byte.
+        slack = min(1.0, idle * 0.01) if idle is not None else 0.0
 
         def refresh() -> None:
             if idle is not None:
-                scope.deadline = trio.current_time() + idle
+                due = trio.current_time() + idle
+                if scope.deadline < due:
+                    scope.deadline = due + slack
 
-        refresh()
-        async with trio.open_nursery() as nursery:
-            if spliced:
-                nursery.start_soon(_guard, stats, nursery, _splice_dir, csock, usock, "client", "upstream", refresh)
-                nursery.start_soon(_guard, stats, nursery, _splice_dir, usock, csock, "upstream", "client", refresh)
-            else:
-                nursery.start_soon(_guard, stats, nursery, _stream_dir, client, upstream, "client", "upstream", refresh,
-                                   chunk_bytes)
-                nursery.start_soon(_guard, stats, nursery, _stream_dir, upstream, client, "upstream", "client", refresh,
-                                   chunk_bytes)
+        if idle is not None:
+            scope.deadline = trio.current_time() + idle + slack
+        # (done, pending bytes, bulk) for client→upstream and upstream→client
+        state = ((False, b"", False), (False, b"", False))
+        if plain:
+            try:
+                state = await _pump_small(csock, usock, stats, refresh)
+            except _Broken as exc:
+                _broken(stats, exc)
+                state = None
+        if state is not None:
+            (up_done, up_pending, up_bulk), (down_done, down_pending, down_bulk) = state
+            async with trio.open_nursery() as nursery:
+                if spliced:
+                    if not up_done:
+                        nursery.start_soon(_guard, stats, nursery, _splice_dir, csock, usock, "client", "upstream",
+                                           refresh, up_pending, up_bulk)
+                    if not down_done:
+                        nursery.start_soon(_guard, stats, nursery, _splice_dir, usock, csock, "upstream", "client",
+                                           refresh, down_pending, down_bulk)
+                else:
+                    if not up_done:
+                        nursery.start_soon(_guard, stats, nursery, _stream_dir, client, upstream, "client", "upstream",
+                                           refresh, chunk_bytes, up_pending)
+                    if not down_done:
+                        nursery.start_soon(_guard, stats, nursery, _stream_dir, upstream, client, "upstream", "client",
+                                           refresh, chunk_bytes, down_pending)
     if scope.cancelled_caught and stats.reason is EndReason.CLOSED:
         stats.reason = EndReason.IDLE_TIMEOUT
     return stats
+
+
+async def _pump_small(csock, usock, stats: PumpStats, refresh):
+    """The first phase of a plain-to-plain pump, in the calling task: one private epoll set
+    watches both sockets, and each readable side is read once and written to the other at once.
+    Most AMQP connections (a few frames each way, then Close) end here, without a nursery and
+    two tasks. Returns None when both directions reached EOF, else the state to hand over to
+    the two-task pump — per direction (done, bytes still to write, bulk) — as soon as a write
+    would block (back-pressure needs the per-direction tasks) or a read fills the whole buffer
+    (bulk traffic: splice). Raises ``_Broken``."""
+    cfd, ufd = csock.fileno(), usock.fileno()
+    ep = select.epoll(2)
+    try:
+        ep.register(cfd, select.EPOLLIN)
+        ep.register(ufd, select.EPOLLIN)
+        done = {cfd: False, ufd: False}
+        while True:
+            await trio.lowlevel.wait_readable(ep)
+            for fd, _events in ep.poll(0):
+                if fd == cfd:
+                    dfd, src_name, dst_name, dst = ufd, "client", "upstream", usock
+                else:
+                    dfd, src_name, dst_name, dst = cfd, "upstream", "client", csock
+                try:
+                    data = os.read(fd, DEFAULT_CHUNK_BYTES)
+                except BlockingIOError:
+                    continue
+                except OSError as exc:
+                    if exc.errno in _BROKEN_ERRNOS:
+                        raise _Broken(src_name, f"read: {exc.strerror}") from None
+                    raise
+                if not data:  # EOF: pass it on; the other direction keeps flowing
+                    if stats.first_eof is None:
+                        stats.first_eof = src_name
+                    _shutdown(dst, dst_name)
+                    ep.unregister(fd)
+                    done[fd] = True
+                    if done[dfd]:
+                        return None
+                    continue
+                refresh()
+                try:
+                    n = os.write(dfd, data)
+                except BlockingIOError:
+                    n = 0
+                except OSError as exc:
+                    if exc.errno in _BROKEN_ERRNOS:
+                        raise _Broken(dst_name, f"write: {exc.strerror}") from None
+                    raise
+                _count(stats, src_name, n)
+                if n < len(data) or len(data) == DEFAULT_CHUNK_BYTES:
+                    pending = data[n:]
+                    bulk = len(data) == DEFAULT_CHUNK_BYTES
+                    here = (False, pending, bulk)
+                    if fd == cfd:
+                        return here, (done[ufd], b"", False)
+                    return (done[cfd], b"", False), here
+    finally:
+        ep.close()
+
+
+def _shutdown(dst, dst_name: str) -> None:
+    try:
+        dst.shutdown(_stdlib_socket.SHUT_WR)
+    except OSError as exc:
+        if exc.errno not in _BROKEN_ERRNOS:
+            raise
+        raise _Broken(dst_name, f"shutdown: {exc.strerror}") from None
+
+
+def _broken(stats: PumpStats, exc: "_Broken") -> None:
+    if stats.reason is EndReason.CLOSED:
+        stats.reason = EndReason.CLIENT_ERROR if exc.side == "client" else EndReason.UPSTREAM_ERROR
+        stats.error = f"{exc.side}: {exc.detail}"
 
 
 async def _guard(stats: PumpStats, nursery: trio.Nursery, fn, *args) -> None:
@@ -127,9 +238,7 @@ async def _guard(stats: PumpStats, nursery: trio.Nursery, fn, *args) -> None:
     try:
         await fn(*args, stats=stats, nursery=nursery)
     except _Broken as exc:
-        if stats.reason is EndReason.CLOSED:
-            stats.reason = EndReason.CLIENT_ERROR if exc.side == "client" else EndReason.UPSTREAM_ERROR
-            stats.error = f"{exc.side}: {exc.detail}"
+        _broken(stats, exc)
         nursery.cancel_scope.cancel()
 
 
@@ -141,7 +250,16 @@ def _count(stats: PumpStats, src_name: str, n: int) -> None:
 
 
 async def _stream_dir(src: trio.abc.Stream, dst: trio.abc.Stream, src_name: str, dst_name: str,
-                      refresh, chunk_bytes: int, *, stats: PumpStats, nursery: trio.Nursery) -> None:
+                      refresh, chunk_bytes: int, pending: bytes = b"", *, stats: PumpStats,
+                      nursery: trio.Nursery) -> None:
+    if pending:  # read by _pump_small, not yet written
+        try:
+            await dst.send_all(pending)
+        except trio.ClosedResourceError:
+            return
+        except trio.BrokenResourceError as exc:
+            raise _Broken(dst_name, "send " + _detail(exc)) from None
+        _count(stats, src_name, len(pending))
     while True:
         try:
             data = await src.receive_some(chunk_bytes)
@@ -183,14 +301,16 @@ async def _stream_dir(src: trio.abc.Stream, dst: trio.abc.Stream, src_name: str,
         nursery.cancel_scope.cancel()
 
 
-async def _splice_dir(src: trio.socket.SocketType, dst: trio.socket.SocketType, src_name: str, dst_name: str,
-                      refresh, *, stats: PumpStats, nursery: trio.Nursery) -> None:
+async def _splice_dir(src, dst, src_name: str, dst_name: str, refresh, pending: bytes = b"",
+                      bulk: bool = False, *, stats: PumpStats, nursery: trio.Nursery) -> None:
     sfd, dfd = src.fileno(), dst.fileno()
+    if pending:  # read by _pump_small, not yet written
+        await _write_all(dst, dfd, pending, dst_name)
+        _count(stats, src_name, len(pending))
     # Copy mode first: most AMQP connections move little data, and for them a pipe pair per
     # direction costs more than it saves. A read that fills the whole buffer means bulk traffic:
     # from then on this direction splices.
-    bulk = False
-    while True:
+    while not bulk:
         try:
             data = os.read(sfd, DEFAULT_CHUNK_BYTES)
         except BlockingIOError:
@@ -203,31 +323,29 @@ async def _splice_dir(src: trio.socket.SocketType, dst: trio.socket.SocketType, 
         if not data:
             break
         refresh()
-        view = memoryview(data)
-        while view:
-            try:
-                view = view[os.write(dfd, view):]
-            except BlockingIOError:
-                await trio.lowlevel.wait_writable(dst)
-            except OSError as exc:
-                if exc.errno in _BROKEN_ERRNOS:
-                    raise _Broken(dst_name, f"write: {exc.strerror}") from None
-                raise
+        await _write_all(dst, dfd, data, dst_name)
         _count(stats, src_name, len(data))
         await trio.lowlevel.checkpoint()
         if len(data) == DEFAULT_CHUNK_BYTES:
             bulk = True
-            break
     if bulk:
         await _splice_loop(src, dst, sfd, dfd, src_name, dst_name, refresh, stats)
     if stats.first_eof is None:
         stats.first_eof = src_name
-    try:
-        dst.shutdown(_stdlib_socket.SHUT_WR)
-    except OSError as exc:
-        if exc.errno not in _BROKEN_ERRNOS:
+    _shutdown(dst, dst_name)
+
+
+async def _write_all(dst, dfd: int, data: bytes, dst_name: str) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(dfd, view):]
+        except BlockingIOError:
+            await trio.lowlevel.wait_writable(dst)
+        except OSError as exc:
+            if exc.errno in _BROKEN_ERRNOS:
+                raise _Broken(dst_name, f"write: {exc.strerror}") from None
             raise
-        raise _Broken(dst_name, f"shutdown: {exc.strerror}") from None
 
 
 async def _splice_loop(src, dst, sfd: int, dfd: int, src_name: str, dst_name: str, refresh,

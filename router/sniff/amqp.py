@@ -79,6 +79,22 @@ class Detected:
     sasl_hostname: str | None = None
 
 
+# Decoded Opens by frame body: a client reconnecting sends the same Open byte for byte, and
+# decoding it is most of the sniffer's cost. ``Open`` is frozen, so sharing one is safe; the
+# decode is a pure function of the bytes. Bounded: once full, new bodies are decoded each time.
+_OPEN_CACHE: dict[bytes, Open] = {}
+_OPEN_CACHE_MAX = 4096
+
+
+def _decode_first_performative(body: bytes):
+    perf = _OPEN_CACHE.get(body)
+    if perf is None:
+        perf = decode_performative(body)
+        if isinstance(perf, Open) and len(_OPEN_CACHE) < _OPEN_CACHE_MAX:
+            _OPEN_CACHE[body] = perf
+    return perf
+
+
 class HandshakeSniffer:
     """Read a client's AMQP 1.0 handshake; see the module docstring.
 
@@ -235,7 +251,7 @@ class HandshakeSniffer:
                 continue  # empty frame (heartbeat, §2.4.5)
             if frame.type != FRAME_AMQP:
                 raise FramingError(f"frame type 0x{frame.type:02x} where an AMQP open was expected")
-            perf = decode_performative(frame.body)
+            perf = _decode_first_performative(frame.body)
             if not isinstance(perf, Open):
                 name = getattr(perf, "NAME", None) or "another performative"
                 raise RemoteProtocolError(
