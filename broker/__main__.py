@@ -14,6 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from broker.trioutil import single_leaf
+
 __all__ = ["main"]
 
 
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trio.run(run_node, cfg)
     except BaseException as exc:  # noqa: BLE001 - unwrapped and re-raised below if unknown
-        leaf = _leaf(exc)
+        leaf = single_leaf(exc)
         if isinstance(leaf, ConfigError):  # e.g. the users file
             print(f"lodestone-broker: {leaf}", file=sys.stderr)
             return 2
@@ -73,13 +75,6 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         raise
     return 0
-
-
-def _leaf(exc: BaseException) -> BaseException:
-    """The single exception inside (nested) exception groups, or the group itself."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from broker.activity import ActivityLog, iso_utc
 from broker.core.addresses import Broker
 from broker.core.deliveries import Message
 from broker.logsetup import print_listening
+from broker.trioutil import Wakeup
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.amqp.engine import AmqpEngine
@@ -78,25 +79,6 @@ class JournalStore:
         self.on_write()
 
 
-class _Flag:
-    __slots__ = ("flag", "event")
-
-    def __init__(self) -> None:
-        self.flag = False
-        self.event = trio.Event()
-
-    def set(self) -> None:
-        if not self.flag:
-            self.flag = True
-            self.event.set()
-
-    async def wait(self) -> None:
-        if not self.flag:
-            await self.event.wait()
-        self.flag = False
-        self.event = trio.Event()
-
-
 class Node:
     """One running broker node (see the module docstring)."""
 
@@ -107,7 +89,7 @@ class Node:
         self.short_id = node_id[:8]
         self.container_id = f"lodestone-{cfg.name}-{self.short_id}"
         self.journal = journal
-        self._dirty = _Flag()
+        self._dirty = Wakeup()
         store = JournalStore(journal, self._dirty.set) if journal is not None else None
         self.core = Broker(cfg.settings, store)
         self.engines: dict[str, "AmqpEngine"] = {}

@@ -22,6 +22,8 @@ import json
 import sys
 from pathlib import Path
 
+from broker.trioutil import single_leaf
+
 __all__ = ["main"]
 
 
@@ -129,7 +131,7 @@ def _run(cfg, *, worker: int, workers: int, ports, drain) -> int:
         trio.run(lambda: serve_router(cfg, worker=worker, workers=workers, ports=ports,
                                       drain_timeout_s=DEFAULT_DRAIN_TIMEOUT_S if drain is None else drain))
     except BaseException as exc:  # noqa: BLE001 - unwrapped and re-raised below if unknown
-        leaf = _leaf(exc)
+        leaf = single_leaf(exc)
         if isinstance(leaf, ConfigError):
             print(f"lodestone-router: {leaf}", file=sys.stderr)
             return 2
@@ -140,12 +142,6 @@ def _run(cfg, *, worker: int, workers: int, ports, drain) -> int:
             return 0
         raise
     return 0
-
-
-def _leaf(exc: BaseException) -> BaseException:
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ from broker.amqp.sasl import (
     parse_plain,
 )
 from broker.errors import NotThisProtocol, RemoteProtocolError
+from broker.trioutil import Wakeup
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.config import AcceptorConfig
@@ -252,29 +253,8 @@ async def _decide(node: "Node", ev: AuthRequested, source_ip: str, cn: str | Non
     return None, f"mechanism {mech} not supported"
 
 
-class _Wakeup:
-    """A level-triggered flag a sync caller sets and one task waits on."""
-
-    __slots__ = ("flag", "event")
-
-    def __init__(self) -> None:
-        self.flag = False
-        self.event = trio.Event()
-
-    def set(self) -> None:
-        if not self.flag:
-            self.flag = True
-            self.event.set()
-
-    async def wait(self) -> None:
-        if not self.flag:
-            await self.event.wait()
-        self.flag = False
-        self.event = trio.Event()
-
-
 async def _pump(node: "Node", stream, conn_id: str, principal, source: str, tls: bool, leftover: bytes) -> None:
-    wakeup = _Wakeup()
+    wakeup = Wakeup()
     engine = AmqpEngine(node, conn_id=conn_id, principal=principal, source=source, tls=tls, wake=wakeup.set)
     node.engine_started(engine)
     try:
