@@ -2,7 +2,7 @@
 
 Read strictly with :mod:`broker.tomlconfig`: unknown keys are rejected and every error names the
 file, the key path and the value (``etc/broker.toml: acceptors.amqp.port: 70000 must be <= 65535``).
-Paths are relative to the config file's folder. The full reference is in ``docs/broker.md``.
+Paths are relative to the config file's folder. The full reference is in ``docs/configuration.md`` (section "Broker node").
 
 Tests and the local deployment may override ports and the data directory from the command line
 (``--amqp-port``, ``--management-port``, ``--data-dir``); see :func:`apply_overrides`.
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from broker.core.addresses import ANYCAST, MULTICAST, AddressSettings, SettingsResolver
+from broker.core.wildcards import check_pattern
 from broker.store.journal import JournalConfig
 from broker.tomlconfig import ConfigError, Table, open_config
 
@@ -168,6 +169,10 @@ def load_config(file: str | Path) -> BrokerConfig:
     default = _address_settings(root.table("address-defaults"), AddressSettings())
     rules = []
     for pattern, t in root.tables("address-settings").items():
+        try:
+            check_pattern(pattern)
+        except ValueError as exc:
+            raise ConfigError(root.file, f"address-settings.{pattern}", str(exc)) from None
         rules.append((pattern, _address_settings(t, default)))
     settings = SettingsResolver(default, tuple(rules))
 

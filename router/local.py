@@ -4,7 +4,7 @@ It starts ``python -m broker run etc/broker-{1,2,3}.toml`` and then ``python -m 
 etc/router.toml`` as child processes, waits for every ``listening ...`` line, prints where to
 connect, and stays up until Ctrl-C or SIGTERM, which it forwards to every child (router first,
 so it drains, then the brokers). If any child dies, the others are stopped and the exit status
-is non-zero. Children's logs go to ``<data-dir>/logs/<name>.log``.
+is non-zero. Children's logs go to ``var/local/logs/<name>.log`` (``--logs``).
 """
 
 from __future__ import annotations

@@ -82,7 +82,11 @@ def make_ssl_context(acceptor: "AcceptorConfig") -> ssl.SSLContext:
 async def serve_amqp(node: "Node", acceptor: "AcceptorConfig", *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Listen on one acceptor forever; ``task_status.started((host, port))`` once bound."""
     ctx = make_ssl_context(acceptor) if acceptor.tls else None
-    listeners = await trio.open_tcp_listeners(acceptor.port, host=acceptor.host)
+    try:
+        listeners = await trio.open_tcp_listeners(acceptor.port, host=acceptor.host)
+    except OSError as exc:  # name the address: "Address already in use" alone tells nothing
+        raise OSError(exc.errno, f"acceptor {acceptor.name}: cannot listen on "
+                                 f"{acceptor.host}:{acceptor.port}: {exc.strerror}") from None
     host, port = listeners[0].socket.getsockname()[:2]
     task_status.started((host, port))
 

@@ -18,7 +18,8 @@ every multicast queue. Unknown addresses are created on first use when the match
 :class:`AddressNotFound` (AMQP ``amqp:not-found``).
 
 Settings are chosen by Artemis-style match (``#`` any number of words, ``*`` exactly one word,
-words separated by ``.``); the most specific match wins (fewest wildcards, then longest).
+words separated by ``.``); the most specific match wins, by the same rule as permissions
+(``broker.core.wildcards``).
 
 :class:`Broker` is the whole core: addresses, queues, message ids, dead-lettering, and
 recovery from the store. It is pure (no clock, no I/O); durability goes through an injected
@@ -34,6 +35,7 @@ from typing import Iterable, Protocol
 
 from broker.core.deliveries import Message
 from broker.core.queues import ANYCAST, MULTICAST, Queue, Subscription
+from broker.core.wildcards import match_specificity, wildcard_match
 from broker.errors import LodestoneError
 
 __all__ = [
@@ -97,30 +99,19 @@ class SettingsResolver:
     rules: tuple[tuple[str, AddressSettings], ...] = ()
 
     def for_address(self, address: str) -> AddressSettings:
+        """The settings of the most specific matching pattern (the same rule as permissions,
+        ``broker.core.wildcards``); the first in the file wins among equal patterns."""
         best = None
         best_key = None
         for pattern, settings in self.rules:
-            if match_address(pattern, address):
-                key = (-(pattern.count("#") + pattern.count("*")), len(pattern))
+            if wildcard_match(pattern, address):
+                key = match_specificity(pattern)
                 if best_key is None or key > best_key:
                     best, best_key = settings, key
         return best if best is not None else self.default
 
 
-def match_address(pattern: str, address: str) -> bool:
-    """Artemis wildcard match: words split on ``.``, ``*`` = one word, ``#`` = zero or more words."""
-    return _match(tuple(pattern.split(".")), tuple(address.split(".")))
-
-
-def _match(p: tuple[str, ...], a: tuple[str, ...]) -> bool:
-    if not p:
-        return not a
-    head = p[0]
-    if head == "#":
-        return any(_match(p[1:], a[i:]) for i in range(len(a) + 1))
-    if not a:
-        return False
-    return (head == "*" or head == a[0]) and _match(p[1:], a[1:])
+match_address = wildcard_match  # the name the broker core has used
 
 
 class Address:

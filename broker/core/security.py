@@ -71,6 +71,7 @@ from typing import Sequence
 
 from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
+from broker.core.wildcards import check_pattern, match_specificity, wildcard_match
 from broker.tomlconfig import ConfigError, Table, open_config
 
 __all__ = [
@@ -174,46 +175,6 @@ def parse_source_ip(source: str | None) -> IPAddress | None:
 
 def _in_networks(addr: IPAddress | None, networks: Sequence) -> bool:
     return addr is not None and any(addr.version == net.version and addr in net for net in networks)
-
-
-# -- wildcards ------------------------------------------------------------------------------------
-
-def _check_pattern(pattern: str) -> None:
-    for word in pattern.split("."):
-        if word not in ("#", "*") and ("#" in word or "*" in word):
-            raise ValueError(f"wildcards must be whole words: {word!r} in {pattern!r}")
-
-
-def wildcard_match(pattern: str, address: str) -> bool:
-    """Artemis wildcard match: ``#`` = zero or more words, ``*`` = exactly one word."""
-    pw = pattern.split(".")
-    aw = address.split(".")
-    # reachable[j]: the pattern prefix processed so far can consume exactly aw[:j]
-    reachable = [True] + [False] * len(aw)
-    for word in pw:
-        nxt = [False] * (len(aw) + 1)
-        if word == "#":
-            seen = False
-            for j in range(len(aw) + 1):
-                seen = seen or reachable[j]
-                nxt[j] = seen
-        else:
-            for j in range(len(aw)):
-                if reachable[j] and (word == "*" or word == aw[j]):
-                    nxt[j + 1] = True
-        reachable = nxt
-        if not any(reachable):
-            return False
-    return reachable[len(aw)]
-
-
-_RANK = {"#": 0.0, "*": 1.0}
-_END_RANK = 0.5   # a pattern that has ended: below `*` and literals, above `#`
-
-
-def match_specificity(pattern: str) -> tuple[float, ...]:
-    """Sort key: a higher key is more specific (see the module docstring for the rule)."""
-    return tuple(_RANK.get(w, 2.0) for w in pattern.split(".")) + (_END_RANK,)
 
 
 # -- the model ------------------------------------------------------------------------------------
@@ -369,7 +330,7 @@ def load_users(path: str | Path) -> SecurityConfig:
     for t in root.array_of_tables("permissions"):
         match = t.str("match")
         try:
-            _check_pattern(match)
+            check_pattern(match)
         except ValueError as exc:
             raise t.error("match", str(exc)) from None
         roles = {p: frozenset(t.str_list(key, [])) for p, key in _TOML_KEYS.items()}

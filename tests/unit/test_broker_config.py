@@ -104,3 +104,30 @@ dead-letter-address = ""
     assert cfg.settings.for_address("events.x").default_routing_type == "multicast"
     assert cfg.settings.for_address("events.x").max_delivery_count == 5  # inherits the defaults
     assert cfg.settings.for_address("events.audit").dead_letter_address is None
+
+
+def test_address_settings_patterns_are_checked_like_permissions(tmp_path):
+    """`ord#` is not a pattern (wildcards are whole words), in address settings as in the users file."""
+    from broker.config import load_config
+
+    p = tmp_path / "b.toml"
+    users = Path(__file__).resolve().parents[2] / "etc" / "users.toml"
+    p.write_text(f'[security]\nusers-file = "{users}"\n[acceptors.amqp]\nport = 0\n'
+                 '[address-settings."ord#"]\nmax-delivery-count = 3\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(p)
+    assert "address-settings.ord#" in str(err.value) and "whole words" in str(err.value)
+
+
+def test_address_settings_and_permissions_rank_patterns_alike():
+    from broker.core.addresses import AddressSettings, SettingsResolver
+    from broker.core.security import match_specificity
+
+    patterns = ["#", "orders.#", "*.eu", "orders.*", "orders.eu"]
+    resolver = SettingsResolver(AddressSettings(), tuple(
+        (p, AddressSettings(max_delivery_count=i + 1)) for i, p in enumerate(patterns)))
+    # "orders.eu" > "orders.*" > "orders.#" > "*.eu" > "#" for both
+    assert resolver.for_address("orders.eu").max_delivery_count == 5
+    assert sorted(patterns, key=match_specificity, reverse=True) == ["orders.eu", "orders.*", "orders.#", "*.eu", "#"]
+    assert resolver.for_address("x.eu").max_delivery_count == 3
+    assert resolver.for_address("orders.us").max_delivery_count == 4
