@@ -17,6 +17,7 @@ import binascii
 import json
 import logging
 import math
+import ssl
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterable
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -154,7 +155,10 @@ _REASONS = {200: b"OK", 201: b"Created", 204: b"No Content", 400: b"Bad Request"
 async def serve_http(handler: Handler, host: str, port: int, *, request_timeout_s: float = 10.0,
                      max_body_bytes: int = 1 << 20, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve HTTP on host:port forever. ``task_status.started((host, port))`` reports the bound address."""
-    listeners = await trio.open_tcp_listeners(port, host=host)
+    try:
+        listeners = await trio.open_tcp_listeners(port, host=host)
+    except OSError as exc:  # name the address: "Address already in use" alone tells nothing
+        raise OSError(exc.errno, f"management: cannot listen on {host}:{port}: {exc.strerror}") from None
     sockname = listeners[0].socket.getsockname()
     async with trio.open_nursery() as nursery:
         task_status.started((sockname[0], sockname[1]))
@@ -251,21 +255,37 @@ async def _send(stream, conn: h11.Connection, response: Response) -> None:
 # -- a small client, for tests and health probes ----------------------------------------------
 
 async def http_get(host: str, port: int, path: str, *, auth: tuple[str, str] | None = None,
-                   timeout_s: float = 5.0) -> tuple[int, bytes]:
-    """GET one resource (a new connection each call). Raises OSError / trio.TooSlowError on failure."""
-    headers = [("Host", f"{host}:{port}"), ("Connection", "close")]
+                   timeout_s: float = 5.0, ssl_context: ssl.SSLContext | None = None,
+                   headers: list[tuple[str, str]] = (), max_body_bytes: int | None = None) -> tuple[int, bytes]:
+    """GET one resource (a new connection each call). Raises OSError / trio.TooSlowError on failure.
+
+    ``ssl_context`` makes it HTTPS (server name = ``host``); ``headers`` are added to the request.
+    """
+    netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    hdrs = [("Host", netloc), ("Connection", "close")]
     if auth is not None:
         token = base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
-        headers.append(("Authorization", f"Basic {token}"))
-    return await http_request(host, port, "GET", path, headers=headers, timeout_s=timeout_s)
+        hdrs.append(("Authorization", f"Basic {token}"))
+    hdrs += list(headers)
+    return await http_request(host, port, "GET", path, headers=hdrs, timeout_s=timeout_s,
+                              ssl_context=ssl_context, max_body_bytes=max_body_bytes)
 
 
 async def http_request(host: str, port: int, method: str, path: str, *, headers: list[tuple[str, str]],
-                       body: bytes = b"", timeout_s: float = 5.0) -> tuple[int, bytes]:
-    """One HTTP/1.1 request over a fresh connection; returns (status, body)."""
+                       body: bytes = b"", timeout_s: float = 5.0, ssl_context: ssl.SSLContext | None = None,
+                       server_hostname: str | None = None,
+                       max_body_bytes: int | None = None) -> tuple[int, bytes]:
+    """One HTTP/1.1 request over a fresh connection; returns (status, body).
+
+    With ``ssl_context`` the connection is TLS (SNI and certificate name ``server_hostname``,
+    default ``host``). A body longer than ``max_body_bytes`` raises ValueError.
+    """
     with trio.fail_after(timeout_s):
-        stream = await trio.open_tcp_stream(host, port)
+        stream: trio.abc.Stream = await trio.open_tcp_stream(host, port)
         try:
+            if ssl_context is not None:
+                stream = trio.SSLStream(stream, ssl_context, server_hostname=server_hostname or host)
+                await stream.do_handshake()
             conn = h11.Connection(h11.CLIENT)
             hdrs = list(headers)
             if body or method in ("POST", "PUT", "PATCH"):
@@ -285,6 +305,8 @@ async def http_request(host: str, port: int, method: str, path: str, *, headers:
                     status = event.status_code
                 elif isinstance(event, h11.Data):
                     out += event.data
+                    if max_body_bytes is not None and len(out) > max_body_bytes:
+                        raise ValueError("response body too large")
                 elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
                     return status, bytes(out)
         finally:

@@ -10,9 +10,10 @@ socket is bound the router prints ``listening <acceptor name> amqp[s]://host:por
 and ``listening management http://host:port``. SIGTERM/SIGINT stop accepting, drain open
 connections for up to ``--drain-timeout-s`` and exit 0.
 
-``workers`` (config, or ``--workers``; 0 = one per core) > 1 runs a supervisor and that many
-worker processes sharing the ports with SO_REUSEPORT (see ``router.workers``). The internal
-``worker`` sub-command is what the supervisor starts.
+``workers`` (config, or ``--workers``; 0 = one per core) > 1 runs a supervisor (management API,
+health probes, runtime filters, the shared sticky cache) and that many worker processes sharing
+the ports with SO_REUSEPORT (see ``router.workers``). The internal ``worker`` sub-command is what
+the supervisor starts; ``--control-fd`` is its end of the control channel.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--index", type=int, required=True)
     w.add_argument("--count", type=int, required=True)
     w.add_argument("--ports", required=True, help="JSON {acceptor: port}")
+    w.add_argument("--control-fd", type=int, required=True, help="control channel to the supervisor")
     w.add_argument("--drain-timeout-s", type=float, default=None)
     w.add_argument("--log-level", default="INFO")
     w.add_argument("--log-json", action="store_true")
@@ -106,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level, args.log_json)
     drain = args.drain_timeout_s
     if args.command == "worker":
-        return _run(cfg, worker=args.index, workers=args.count, ports=json.loads(args.ports), drain=drain)
+        return _run(cfg, worker=args.index, workers=args.count, ports=json.loads(args.ports), drain=drain,
+                    control_fd=args.control_fd)
 
     from router.workers import default_workers, run_supervisor
 
@@ -117,19 +120,30 @@ def main(argv: list[str] | None = None) -> int:
         extra = ["--log-level", args.log_level] + (["--log-json"] if args.log_json else [])
         if drain is not None:
             extra += ["--drain-timeout-s", str(drain)]
-        return run_supervisor(str(args.config), cfg.acceptors, workers, log_level_args=extra)
+        return _guard(lambda: run_supervisor(str(args.config), cfg, workers, worker_args=extra,
+                                             drain_timeout_s=drain))
     return _run(cfg, worker=0, workers=1, ports=None, drain=drain)
 
 
-def _run(cfg, *, worker: int, workers: int, ports, drain) -> int:
+def _run(cfg, *, worker: int, workers: int, ports, drain, control_fd: int | None = None) -> int:
     import trio
 
-    from broker.tomlconfig import ConfigError
     from router.server import DEFAULT_DRAIN_TIMEOUT_S, serve_router
 
-    try:
-        trio.run(lambda: serve_router(cfg, worker=worker, workers=workers, ports=ports,
+    def run() -> int:
+        trio.run(lambda: serve_router(cfg, worker=worker, workers=workers, ports=ports, control_fd=control_fd,
                                       drain_timeout_s=DEFAULT_DRAIN_TIMEOUT_S if drain is None else drain))
+        return 0
+
+    return _guard(run)
+
+
+def _guard(run) -> int:
+    """Run ``run()``; a config error exits 2, an OS error (port in use) 1, Ctrl-C 0."""
+    from broker.tomlconfig import ConfigError
+
+    try:
+        return run()
     except BaseException as exc:  # noqa: BLE001 - unwrapped and re-raised below if unknown
         leaf = single_leaf(exc)
         if isinstance(leaf, ConfigError):
@@ -141,7 +155,6 @@ def _run(cfg, *, worker: int, workers: int, ports, drain) -> int:
         if isinstance(leaf, KeyboardInterrupt):
             return 0
         raise
-    return 0
 
 
 if __name__ == "__main__":

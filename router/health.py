@@ -9,8 +9,11 @@ Every ``check-period`` ms each target is probed, the first round at once (initia
 * without one (targets imported from an Artemis broker.xml): a TCP connect; ready iff it connects.
 
 Any error (refused, timeout, TLS, bad status, bad JSON) makes the target not ready at once and the
-error text is kept for the management API. The HTTP client is a tiny h11 state machine over
-``trio.open_tcp_stream`` (TLS via ``trio.SSLStream`` for https URLs).
+error text is kept for the management API. The HTTP client is ``broker.http``'s (h11 over
+``trio.open_tcp_stream``, TLS via ``trio.SSLStream`` for https URLs).
+
+With ``workers = N`` only the supervisor probes (``router.workers``): it pushes each round's
+results to every worker, so brokers see one probe per target per check-period, not N.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from urllib.parse import urlsplit
 import h11
 import trio
 
+from broker.http import http_get as _http_get
 from router.core.policies.base import Target
 from router.core.pool import Pool
 
@@ -41,41 +45,19 @@ class ProbeResult:
 
 async def http_get(url: str, *, headers: list[tuple[str, str]] = (), timeout_s: float = 2.0,
                    ssl_context: ssl.SSLContext | None = None) -> tuple[int, bytes]:
-    """GET ``url`` over HTTP/1.1 (``Connection: close``); returns (status, body). Raises on error."""
+    """GET ``url`` over HTTP/1.1 (``Connection: close``); returns (status, body). Raises on error.
+
+    A thin URL front for ``broker.http.http_get`` (one HTTP client in the code base); https URLs
+    use ``ssl_context`` or the system trust store.
+    """
     parts = urlsplit(url)
     https = parts.scheme == "https"
     host = parts.hostname or "localhost"
     port = parts.port or (443 if https else 80)
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    with trio.fail_after(timeout_s):
-        stream: trio.abc.Stream = await trio.open_tcp_stream(host, port)
-        try:
-            if https:
-                stream = trio.SSLStream(stream, ssl_context or ssl.create_default_context(),
-                                        server_hostname=host)
-                await stream.do_handshake()
-            conn = h11.Connection(h11.CLIENT)
-            req = h11.Request(method="GET", target=target,
-                              headers=[("Host", parts.netloc), ("Accept", "application/json"),
-                                       ("Connection", "close"), *headers])
-            await stream.send_all(conn.send(req) + conn.send(h11.EndOfMessage()))
-            status = 0
-            body = bytearray()
-            while True:
-                ev = conn.next_event()
-                if ev is h11.NEED_DATA:
-                    conn.receive_data(await stream.receive_some(65536))
-                    continue
-                if isinstance(ev, h11.Response):
-                    status = ev.status_code
-                elif isinstance(ev, h11.Data):
-                    body += ev.data
-                    if len(body) > MAX_BODY:
-                        raise ValueError("response body too large")
-                elif isinstance(ev, (h11.EndOfMessage, h11.ConnectionClosed)):
-                    return status, bytes(body)
-        finally:
-            await trio.aclose_forcefully(stream)
+    ctx = (ssl_context or ssl.create_default_context()) if https else None
+    return await _http_get(host, port, target, timeout_s=timeout_s, ssl_context=ctx,
+                           headers=[("Accept", "application/json"), *headers], max_body_bytes=MAX_BODY)
 
 
 def basic_auth(username: str | None, password: str | None) -> list[tuple[str, str]]:

@@ -24,6 +24,12 @@ broker). With neither, the API is open — it binds to 127.0.0.1 by default.
 Like Artemis' ``getTargetAsJSON``, the target lookup runs the router's decision for the raw key
 (no key filter), populates the sticky cache as a side effect and names the same target a real
 connection with that key gets.
+
+With ``workers = N`` the API is served by the supervisor (``running.cluster``) and answers for the
+whole router: counters and metrics are summed over the workers (``per_worker`` in
+``/api/v1/counters`` breaks them down), pool, filters and sticky cache are the supervisor's (the
+one prober, the filters every worker follows, the cache every worker shares), and a filter PUT
+returns once every live worker confirmed it (``applied_workers`` / ``failed_workers``).
 """
 
 from __future__ import annotations
@@ -36,10 +42,13 @@ from typing import Any
 
 import trio
 
+from collections import Counter
+from dataclasses import dataclass, field
+
 from broker.http import HttpError, Metric, Request, Response, json_response, metrics_response, require_basic_auth, serve_http
 from router.core.decide import Decision, Outcome
 from router.errors import FilterError
-from router.net.stats import COUNTER_NAMES
+from router.net.stats import COUNTER_NAMES, EdgeStats
 
 log = logging.getLogger("router.management")
 
@@ -52,6 +61,43 @@ async def serve_management(running, *, task_status=trio.TASK_STATUS_IGNORED) -> 
     cfg = running.config.management
     api = ManagementApi(running)
     await serve_http(api.handle, cfg.host, cfg.port, task_status=task_status)
+
+
+@dataclass
+class Aggregate:
+    """What the counter views read: one process's numbers, or the sum over every worker."""
+
+    stats: EdgeStats
+    routers: dict[str, dict[str, int]]
+    lines_written: int = 0
+    lines_dropped: int = 0
+    per_worker: list[dict] | None = None
+    processes: list[dict] | None = field(default=None)
+
+
+def aggregate_workers(reports: list[dict], services: dict) -> Aggregate:
+    """Sum the workers' ``stats`` reports (``router.server.worker_stats``) and the supervisor's
+    own service counters (probe rounds, persistence, management lookups)."""
+    stats = EdgeStats()
+    routers: dict[str, Counter] = {name: Counter(dict(svc.counters)) for name, svc in services.items()}
+    written = dropped = 0
+    per_worker = []
+    for rep in reports:
+        mine = EdgeStats()
+        for a, n, v in rep["counters"]:
+            stats.counters[(a, n)] += v
+            mine.counters[(a, n)] += v
+        for attr in ("active", "bytes_up", "bytes_down"):
+            getattr(stats, attr).update(rep[attr])
+        for name, counts in rep["routers"].items():
+            routers.setdefault(name, Counter()).update(counts)
+        written += rep["routing_log"][0]
+        dropped += rep["routing_log"][1]
+        per_worker.append({"worker": rep["worker"], "pid": rep["pid"], "edge": mine.totals(),
+                           "active_connections": sum(rep["active"].values()), "routers": rep["routers"],
+                           "routing_log": {"lines_written": rep["routing_log"][0],
+                                           "lines_dropped": rep["routing_log"][1]}})
+    return Aggregate(stats, {n: dict(c) for n, c in routers.items()}, written, dropped, per_worker)
 
 
 class ManagementApi:
@@ -102,13 +148,13 @@ class ManagementApi:
             return json_response(openapi_document())
         await self._authorize(request)
         if path == "/metrics":
-            return metrics_response(self.metrics())
+            return metrics_response(self.metrics(await self.aggregate()))
         if path == "/api/v1/router":
-            return json_response(self.summary())
+            return json_response(self.summary(await self.aggregate()))
         if path == "/api/v1/routers":
             return json_response([self.router_view(n) for n in self.running.services])
         if path == "/api/v1/counters":
-            return json_response(self.counters())
+            return json_response(self.counters(await self.aggregate()))
         m = _ROUTE.match(path)
         if m:
             name, sub = m.group(1), m.group(2) or ""
@@ -127,7 +173,7 @@ class ManagementApi:
                 if request.method == "GET":
                     return json_response({field: self._get_filter(service, field)})
                 if request.method == "PUT":
-                    return json_response(self._put_filter(service, field, request))
+                    return json_response(await self._put_filter(name, service, field, request))
                 raise HttpError(405, f"{request.method} not allowed on {path} (GET, PUT)")
             if sub == "/pool" and request.method == "GET":
                 return json_response(self.pool_view(name))
@@ -138,9 +184,21 @@ class ManagementApi:
         raise HttpError(404, f"no such resource: {path}")
 
     # -- views -----------------------------------------------------------------------------------
-    def summary(self) -> dict:
+    async def aggregate(self) -> Aggregate:
+        """This process's numbers, or (supervisor of several workers) the sum over the workers."""
         r = self.running
-        return {
+        if r.cluster is None:
+            return Aggregate(r.edge.stats, {name: dict(getattr(svc, "counters", None) or {})
+                                            for name, svc in r.services.items()},
+                             r.edge.routelog.lines_written, r.edge.routelog.lines_dropped)
+        agg = aggregate_workers(await r.cluster.gather_stats(), r.services)
+        agg.processes = r.cluster.worker_info()
+        return agg
+
+    def summary(self, agg: Aggregate | None = None) -> dict:
+        r = self.running
+        stats = agg.stats if agg is not None else r.edge.stats
+        out = {
             "name": self.cfg.name,
             "worker": r.worker,
             "workers": r.workers,
@@ -148,10 +206,13 @@ class ManagementApi:
             "acceptors": [{"name": a.name, "mode": a.mode, "router": a.router, "host": a.host,
                            "port": r.ports.get(a.name, a.port), "tls": a.tls_cert is not None,
                            "mtls": a.tls_client_ca is not None, "max_connections": a.max_connections,
-                           "active_connections": r.edge.stats.active[a.name]}
+                           "active_connections": stats.active[a.name]}
                           for a in self.cfg.acceptors],
             "routers": list(r.services),
         }
+        if agg is not None and agg.processes is not None:
+            out["processes"] = agg.processes
+        return out
 
     def router_view(self, name: str) -> dict:
         service = self.running.services[name]
@@ -184,17 +245,15 @@ class ManagementApi:
         value = entries() if callable(entries) else entries
         return {"enabled": True, "entries": value}
 
-    def counters(self) -> dict:
+    def counters(self, agg: Aggregate) -> dict:
         r = self.running
-        routers = {}
-        for name, service in r.services.items():
-            c = getattr(service, "counters", None)
-            routers[name] = dict(c) if c is not None else {}
-        return {"worker": r.worker, "workers": r.workers, "edge": r.edge.stats.totals(),
-                "acceptors": r.edge.stats.by_acceptor(a.name for a in self.cfg.acceptors),
-                "routers": routers,
-                "routing_log": {"lines_written": r.edge.routelog.lines_written,
-                                "lines_dropped": r.edge.routelog.lines_dropped}}
+        out = {"worker": r.worker, "workers": r.workers, "edge": agg.stats.totals(),
+               "acceptors": agg.stats.by_acceptor(a.name for a in self.cfg.acceptors),
+               "routers": agg.routers,
+               "routing_log": {"lines_written": agg.lines_written, "lines_dropped": agg.lines_dropped}}
+        if agg.per_worker is not None:
+            out["per_worker"] = agg.per_worker
+        return out
 
     async def target_for_key(self, name: str, key: str) -> dict:
         service = self.running.services[name]
@@ -217,7 +276,7 @@ class ManagementApi:
         get, _ = self._filter_accessors(service, field)
         return get()
 
-    def _put_filter(self, service, field: str, request: Request) -> dict:
+    async def _put_filter(self, name: str, service, field: str, request: Request) -> dict:
         body = request.json()
         if not isinstance(body, dict) or field not in body:
             raise HttpError(400, f'body must be {{"{field}": "<regex>"}} or {{"{field}": null}}')
@@ -232,14 +291,16 @@ class ManagementApi:
         get, _ = self._filter_accessors(service, field)
         log.info("%s set to %r via management", field, get())
         out = {field: get()}
-        if self.running.workers > 1:
-            out["applies_to"] = f"worker {self.running.worker} of {self.running.workers} (see docs/router.md)"
+        if self.running.cluster is not None:
+            out.update(await self.running.cluster.broadcast_filter(name, field, get()))
+            if out["failed_workers"]:
+                log.warning("%s of router %s not confirmed by %s", field, name, out["failed_workers"])
         return out
 
     # -- metrics ---------------------------------------------------------------------------------
-    def metrics(self) -> list[Metric]:
+    def metrics(self, agg: Aggregate) -> list[Metric]:
         r = self.running
-        stats = r.edge.stats
+        stats = agg.stats
         ms = [Metric("lodestone_router_edge_events_total", "counter",
                      "Edge events per acceptor (see docs/router.md for each event)",
                      tuple(({"acceptor": a, "event": e}, v) for (a, e), v in sorted(stats.counters.items()))),
@@ -251,10 +312,10 @@ class ManagementApi:
                      tuple(({"acceptor": a.name, "direction": "broker_to_client"}, stats.bytes_down[a.name])
                            for a in self.cfg.acceptors)),
               Metric("lodestone_router_routing_log_lines_total", "counter", "Routing-log lines written",
-                     (({}, r.edge.routelog.lines_written),)),
+                     (({}, agg.lines_written),)),
               Metric("lodestone_router_routing_log_dropped_total", "counter",
                      "Routing-log lines dropped because the writer fell behind",
-                     (({}, r.edge.routelog.lines_dropped),))]
+                     (({}, agg.lines_dropped),))]
         ready, total, quorum, target_ready = [], [], [], []
         service_counters = []
         for name, service in r.services.items():
@@ -267,7 +328,7 @@ class ManagementApi:
                     t = st.target
                     target_ready.append(({"router": name, "target": t.name or f"{t.host}:{t.port}",
                                           "node_id": t.node_id or ""}, 1 if st.ready else 0))
-            for cname, v in sorted((getattr(service, "counters", None) or {}).items()):
+            for cname, v in sorted(agg.routers.get(name, {}).items()):
                 service_counters.append(({"router": name, "event": str(cname)}, v))
         ms += [Metric("lodestone_router_pool_ready_targets", "gauge", "Ready targets per router", tuple(ready)),
                Metric("lodestone_router_pool_targets", "gauge", "Targets per router", tuple(total)),

@@ -10,6 +10,12 @@ left is cancelled, the routing log is flushed and the process exits 0.
 
 ``serve_router(cfg, ...)`` is the entry point ``python -m router run`` uses; tests may call it
 in-process too.
+
+A worker of a multi-worker router (``control_fd`` set, see ``router.workers``) differs in four
+ways: its services follow the supervisor over the control channel (filters, pool readiness, the
+shared sticky cache — ``router.control``), it serves no management API and prints nothing (the
+supervisor does both), it reports ``ready`` once bound, and it drains and exits when the
+supervisor goes away (the channel closes).
 """
 
 from __future__ import annotations
@@ -46,9 +52,11 @@ class RunningRouter:
     edge: EdgeContext
     ports: dict[str, int] = field(default_factory=dict)
     management_address: tuple[str, int] | None = None
-    worker: int = 0
+    worker: int | None = 0
     workers: int = 1
     draining: bool = False
+    #: the supervisor of a multi-worker router (``router.workers.Supervisor``), else None
+    cluster: Any = None
 
 
 def acceptor_settings(acc: AcceptorConfig) -> AcceptorSettings:
@@ -83,14 +91,71 @@ def _url(acc: AcceptorConfig, host: str, port: int) -> str:
     return f"{scheme}://{h}:{port}"
 
 
+def worker_stats(running: RunningRouter) -> dict:
+    """This process's counters, for the supervisor's aggregated management views."""
+    st = running.edge.stats
+    return {"worker": running.worker, "pid": os.getpid(), "draining": running.draining,
+            "counters": [[a, n, v] for (a, n), v in st.counters.items()],
+            "active": dict(st.active), "bytes_up": dict(st.bytes_up), "bytes_down": dict(st.bytes_down),
+            "routers": {name: dict(svc.counters) for name, svc in running.services.items()},
+            "routing_log": [running.edge.routelog.lines_written, running.edge.routelog.lines_dropped]}
+
+
+def _control_handler(running_box: dict, services: dict, state_applied: trio.Event):
+    """The worker's side of the control channel (see router.control for the messages)."""
+
+    def set_filter(svc, field: str, value) -> None:
+        get = svc.get_key_filter if field == "key_filter" else svc.get_local_target_filter
+        if get() == value:  # unchanged: keep the config's compiled filter as it is
+            return
+        (svc.set_key_filter if field == "key_filter" else svc.set_local_target_filter)(value)
+
+    def handle(msg: dict) -> dict | None:
+        op = msg.get("op")
+        if op == "state":
+            for name, filters in msg["filters"].items():
+                svc = services.get(name)
+                if svc is not None:
+                    for field, value in filters.items():
+                        set_filter(svc, field, value)
+            for name, states in msg["pools"].items():
+                if name in services:
+                    services[name].apply_pool_states(states)
+            state_applied.set()
+            return None
+        if op == "pool":
+            svc = services.get(msg["router"])
+            if svc is not None:
+                svc.apply_pool_states(msg["states"])
+            return None
+        if op == "set_filter":
+            svc = services[msg["router"]]
+            field = msg["field"]
+            if field not in ("key_filter", "local_target_filter"):
+                raise ValueError(f"unknown filter {field!r}")
+            set_filter(svc, field, msg["value"])
+            get = svc.get_key_filter if field == "key_filter" else svc.get_local_target_filter
+            log.info("%s of router %s set to %r by the supervisor", field, msg["router"], get())
+            return {"value": get()}
+        if op == "stats":
+            running = running_box.get("running")
+            if running is None:
+                raise ValueError("not started yet")
+            return worker_stats(running)
+        raise ValueError(f"unknown control message {op!r}")
+
+    return handle
+
+
 async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: int = 1,
                        ports: dict[str, int] | None = None, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
-                       print_lines: bool = True, task_status=trio.TASK_STATUS_IGNORED) -> None:
+                       print_lines: bool = True, control_fd: int | None = None,
+                       task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Run the router until SIGTERM/SIGINT (then drain) or cancellation.
 
-    ``worker``/``workers``/``ports`` are set by the multi-process supervisor (router.workers);
-    the primary worker (0) serves the management API and prints the ``listening`` lines.
-    ``task_status.started(RunningRouter)`` once every socket is bound.
+    ``worker``/``workers``/``ports``/``control_fd`` are set by the multi-process supervisor
+    (router.workers); a process without ``control_fd`` serves the management API and prints the
+    ``listening`` lines. ``task_status.started(RunningRouter)`` once every socket is bound.
     """
     from router.service import build_services
 
@@ -101,7 +166,17 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
         authenticator = load_users(cfg.users_file)
         for w in authenticator.warnings():
             log.warning("%s", w)
-    services = build_services(cfg)
+    link = None
+    running_box: dict = {}
+    state_applied = trio.Event()
+    if control_fd is not None:
+        from router.control import Link, stream_from_fd
+
+        link = Link(stream_from_fd(control_fd), lambda m: None, name=f"worker {worker} control")
+        services = build_services(cfg, shared=link)
+        link.handler = _control_handler(running_box, services, state_applied)
+    else:
+        services = build_services(cfg)
     rl = cfg.routing_log
     path = None
     if rl.enabled and rl.path is not None:
@@ -114,10 +189,14 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
         acceptors[acc.name] = Acceptor(acceptor_settings(acc), services[acc.router], edge)
         limits[acc.name] = ConnectionLimit(acc.max_connections or None)
     running = RunningRouter(cfg, services, acceptors, limits, edge, worker=worker, workers=workers)
-    primary = worker == 0
+    running_box["running"] = running
+    primary = link is None
 
     try:
         async with trio.open_nursery() as system:
+            if link is not None:
+                await system.start(link.run)
+                await _wait_for_state(link, state_applied)
             for name, service in services.items():
                 await system.start(service.run)
             await system.start(routelog.run)
@@ -144,6 +223,8 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
                     host, port = running.management_address
                     print_listening("management", f"http://{host}:{port}")
             log.info("router %s worker %d/%d serving %d acceptor(s)", cfg.name, worker, workers, len(bound))
+            if link is not None:
+                link.send({"op": "ready", "pid": os.getpid(), "ports": running.ports})
             task_status.started(running)
 
             with trio.CancelScope() as handlers_scope:
@@ -153,6 +234,8 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
                             a = acceptors[acc.name]
                             accepting.start_soon(_serve_acceptor, a, bound[acc.name], handlers, limits[acc.name], edge)
                         accepting.start_soon(_wait_for_signal, accepting.cancel_scope)
+                        if link is not None:
+                            accepting.start_soon(_wait_for_supervisor_exit, link, accepting.cancel_scope)
                     # accepting is over (signal): stop listening, then drain
                     running.draining = True
                     for ls in bound.values():
@@ -186,3 +269,23 @@ async def _wait_for_signal(accept_scope: trio.CancelScope) -> None:
             log.info("received %s: no new connections; draining", signal.Signals(signum).name)
             accept_scope.cancel()
             return
+
+
+async def _wait_for_state(link, state_applied: trio.Event) -> None:
+    """A worker starts serving only with the supervisor's filters and pool applied."""
+    async with trio.open_nursery() as nursery:
+        async def closed() -> None:
+            await link.closed.wait()
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(closed)
+        await state_applied.wait()
+        nursery.cancel_scope.cancel()
+    if not state_applied.is_set():
+        raise RuntimeError("the supervisor closed the control channel before sending the state")
+
+
+async def _wait_for_supervisor_exit(link, accept_scope: trio.CancelScope) -> None:
+    await link.closed.wait()
+    log.warning("the supervisor is gone (control channel closed): no new connections; draining")
+    accept_scope.cancel()

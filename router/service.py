@@ -17,6 +17,17 @@ Theory of operation
   that loses the compare-and-set adopts the other replica's value, unless that names a node not
   ready here (we moved away from it): then ours is written again over it. A local idle expiry
   never deletes the shared entry (Redis keeps the TTL, refreshed by every replica's hits).
+* **Shared tier of a multi-worker router** (``shared=`` a control ``Link``, set by
+  ``router.server`` in a worker process of ``workers = N``): the ``memory``/``embedded`` cache of
+  every worker is backed by the supervisor's cache (the *owner*, a RouterService in the
+  supervisor process, the only one that touches the embedded file). It works like the Redis tier
+  — local hit never leaves the process; a local miss asks the owner once (``cache_get``); access
+  times are written behind — with one difference: a *new* decision is claimed at the owner before
+  the connection gets it (one compare-and-set round trip, ``cache_write``), and a worker that
+  loses the claim adopts the owner's value. So a client reconnecting lands on the same target
+  whichever worker accepts it. The owner side is ``shared_get`` / ``shared_write``. Such a worker
+  runs no health probes: the supervisor's single prober pushes each round
+  (``apply_pool_states``; the owner's ``round_listeners`` fire after every round).
 * **Quorum waits.** A REFUSED_UNAVAILABLE below quorum with ``quorum-timeout > 0`` parks only
   that connection on a ``trio.Event`` that the pool's change listener sets; it re-decides on
   every pool change until the deadline (Artemis blocks a thread and polls; we do neither).
@@ -55,11 +66,14 @@ FLUSH_INTERVAL_S = 0.2
 REDIS_SYNC_INTERVAL_S = 0.05
 REDIS_RETRY_S = 1.0
 REDIS_MAX_PENDING = 100_000
+SHARED_TIMEOUT_S = 1.0  # a worker's request to the supervisor's cache (same machine)
 
 COUNTERS = ("route_ok", "route_refused_unavailable", "route_refused_use_another", "cache_hit",
             "cache_miss", "cache_stale", "local_match", "pin_hit", "quorum_waits",
             "quorum_wait_timeouts", "redis_hits", "redis_misses", "redis_errors", "redis_writes",
-            "redis_conflicts", "redis_writes_dropped", "persist_writes", "persist_errors",
+            "redis_conflicts", "redis_writes_dropped", "shared_hits", "shared_misses",
+            "shared_errors", "shared_writes", "shared_conflicts", "shared_writes_dropped",
+            "persist_writes", "persist_errors",
             "pins_reloads", "pins_errors", "pins_bad_lines", "probe_rounds",
             "management_lookups")
 
@@ -73,7 +87,8 @@ class RouterService:
 
     def __init__(self, config: RouterConfig, *, rng: random.Random | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time, redis_cache: Any = None) -> None:
+                 wall: Callable[[], float] = time.time, redis_cache: Any = None,
+                 shared: Any = None) -> None:
         self.config = config
         self.name = config.name
         self.clock = clock
@@ -84,6 +99,11 @@ class RouterService:
         self.degraded_reason: str | None = None
         self.pins_error: str | None = None
         self._pool_changed = trio.Event()
+        #: called after every health-probe round (the supervisor pushes the pool to its workers)
+        self.round_listeners: list[Callable[[], None]] = []
+        #: a worker of a multi-worker router: pool fed by the supervisor, cache shared through it
+        self.follower = shared is not None
+        self._tier = "redis"
 
         pc = config.pool
         local_t = config.local_target.to_target() if config.local_target else None
@@ -100,9 +120,15 @@ class RouterService:
         self._redis = None
         cache = None
         if cc is not None:
-            cache = StickyCache(cc.timeout_ms, track_changes=cc.backend in ("embedded", "redis"),
-                                log_expiry=cc.backend != "redis")
-            if cc.backend == "embedded":
+            to_owner = shared is not None and cc.backend != "redis"
+            cache = StickyCache(cc.timeout_ms,
+                                track_changes=cc.backend in ("embedded", "redis") or to_owner,
+                                log_expiry=cc.backend != "redis" and not to_owner)
+            if to_owner:
+                from router.control import SharedCacheTier
+                self._redis = SharedCacheTier(shared, self.name)
+                self._tier = "shared"
+            elif cc.backend == "embedded":
                 self._store = EmbeddedCacheStore(cc.path)
                 self._load_embedded(cache)
             elif cc.backend == "redis":
@@ -113,6 +139,7 @@ class RouterService:
                                              socket_timeout_s=max(0.25, cc.redis_timeout_ms / 1e3))
                 self._redis = redis_cache
         self._redis_seen: dict[str, str] = {}
+        self._claiming: dict[str, trio.Event] = {}  # shared tier: keys whose new decision is in flight
         self._pending_puts: dict[str, tuple[str, str]] = {}
         self._pending_touch: set[str] = set()
         self._pending_del: set[str] = set()
@@ -183,6 +210,48 @@ class RouterService:
         return [{"key": k, "node_id": ident, "idle_s": idle, "age_s": age}
                 for k, ident, idle, age in cache.items(self.clock())]
 
+    # -- multi-worker: owner side (supervisor) and follower side (worker) ----------------------
+    def shared_get(self, key: str) -> str | None:
+        """Owner: the identity cached for ``key`` (its access time refreshed), or None."""
+        cache = self.core.cache
+        if cache is None:
+            return None
+        e = cache.get(key, self.clock())
+        return e[0] if e is not None else None
+
+    def shared_write(self, puts, touches, deletes) -> dict[str, str]:
+        """Owner: apply a worker's batch. ``puts`` = (key, identity, replaced identity or "");
+        a put wins only if the key is absent, holds the same identity or the one it replaced
+        (compare-and-set, as the Redis tier's script). Returns ``{key: identity}`` for lost puts."""
+        cache = self.core.cache
+        if cache is None:
+            return {}
+        now = self.clock()
+        conflicts: dict[str, str] = {}
+        for key, ident, old in puts:
+            e = cache.peek(key, now)
+            if e is None or e[0] == ident or (old and e[0] == old):
+                cache.put(key, ident, now)
+            else:
+                cache.get(key, now)
+                conflicts[key] = e[0]
+        for key in touches:
+            cache.get(key, now)
+        for key in deletes:
+            cache.remove(key)
+        return conflicts
+
+    def pool_states(self) -> list[list]:
+        """Owner: the probed targets' results, for ``apply_pool_states`` in the workers."""
+        return [[st.target.slot, st.ready, st.target.node_id, st.connection_count, st.last_error]
+                for st in self._holder.all_states() if st.probes]
+
+    def apply_pool_states(self, states: list[list]) -> None:
+        """Follower: take the supervisor's probe results (unknown targets are ignored)."""
+        now = self.clock()
+        for slot, ready, node_id, count, error in states:
+            self._holder.report_probe(slot, bool(ready), node_id, count, now, error=error)
+
     def status(self) -> dict[str, Any]:
         """Management summary: pool, counters, degraded state, filters, policy."""
         return {"name": self.name, "degraded": self.degraded,
@@ -203,7 +272,7 @@ class RouterService:
         pc = self.config.pool
         try:
             async with trio.open_nursery() as nursery:
-                if self._holder.all_states():
+                if self._holder.all_states() and not self.follower:
                     await nursery.start(self._health_task)
                 if self._store is not None:
                     nursery.start_soon(self._persist_loop)
@@ -287,6 +356,8 @@ class RouterService:
 
         def on_round() -> None:
             self.counters["probe_rounds"] += 1
+            for cb in list(self.round_listeners):
+                cb()
 
         own = [t for t in (pc.targets if pc else ()) if t.username is not None]
         if self.config.local_target is not None and self.config.local_target.username is not None:
@@ -356,10 +427,10 @@ class RouterService:
 
     # -- internals: Redis ---------------------------------------------------------------------
     def _set_degraded(self, exc: BaseException) -> None:
-        self.counters["redis_errors"] += 1
+        self.counters[f"{self._tier}_errors"] += 1
         if not self.degraded:
-            log.warning("router %s: redis unavailable, deciding from the local tier: %s",
-                        self.name, exc)
+            log.warning("router %s: %s cache tier unavailable, deciding from the local tier: %s",
+                        self.name, self._tier, exc)
         self.degraded = True
         self.degraded_reason = str(exc)
         self._last_redis_try = trio.current_time()
@@ -367,6 +438,8 @@ class RouterService:
     async def _redis_call(self, fn, *args, timeout_s: float):
         with trio.move_on_after(timeout_s) as cs:
             try:
+                if self._tier == "shared":  # the supervisor's tier: async, no thread
+                    return await fn(*args)
                 return await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
             except CacheBackendError:
                 raise
@@ -375,34 +448,82 @@ class RouterService:
                 raise CacheBackendError(f"redis client error: {type(exc).__name__}: {exc}") \
                     from exc
         if cs.cancelled_caught:
-            raise CacheBackendError(f"redis timeout after {timeout_s * 1000:.0f} ms")
+            raise CacheBackendError(f"{self._tier} timeout after {timeout_s * 1000:.0f} ms")
 
     async def _decide_with_redis(self, conn: ConnectionInfo) -> Decision:
         d, key = self.core.lookup(conn, self.clock())
         if d is not None:
+            if self._claiming and key in self._claiming:
+                # a hit on a decision another connection is still claiming: wait for the owner
+                await self._claiming[key].wait()
+                return self.core.decide(conn, self.clock())
             return d
         from_redis = False
+        tier = self._tier
         if not self.degraded:
             try:
-                value = await self._redis_call(self._redis.get, key,
-                                               timeout_s=self.config.cache.redis_timeout_ms / 1e3)
+                value = await self._redis_call(self._redis.get, key, timeout_s=self._read_timeout_s())
             except CacheBackendError as exc:
                 self._set_degraded(exc)
             else:
                 if value is None:
-                    self.counters["redis_misses"] += 1
+                    self.counters[f"{tier}_misses"] += 1
                 else:
-                    self.counters["redis_hits"] += 1
+                    self.counters[f"{tier}_hits"] += 1
                     self._redis_seen[key] = value
                     if self._holder.ready_target(value) is not None:
                         now = self.clock()
                         self.core.cache.restore(key, value, now, now)
                         from_redis = True
+        if self._claiming and key in self._claiming:
+            await self._claiming[key].wait()
         d = self.core.decide(conn, self.clock())
         if from_redis and d.explanation.cache == "hit":
             d = dataclasses.replace(d, explanation=dataclasses.replace(d.explanation,
-                                                                       cache_tier="redis"))
+                                                                       cache_tier=tier))
+        elif (tier == "shared" and not self.degraded and d.outcome is Outcome.OK
+              and d.explanation.cache in ("miss", "stale")):
+            d = await self._claim(conn, d, key)
         return d
+
+    def _read_timeout_s(self) -> float:
+        if self._tier == "shared":
+            return SHARED_TIMEOUT_S
+        return self.config.cache.redis_timeout_ms / 1e3
+
+    async def _claim(self, conn: ConnectionInfo, d: Decision, key: str) -> Decision:
+        """Shared tier: make a new decision the owner's before the client gets it (one CAS)."""
+        cache = self.core.cache
+        ident = cache.changes.pop(key, None)
+        if ident is None:  # nothing was stored (decided before the cache)
+            return d
+        old = self._redis_seen.pop(key, "")
+        ev = self._claiming[key] = trio.Event()
+        try:
+            conflicts = await self._redis_call(self._redis.write, [(key, ident, old)], [], [],
+                                               timeout_s=SHARED_TIMEOUT_S)
+        except CacheBackendError as exc:
+            self._set_degraded(exc)
+            self._pending_puts[key] = (ident, old)  # written behind once the owner answers
+            return d
+        finally:
+            if self._claiming.get(key) is ev:
+                del self._claiming[key]
+            ev.set()
+        self.counters["shared_writes"] += 1
+        cur = conflicts.get(key)
+        if cur is None:
+            return d
+        if self._holder.ready_target(cur) is None:
+            # the owner names a node that is not ready here: ours replaces it (as a stale entry)
+            self._pending_puts[key] = (ident, cur)
+            return d
+        self.counters["shared_conflicts"] += 1  # another worker decided first: adopt its choice
+        now = self.clock()
+        cache.restore(key, cur, now, now)
+        d = self.core.decide(conn, now)
+        return dataclasses.replace(d, explanation=dataclasses.replace(d.explanation,
+                                                                      cache_tier=self._tier))
 
     def _collect_redis_changes(self) -> None:
         cache = self.core.cache
@@ -417,7 +538,7 @@ class RouterService:
         self._pending_touch |= touched
         over = len(self._pending_puts) + len(self._pending_touch) - REDIS_MAX_PENDING
         if over > 0:
-            self.counters["redis_writes_dropped"] += over
+            self.counters[f"{self._tier}_writes_dropped"] += over
             for k in list(self._pending_touch)[:over]:
                 self._pending_touch.discard(k)
             over = len(self._pending_puts) - REDIS_MAX_PENDING
@@ -436,7 +557,7 @@ class RouterService:
                 except CacheBackendError as exc:
                     self._set_degraded(exc)
                     continue
-                log.warning("router %s: redis is back", self.name)
+                log.warning("router %s: %s cache tier is back", self.name, self._tier)
                 self.degraded = False
                 self.degraded_reason = None
             if not (self._pending_puts or self._pending_touch or self._pending_del):
@@ -455,7 +576,7 @@ class RouterService:
                 self._pending_touch |= set(touches)
                 self._pending_del |= set(deletes) - set(self._pending_puts)
                 continue
-            self.counters["redis_writes"] += len(puts) + len(touches) + len(deletes)
+            self.counters[f"{self._tier}_writes"] += len(puts) + len(touches) + len(deletes)
             now = self.clock()
             mine = {k: ident for k, ident, _ in puts} if conflicts else {}
             for key, ident in conflicts.items():  # another replica decided first: adopt it...
@@ -464,7 +585,7 @@ class RouterService:
                     # it, perhaps while Redis was down): ours replaces it, as a stale entry is.
                     self._pending_puts.setdefault(key, (mine[key], ident))
                     continue
-                self.counters["redis_conflicts"] += 1
+                self.counters[f"{self._tier}_conflicts"] += 1
                 e = self.core.cache.entries.get(key)
                 self.core.cache.restore(key, ident, now, e[2] if e else now)
 

@@ -1,43 +1,68 @@
-"""Several router worker processes sharing the acceptor ports with ``SO_REUSEPORT``.
+"""Several router worker processes sharing the acceptor ports with ``SO_REUSEPORT``, run as one router.
 
 Theory of operation
 -------------------
 With ``workers = 1`` (the default) ``lodestone-router run`` is one trio process and this module is
-not used. With ``workers = N > 1`` the command becomes a small supervisor (plain Python, no trio):
+not used. With ``workers = N > 1`` the command becomes a **supervisor** (a trio process that
+accepts no client connections) and N **workers** (``python -m router worker ...``) that do:
 
-1. For every acceptor whose port is 0 it binds a placeholder socket with ``SO_REUSEPORT`` (never
-   listening, so it receives no connections) to learn a free port, and keeps it bound until all
-   workers are up so the port cannot be taken meanwhile.
-2. It starts N processes ``python -m router worker --index i --count N --ports ... <config>``.
-   Each binds every acceptor port itself with ``SO_REUSEPORT`` and listens; the kernel spreads
-   new connections over the N accept queues.
-3. Worker 0 is the *primary*: it alone serves the management API and prints the
-   ``listening ...`` lines (the other workers print nothing on stdout). Every worker runs its own
-   routing services (pool, health probes, cache) — health probes are therefore sent N times per
-   check-period, and without the Redis cache tier sticky-cache entries are per worker (the hash
-   policies need no cache to agree). Each worker writes its own routing-log file
-   (``routing-w<i>.log``), so no two processes share a file.
-4. SIGTERM/SIGINT to the supervisor is forwarded to every worker (each drains); if a worker dies
-   the supervisor stops the others and exits non-zero.
-
-Runtime filter changes made through the management API apply to the primary worker only (its
-response says so in ``"applies_to"``); use one worker when runtime filters must be exact.
+1. The supervisor picks every acceptor's port (port 0: a placeholder socket bound with
+   ``SO_REUSEPORT`` that never listens, so it receives no connections, held for the supervisor's
+   lifetime so a restarted worker can always bind it again).
+2. It builds the routing services itself — the **owner** of the router's runtime state: one
+   health prober per router (brokers see one probe per target per check-period, not N), the
+   runtime filters, and the sticky cache (``memory`` or ``embedded``; the embedded file has exactly
+   one writer, this process). It serves the management API.
+3. Per worker it creates a ``socketpair`` (the control channel, ``router.control``), queues the
+   ``state`` message (current filters + pool readiness) and starts the worker with the other end.
+   A worker applies the state before it binds, binds every acceptor with ``SO_REUSEPORT`` (the
+   kernel spreads connections), then reports ``ready``. Once every worker is ready the supervisor
+   prints the ``listening`` lines.
+4. While running: every probe round is pushed to every worker (``pool``); a filter PUT on the
+   management API is applied here (validation), sent to every live worker (``set_filter``) and
+   answered once each confirmed (or timed out, reported in the response); a worker's local cache
+   miss asks here (``cache_get``), a new decision is claimed here (``cache_write``,
+   compare-and-set) before the client gets it, so the same key lands on the same target
+   whichever worker accepts it; the management counters and metrics are summed over the workers
+   (``stats``).
+5. A worker that dies (crash, ``kill -9``) is restarted with the same index (its routing log is
+   appended to; it gets the current state first); its open connections are lost, the others keep
+   serving. More than ``MAX_RESTARTS`` restarts of one worker within ``RESTART_WINDOW_S`` (a crash
+   loop), or a worker that fails before the router was first ready (bad config, port in use),
+   stops the router with exit status 1 (2 for a config error).
+6. SIGTERM/SIGINT: ``/health`` says draining, SIGTERM goes to every worker (each drains its
+   connections for ``--drain-timeout-s``), workers still alive ``KILL_GRACE_S`` after the drain
+   timeout are killed, the cache is flushed, exit 0. If the supervisor itself dies, each worker
+   sees its control channel close and drains and exits.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
 import json
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
-import time
+
+import trio
+
+log = logging.getLogger("router.workers")
+
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
+RESTART_DELAY_S = 0.3
+KILL_GRACE_S = 10.0
+FILTER_ACK_TIMEOUT_S = 5.0
+STATS_TIMEOUT_S = 2.0
 
 
 def reserve_ports(acceptors) -> tuple[dict[str, int], list[socket.socket]]:
     """Pick the port for each acceptor (``name -> port``); for port 0, bind a placeholder with
-    SO_REUSEPORT and return it so the caller keeps it until the workers have bound."""
+    SO_REUSEPORT and return it so the caller keeps it while workers bind (and rebind)."""
     ports: dict[str, int] = {}
     held: list[socket.socket] = []
     for acc in acceptors:
@@ -55,64 +80,291 @@ def reserve_ports(acceptors) -> tuple[dict[str, int], list[socket.socket]]:
     return ports, held
 
 
-def run_supervisor(config_path: str, acceptors, workers: int, *, log_level_args: list[str] | None = None) -> int:
-    """Run ``workers`` worker processes until they exit or we are signalled. Returns the exit status."""
-    ports, held = reserve_ports(acceptors)
-    port_arg = json.dumps(ports)
-    procs: list[subprocess.Popen] = []
-    stopping = False
+class WorkerSlot:
+    """One worker index: its current process and control link, restarts so far."""
 
-    def forward(signum, _frame):
-        nonlocal stopping
-        stopping = True
-        for p in procs:
-            if p.poll() is None:
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.proc = None
+        self.link = None
+        self.pid: int | None = None
+        self.ready = False
+        self.restarts = 0
+        self.restart_times: collections.deque[float] = collections.deque()
+
+    def info(self) -> dict:
+        return {"worker": self.index, "pid": self.pid, "ready": self.ready, "restarts": self.restarts}
+
+
+class Supervisor:
+    """The owner of a multi-worker router's state; see the module docstring."""
+
+    def __init__(self, config_path: str, cfg, count: int, ports: dict[str, int], *,
+                 worker_args: list[str] | None = None, drain_timeout_s: float | None = None) -> None:
+        from router.server import DEFAULT_DRAIN_TIMEOUT_S
+
+        self.config_path = config_path
+        self.cfg = cfg
+        self.count = count
+        self.ports = ports
+        self.worker_args = list(worker_args or [])
+        self.drain_timeout_s = DEFAULT_DRAIN_TIMEOUT_S if drain_timeout_s is None else drain_timeout_s
+        self.slots = [WorkerSlot(i) for i in range(count)]
+        self.services: dict = {}
+        self.running = None
+        self.status = 0
+        self.stopping = False
+        self.serving = False
+        self._stop_event = trio.Event()
+        self._all_ready = trio.Event()
+        self._system: trio.Nursery | None = None
+
+    # -- management hooks (router.management) ---------------------------------------------------
+    def worker_info(self) -> list[dict]:
+        """``[{worker, pid, ready, restarts}]`` for the management API."""
+        return [s.info() for s in self.slots]
+
+    def _live(self) -> list[WorkerSlot]:
+        return [s for s in self.slots if s.link is not None and not s.link.closed.is_set()]
+
+    async def gather_stats(self) -> list[dict]:
+        """Every ready worker's ``stats`` (``router.server.worker_stats``), by worker index."""
+        from router.control import ChannelClosed, RemoteFailure
+
+        out: list[dict] = []
+
+        async def ask(slot: WorkerSlot) -> None:
+            try:
+                out.append(await slot.link.request({"op": "stats"}, timeout_s=STATS_TIMEOUT_S))
+            except (ChannelClosed, RemoteFailure, trio.TooSlowError) as exc:
+                log.warning("worker %d did not report its counters: %s", slot.index, exc or "timeout")
+
+        async with trio.open_nursery() as nursery:
+            for slot in self._live():
+                if slot.ready:
+                    nursery.start_soon(ask, slot)
+        return sorted(out, key=lambda st: st["worker"])
+
+    async def broadcast_filter(self, router: str, field: str, value) -> dict:
+        """Send a filter (already applied and validated here) to every live worker and wait for
+        each to confirm. Returns ``{"applied_workers": [...], "failed_workers": [{worker, error}]}``;
+        a worker started later gets the filter in its initial state."""
+        from router.control import ChannelClosed, RemoteFailure
+
+        applied: list[int] = []
+        failed: list[dict] = []
+
+        async def ask(slot: WorkerSlot) -> None:
+            try:
+                await slot.link.request({"op": "set_filter", "router": router, "field": field, "value": value},
+                                        timeout_s=FILTER_ACK_TIMEOUT_S)
+                applied.append(slot.index)
+            except ChannelClosed:
+                # it died meanwhile: its restart gets the new state first
+                failed.append({"worker": slot.index, "error": "worker exited (a restart applies it)"})
+            except RemoteFailure as exc:
+                failed.append({"worker": slot.index, "error": str(exc)})
+            except trio.TooSlowError:
+                failed.append({"worker": slot.index,
+                               "error": f"no confirmation within {FILTER_ACK_TIMEOUT_S:g}s"})
+
+        async with trio.open_nursery() as nursery:
+            for slot in self._live():
+                nursery.start_soon(ask, slot)
+        return {"applied_workers": sorted(applied), "failed_workers": sorted(failed, key=lambda f: f["worker"])}
+
+    # -- control channel: supervisor side --------------------------------------------------------
+    def _state_message(self) -> dict:
+        return {"op": "state",
+                "filters": {name: {"key_filter": svc.get_key_filter(),
+                                   "local_target_filter": svc.get_local_target_filter()}
+                            for name, svc in self.services.items()},
+                "pools": {name: svc.pool_states() for name, svc in self.services.items()}}
+
+    def _handle(self, slot: WorkerSlot, msg: dict) -> dict | None:
+        op = msg.get("op")
+        if op == "cache_get":
+            return {"value": self.services[msg["router"]].shared_get(msg["key"])}
+        if op == "cache_write":
+            conflicts = self.services[msg["router"]].shared_write(
+                [tuple(p) for p in msg["puts"]], msg["touches"], msg["deletes"])
+            return {"conflicts": conflicts}
+        if op == "ping":
+            return {}
+        if op == "ready":
+            slot.ready = True
+            slot.pid = msg.get("pid", slot.pid)
+            log.info("worker %d (pid %s) ready", slot.index, slot.pid)
+            if all(s.ready for s in self.slots):
+                self._all_ready.set()
+            return None
+        raise ValueError(f"unknown control message {op!r}")
+
+    def _push_pool(self, name: str) -> None:
+        from router.control import ChannelClosed
+
+        msg = {"op": "pool", "router": name, "states": self.services[name].pool_states()}
+        for slot in self._live():
+            try:
+                slot.link.send(msg)
+            except ChannelClosed:
+                pass
+
+    # -- processes -------------------------------------------------------------------------------
+    def _argv(self, index: int, fd: int) -> list[str]:
+        return [sys.executable, "-m", "router", "worker", "--index", str(index), "--count", str(self.count),
+                "--ports", json.dumps(self.ports), "--control-fd", str(fd), self.config_path, *self.worker_args]
+
+    async def _keep_worker(self, slot: WorkerSlot) -> None:
+        """Run worker ``slot.index``; restart it when it dies unexpectedly (see the docstring)."""
+        from router.control import Link, stream_from_socket
+
+        while not self.stopping:
+            ours, theirs = socket.socketpair()
+            link = Link(stream_from_socket(ours), functools.partial(self._handle, slot),
+                        name=f"worker {slot.index} control")
+            link.send(self._state_message())  # first message, before any change sent later
+            slot.link, slot.ready = link, False
+            async with trio.open_nursery() as nursery:
+                await nursery.start(link.run)
                 try:
-                    p.send_signal(signal.SIGTERM)
+                    proc = await trio.lowlevel.open_process(
+                        self._argv(slot.index, theirs.fileno()), pass_fds=(theirs.fileno(),),
+                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+                except OSError as exc:
+                    theirs.close()
+                    self._fatal(f"cannot start worker {slot.index}: {exc}", 1)
+                    nursery.cancel_scope.cancel()
+                    return
+                theirs.close()
+                slot.proc, slot.pid = proc, proc.pid
+                rc = await proc.wait()
+                with trio.move_on_after(1.0):
+                    await link.closed.wait()  # read what it sent last
+                nursery.cancel_scope.cancel()
+            slot.ready = False
+            slot.proc = None
+            if self.stopping:
+                return
+            how = f"signal {-rc}" if rc < 0 else f"status {rc}"
+            if not self.serving:
+                self._fatal(f"worker {slot.index} (pid {slot.pid}) exited with {how} while starting",
+                            rc if rc in (1, 2) else 1)
+                return
+            now = trio.current_time()
+            slot.restart_times.append(now)
+            while slot.restart_times and now - slot.restart_times[0] > RESTART_WINDOW_S:
+                slot.restart_times.popleft()
+            if len(slot.restart_times) > MAX_RESTARTS:
+                self._fatal(f"worker {slot.index} exited {len(slot.restart_times)} times within "
+                            f"{RESTART_WINDOW_S:g}s (last: {how}); stopping the router", 1)
+                return
+            slot.restarts += 1
+            print(f"lodestone-router: worker {slot.index} (pid {slot.pid}) exited with {how}; restarting it",
+                  file=sys.stderr, flush=True)
+            await trio.sleep(RESTART_DELAY_S)
+            if self.stopping:
+                return
+
+    def _fatal(self, message: str, status: int) -> None:
+        print(f"lodestone-router: {message}", file=sys.stderr, flush=True)
+        if not self.status:
+            self.status = status
+        self._stop()
+
+    def _stop(self) -> None:
+        """Stop accepting everywhere: SIGTERM every worker (they drain), kill stragglers later."""
+        if self.stopping:
+            return
+        self.stopping = True
+        if self.running is not None:
+            self.running.draining = True
+        self._stop_event.set()
+        for slot in self.slots:
+            if slot.proc is not None and slot.proc.returncode is None:
+                try:
+                    slot.proc.send_signal(signal.SIGTERM)
                 except ProcessLookupError:
                     pass
+        if self._system is not None:
+            self._system.start_soon(self._kill_after, self.drain_timeout_s + KILL_GRACE_S)
 
-    old_term = signal.signal(signal.SIGTERM, forward)
-    old_int = signal.signal(signal.SIGINT, forward)
+    async def _kill_after(self, delay: float) -> None:
+        await trio.sleep(delay)
+        for slot in self.slots:
+            if slot.proc is not None and slot.proc.returncode is None:
+                log.warning("worker %d did not exit after draining; killing it", slot.index)
+                slot.proc.kill()
+
+    async def _signals(self, signals) -> None:
+        async for signum in signals:
+            log.info("received %s: stopping the workers (they drain)", signal.Signals(signum).name)
+            self._stop()
+
+    # -- main ------------------------------------------------------------------------------------
+    async def run(self) -> int:
+        """Run until signalled (exit status 0) or a fatal worker failure (1, or 2)."""
+        from broker.logsetup import print_listening
+        from router.management import serve_management
+        from router.net.connection import EdgeContext
+        from router.net.stats import EdgeStats
+        from router.routelog import RouteLog
+        from router.server import RunningRouter, _url
+        from router.service import build_services
+
+        cfg = self.cfg
+        authenticator = None
+        if cfg.users_file is not None:
+            from broker.core.security import load_users
+
+            authenticator = load_users(cfg.users_file)
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            self.services = build_services(cfg)
+            edge = EdgeContext(EdgeStats(), RouteLog(None), authenticator, worker=-1)
+            self.running = RunningRouter(cfg, self.services, {}, {}, edge, ports=dict(self.ports),
+                                         worker=None, workers=self.count, cluster=self)
+            async with trio.open_nursery() as system:
+                self._system = system
+                system.start_soon(self._signals, signals)
+                for svc in self.services.values():
+                    await system.start(svc.run)  # the first probe round is done
+                for name, svc in self.services.items():
+                    svc.round_listeners.append(functools.partial(self._push_pool, name))
+                self.running.management_address = await system.start(serve_management, self.running)
+                async with trio.open_nursery() as keepers:
+                    for slot in self.slots:
+                        keepers.start_soon(self._keep_worker, slot)
+                    async with trio.open_nursery() as wait:
+                        async def on(ev: trio.Event) -> None:
+                            await ev.wait()
+                            wait.cancel_scope.cancel()
+
+                        wait.start_soon(on, self._all_ready)
+                        wait.start_soon(on, self._stop_event)
+                    if not self.stopping:
+                        self.serving = True
+                        for acc in cfg.acceptors:
+                            print_listening(acc.name, _url(acc, acc.host, self.ports[acc.name]))
+                        host, port = self.running.management_address
+                        print_listening("management", f"http://{host}:{port}")
+                        log.info("router %s: %d workers serving", cfg.name, self.count)
+                system.cancel_scope.cancel()
+        return self.status
+
+
+def run_supervisor(config_path: str, cfg, workers: int, *, worker_args: list[str] | None = None,
+                   drain_timeout_s: float | None = None) -> int:
+    """Run a supervisor and ``workers`` worker processes until signalled; returns the exit status.
+    Raises what ``trio.run`` raises (ConfigError, OSError) for the caller to report."""
+    ports, held = reserve_ports(cfg.acceptors)
     try:
-        for i in range(workers):
-            argv = [sys.executable, "-m", "router", "worker", "--index", str(i), "--count", str(workers),
-                    "--ports", port_arg, config_path] + list(log_level_args or [])
-            procs.append(subprocess.Popen(argv, stdout=None if i == 0 else subprocess.DEVNULL))
-        # Give workers time to bind before the placeholders go (they never listened; closing
-        # them only frees the reservation).
-        time.sleep(0.5)
-        for s in held:
-            s.close()
-        held.clear()
-        status = 0
-        while True:
-            alive = [p for p in procs if p.poll() is None]
-            if not alive:
-                break
-            dead = [p for p in procs if p.poll() is not None and p.returncode != 0]
-            if dead and not stopping:
-                print(f"lodestone-router: worker pid {dead[0].pid} exited with status {dead[0].returncode}; "
-                      "stopping the others", file=sys.stderr)
-                status = 1
-                forward(signal.SIGTERM, None)
-            time.sleep(0.2)
-        if not status:
-            status = max((p.returncode or 0) for p in procs)
-            if status < 0:
-                status = 0 if stopping else 1
-        return status
+        sup = Supervisor(config_path, cfg, workers, ports, worker_args=worker_args, drain_timeout_s=drain_timeout_s)
+        return trio.run(sup.run)
     finally:
         for s in held:
             s.close()
-        signal.signal(signal.SIGTERM, old_term)
-        signal.signal(signal.SIGINT, old_int)
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
 
 
 def default_workers() -> int:
-    """Workers that use every core (``workers = "auto"``)."""
+    """Workers that use every core (``workers = 0``)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

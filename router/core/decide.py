@@ -48,7 +48,8 @@ class Explanation:
     """Why a decision came out as it did. ``to_dict()`` is what logs and the management API print.
 
     ``cache`` is one of ``off`` (no cache), ``hit``, ``miss``, ``stale`` (cached node not ready),
-    ``skipped`` (decided before the cache); ``cache_tier`` is ``local`` or ``redis`` on a hit.
+    ``skipped`` (decided before the cache); ``cache_tier`` is ``local``, ``redis`` or ``shared``
+    (a multi-worker router's supervisor) on a hit.
     """
 
     router: str
