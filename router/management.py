@@ -63,6 +63,10 @@ async def serve_management(running, *, task_status=trio.TASK_STATUS_IGNORED) -> 
     await serve_http(api.handle, cfg.host, cfg.port, task_status=task_status)
 
 
+_READ_ONLY = frozenset({"/health", "/openapi.json", "/metrics", "/api/v1/router", "/api/v1/routers",
+                        "/api/v1/counters"})
+
+
 @dataclass
 class Aggregate:
     """What the counter views read: one process's numbers, or the sum over every worker."""
@@ -139,8 +143,11 @@ class ManagementApi:
         require_basic_auth(request, lambda u, p: ok_box.get("ok", False), realm="lodestone-router")
 
     # -- dispatch --------------------------------------------------------------------------------
+    # (the resources that only answer GET; the per-router ones check their methods below)
     async def handle(self, request: Request) -> Response:
         path = request.path.rstrip("/") or "/"
+        if path in _READ_ONLY and request.method not in ("GET", "HEAD"):
+            raise HttpError(405, f"{request.method} not allowed on {path} (GET)", [("Allow", "GET")])
         if path == "/health":
             return json_response({"status": "draining" if self.running.draining else "ok",
                                   "router": self.cfg.name}, 503 if self.running.draining else 200)

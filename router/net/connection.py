@@ -307,6 +307,16 @@ class Acceptor:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             # the client vanished in the middle of one of our writes; nothing to tell anybody
             pass
+        except BaseExceptionGroup as group:
+            # From the pump's nursery (trio wraps its tasks' exceptions, strict groups): a
+            # cancellation (drain deadline, shutdown) goes on up; anything else is a bug in this
+            # connection only — counted and logged, never allowed to reach the handlers nursery.
+            cancelled, rest = group.split(trio.Cancelled)
+            if rest is not None:
+                self._inc("internal_error")
+                log.error("%s: connection %s failed", s.name, c.id, exc_info=rest)
+            if cancelled is not None:
+                raise cancelled
         except Exception:
             self._inc("internal_error")
             log.exception("%s: connection %s failed", s.name, c.id)
@@ -326,7 +336,8 @@ class Acceptor:
         try:
             fastio.prepare_socket(sock)
         except OSError:
-            return False  # the client is already gone
+            self._inc("handshake_eof")  # the client is already gone
+            return False
         # 1. TLS
         if s.ssl_context is not None:
             scope.deadline = trio.current_time() + s.tls_handshake_timeout_s
@@ -434,9 +445,13 @@ class Acceptor:
                 result.bytes_down = len(c.leftover)
             await proxy_mod.pump(c.client, c.upstream, idle_timeout_s=s.idle_timeout_s,
                                  chunk_bytes=s.chunk_bytes, use_splice=s.use_splice, stats=result)
-        except trio.Cancelled:
-            result.reason = proxy_mod.EndReason.CANCELLED  # drain deadline / shutdown
-            self._proxy_closed(c, decision, result)
+        except BaseException as exc:
+            # drain deadline / shutdown: a bare Cancelled from the one-task pump, or a group of
+            # them from the two-task pump's nursery (trio's strict exception groups)
+            if isinstance(exc, trio.Cancelled) or (isinstance(exc, BaseExceptionGroup)
+                                                   and exc.split(trio.Cancelled)[1] is None):
+                result.reason = proxy_mod.EndReason.CANCELLED
+                self._proxy_closed(c, decision, result)
             raise
         self._proxy_closed(c, decision, result)
 
@@ -452,10 +467,7 @@ class Acceptor:
                     out = sniffer.data_to_send()
                     if out:
                         await client.send_all(out)
-                    try:
-                        data = await client.receive_some(_RECEIVE_BYTES)
-                    except trio.BrokenResourceError:
-                        data = b""
+                    data = await client.receive_some(_RECEIVE_BYTES)
                     if not data:
                         self._inc("handshake_eof")
                         return None
@@ -472,7 +484,7 @@ class Acceptor:
                         sniffer.accept(principal.user)
                 elif isinstance(ev, AuthFailed):
                     self._inc("auth_failed")
-                    await client.send_all(sniffer.data_to_send())
+                    await self._send_quietly(client, sniffer.data_to_send())
                     return None
                 elif isinstance(ev, Detected):
                     out = sniffer.data_to_send()
@@ -487,6 +499,11 @@ class Acceptor:
                     c.container_id = ev.open.container_id
                     c.open_hostname = ev.open.hostname
                     return ev
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            # The client left (reset, or TLS broken) while we read or wrote its handshake: our
+            # SASL header/mechanisms/outcome may meet a reset as well as our next read does.
+            self._inc("handshake_eof")
+            return None
         except NotThisProtocol as exc:
             self._inc("protocol_header_rejected")
             await self._send_quietly(client, sniffer.data_to_send() + (exc.reply or b""))

@@ -13,7 +13,11 @@ each stream from one task at a time, so it can do without them:
 * :class:`FastTLSStream` — an ``ssl.SSLSocket`` in non-blocking mode: OpenSSL reads and writes
   the file descriptor itself (no BIO copies); ``SSLWantReadError``/``SSLWantWriteError`` become
   waits. Always try the operation before waiting, never the other way round: OpenSSL may hold
-  decrypted bytes that the kernel no longer reports as readable.
+  decrypted bytes that the kernel no longer reports as readable. A TCP EOF without close_notify
+  reads as EOF (``b""``), and so does a TCP reset, which OpenSSL 3 reports the same way. (Telling
+  them apart by the socket's TCP state is possible, but brokers commonly end TLS connections
+  abortively right after their AMQP Close — Lodestone's own broker does — and every such
+  connection would then count as broken.)
 
 Both implement the ``trio.abc`` stream interface the rest of the edge (and ``router.net.proxy``)
 uses, with trio's exceptions (``BrokenResourceError`` with the OS/TLS error as ``__cause__``,
@@ -139,7 +143,8 @@ class FastTLSStream(trio.abc.Stream):
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         """Decrypted bytes; ``b""`` at a close_notify or a TCP EOF (AMQP frames are
-        self-delimiting, so a missing close_notify loses nothing a peer can miss)."""
+        self-delimiting, so a missing close_notify loses nothing a peer can miss). OpenSSL 3
+        reports a TCP reset as the same unexpected EOF, so under TLS a reset reads as EOF too."""
         s = self.ssl_object
         n = max_bytes or _RECEIVE_DEFAULT
         while True:

@@ -28,8 +28,13 @@ log = logging.getLogger("router.listener")
 # and retries on them rather than crashing.
 _ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 _SLEEP_ON_CAPACITY_S = 0.1
-# accept() errors that concern only the connection being accepted (trio ignores them too).
-_ACCEPT_TRANSIENT_ERRNOS = {errno.ECONNABORTED, errno.EPERM, errno.EPROTO}
+# accept() errors that concern only the connection being accepted: Linux passes a new socket's
+# pending network error up through accept() (accept(2), "Error handling": treat them like
+# EAGAIN). The same list as trio's SocketListener. Anything else is raised (and stops the router).
+_ACCEPT_TRANSIENT_ERRNOS = {getattr(errno, name) for name in (
+    "EPERM", "ECONNABORTED", "EPROTO", "ENETDOWN", "ENOPROTOOPT", "EHOSTDOWN", "ENONET", "EHOSTUNREACH",
+    "EOPNOTSUPP", "ENETUNREACH", "ENOSR", "ESOCKTNOSUPPORT", "EPROTONOSUPPORT", "ETIMEDOUT", "ECONNRESET")
+    if hasattr(errno, name)}
 _ACCEPT_BATCH = 64
 
 

@@ -52,8 +52,10 @@ _TLS_CLOSE_S = 1.0  # how long a TLS close_notify may take before we just drop t
 _PIPE_SIZE = 1 << 20
 _F_SETPIPE_SZ = 1031  # linux/fcntl.h; not in Python's fcntl module before 3.10 on every build
 _SPLICE_FLAGS = getattr(os, "SPLICE_F_MOVE", 1) | getattr(os, "SPLICE_F_NONBLOCK", 2)
+# A peer or the network broke the connection (read/write/splice/shutdown on a socket): that
+# connection ends with *_error; any other errno is a bug (internal_error).
 _BROKEN_ERRNOS = {errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN, errno.ETIMEDOUT, errno.EHOSTUNREACH,
-                  errno.ENETUNREACH, errno.ECONNABORTED}
+                  errno.ENETUNREACH, errno.ECONNABORTED, errno.ECONNREFUSED, errno.ENETDOWN, errno.EHOSTDOWN}
 
 
 class EndReason(enum.Enum):

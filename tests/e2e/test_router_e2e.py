@@ -427,6 +427,9 @@ def test_management_requires_credentials_and_serves_openapi_and_metrics(env):
     status, pool = r.get("/api/v1/routers/cid/pool")
     assert status == 200 and pool["ready"] == 3 and pool["quorum_met"] is True
     assert {t["node_id"] for t in pool["targets"]} == set(env.node_ids)
+    # read-only resources refuse other methods instead of answering as if it were a GET
+    for path in ("/health", "/api/v1/router", "/api/v1/counters", "/metrics", "/api/v1/routers/cid/pool"):
+        assert r.request("DELETE", path, None)[0] == 405, path
 
 
 def test_runtime_filters_change_routing_of_the_next_connection(env):
