@@ -24,7 +24,8 @@ A client that has authenticated but sends no Open within ``[amqp] handshake-time
 ``Close(amqp:connection:forced)`` (after our header and a failed Open). Whenever this side ends a
 plain-TCP connection it sends FIN and keeps reading (discarding) for up to ``LINGER_S`` before
 closing the socket: closing with unread client bytes in the kernel buffer sends an RST, which can
-destroy the Close we just wrote before the client reads it.
+destroy the Close we just wrote before the client reads it. A TLS connection reads until the
+client's close_notify (or EOF), bounded the same way, then sends its own close_notify.
 
 Every timeout of a connection lives here (the handshake deadlines and proton's idle timer).
 """
@@ -140,13 +141,11 @@ async def handle_connection(node: "Node", acceptor: "AcceptorConfig", sock_strea
         with trio.fail_after(node.cfg.handshake_timeout_s):
             result = await _authenticate(node, acceptor, stream, source, source_ip, cn)
         if result is None:
-            if stream is sock_stream:
-                await _linger(sock_stream)
+            await (_linger(sock_stream) if stream is sock_stream else _linger_tls(stream))
             return
         principal, leftover = result
         await _pump(node, stream, conn_id, principal, source, ctx is not None, leftover)
-        if stream is sock_stream:
-            await _linger(sock_stream)
+        await (_linger(sock_stream) if stream is sock_stream else _linger_tls(stream))
     except trio.TooSlowError:
         node.counters["handshake_timeout"] += 1
         log.info("handshake timeout", extra={"fields": {"conn": conn_id, "source": source}})
@@ -162,6 +161,21 @@ async def _linger(stream: trio.SocketStream) -> None:
     with trio.move_on_after(LINGER_S):
         await stream.send_eof()
         while await stream.receive_some(RECV_BYTES):
+            pass
+
+
+async def _linger_tls(stream: trio.SSLStream) -> None:
+    """TLS: read until the client's close_notify or EOF (bounded by LINGER_S), then send ours.
+
+    A TLS session cannot be half-closed, so this reads first; closing with the client's last
+    frames unread would reset the connection and could destroy the Close we just wrote.
+    """
+    with trio.move_on_after(LINGER_S):
+        try:
+            while await stream.receive_some(RECV_BYTES):
+                pass
+            await stream.aclose()  # our close_notify
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
 
 
