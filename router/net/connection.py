@@ -709,11 +709,7 @@ class Acceptor:
             return
         s = self.settings
         e = decision.explanation
-        t = decision.target
-        if t is not None:
-            tname, tnode, taddr = json_str(t.name), json_str(t.node_id), json_str(f"{t.host}:{t.port}")
-        else:
-            tname = tnode = taddr = "null"
+        tname, tnode, taddr = _target_json(decision.target)
         routelog.write_line(
             f'{{"v":1,"event":"route","time":"{utc_timestamp(self.edge.clock())}",'
             f'"connection_id":{json_str(c.id)},"worker":{json_int(self.edge.worker)},'
@@ -740,11 +736,7 @@ class Acceptor:
         routelog = self.edge.routelog
         if routelog.path is None:
             return
-        t = decision.target
-        if t is not None:
-            tname, tnode, taddr = json_str(t.name), json_str(t.node_id), json_str(f"{t.host}:{t.port}")
-        else:
-            tname = tnode = taddr = "null"
+        tname, tnode, taddr = _target_json(decision.target)
         routelog.write_line(
             f'{{"v":1,"event":"close","time":"{utc_timestamp(self.edge.clock())}",'
             f'"connection_id":{json_str(c.id)},"worker":{json_int(self.edge.worker)},'
@@ -756,3 +748,10 @@ class Acceptor:
             f'"duration_ms":{json_float(round((trio.current_time() - c.started) * 1000, 3))},'
             f'"close_reason":{json_str(result.reason.value)},"closed_first_by":{json_str(result.first_eof)},'
             f'"spliced":{json_bool(result.spliced)},"error":{json_str(result.error)}}}')
+
+
+def _target_json(t) -> tuple[str, str, str]:
+    """The routing log's target_name, target_node_id and target_address, as JSON text."""
+    if t is None:
+        return "null", "null", "null"
+    return json_str(t.name), json_str(t.node_id), json_str(f"{t.host}:{t.port}")
