@@ -25,6 +25,12 @@ What runs (all on 127.0.0.1, ports from the OS):
   redirect: connect, TLS, handshake, read the redirect, close), ``bulk-D``/``bulk-U`` = MB/s
   backend→client / client→backend over ``--streams`` connections.
 
+TLS parity (checked with ``openssl s_client -msg``): every TLS target serves the same trustme
+ECDSA P-256 certificate and negotiates TLS 1.3, X25519, TLS_AES_256_GCM_SHA384; amqpload never
+resumes (``SSL_OP_NO_TICKET``, no session cache), so every connection is a full handshake
+everywhere. HAProxy 2.6 and the naive proxy send OpenSSL's default two session tickets per
+handshake, the router one (``router.net.tls.server_context``).
+
 CPU pinning (2 cores): load generator + backend on CPU0, the proxy under test on CPU1 (the
 ``-w2`` variant may use both, so it competes with the load generator: read its conn/s as what
 two workers add, its CPU per connection as the cost). The proxy's CPU time during each run comes
