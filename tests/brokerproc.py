@@ -18,35 +18,17 @@ test forgot it.
 
 from __future__ import annotations
 
-import atexit
 import json
-import os
-import signal
 import subprocess
-import sys
-import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.serverproc import REPO, ServerProcessMixin, http_json, toml_value
+
 USERS_FILE = REPO / "etc" / "users.toml"
 ADMIN = ("admin", "admin")
-_LIVE: set["BrokerProcess"] = set()
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"cannot write {v!r} as TOML")
 
 
 def _table_name(name: str) -> str:
@@ -54,78 +36,23 @@ def _table_name(name: str) -> str:
                     for p in name.split("\x00"))
 
 
-@dataclass
-class BrokerProcess:
+@dataclass(eq=False)
+class BrokerProcess(ServerProcessMixin):
     """A broker subprocess and what it printed. Create with :func:`start_broker`."""
 
     workdir: Path
     config_path: Path
     proc: subprocess.Popen | None = None
     urls: dict[str, str] = field(default_factory=dict)
+    lines: list[str] = field(default_factory=list)
     start_timeout_s: float = 30.0
-    _reader: threading.Thread | None = None
 
-    # -- lifecycle ---------------------------------------------------------------------------
+    # -- lifecycle (kill, terminate, stderr_text, pid: ServerProcessMixin) ---------------------
     def start(self) -> "BrokerProcess":
-        stderr = open(self.workdir / "stderr.log", "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "broker", "run", str(self.config_path)],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        stderr.close()
-        _LIVE.add(self)
-        self.urls = {}
         want = {"amqp", "management"} | ({"amqps"} if "[acceptors.amqps" in self.config_path.read_text() else set())
-        lines: list[str] = []
-        done = threading.Event()
-
-        def reader() -> None:
-            for raw in self.proc.stdout:
-                line = raw.decode(errors="replace").strip()
-                lines.append(line)
-                parts = line.split()
-                if len(parts) == 3 and parts[0] == "listening":
-                    self.urls[parts[1]] = parts[2]
-                    if want <= set(self.urls):
-                        done.set()
-            done.set()
-
-        self._reader = threading.Thread(target=reader, daemon=True)
-        self._reader.start()
-        if not done.wait(self.start_timeout_s) or not want <= set(self.urls):
-            self.kill()
-            raise RuntimeError(f"broker did not start (stdout {lines!r}); stderr:\n{self.stderr_text()}")
+        self._spawn(["broker", "run", str(self.config_path)], lambda urls: want <= set(urls),
+                    self.start_timeout_s, "broker")
         return self
-
-    def kill(self) -> None:
-        """kill -9 and reap."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-        self._release()
-
-    def _release(self) -> None:
-        _LIVE.discard(self)
-        if self.proc is not None:
-            if self._reader is not None:
-                self._reader.join(5)  # EOF once the process is gone
-                self._reader = None
-            if self.proc.stdout is not None and not self.proc.stdout.closed:
-                self.proc.stdout.close()
-
-    def terminate(self, timeout_s: float = 20.0) -> int:
-        """SIGTERM; wait for a clean exit and return the exit status."""
-        if self.proc is None:
-            return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
-                raise
-        self._release()
-        return self.proc.returncode
 
     def restart(self) -> "BrokerProcess":
         """Start again with the same config and data directory (new OS-chosen ports)."""
@@ -133,13 +60,9 @@ class BrokerProcess:
             self.terminate()
         return self.start()
 
-    stop = terminate
+    stop = ServerProcessMixin.terminate
 
     # -- what it offers ----------------------------------------------------------------------
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
     @property
     def amqp_url(self) -> str:
         return self.urls["amqp"]
@@ -168,32 +91,14 @@ class BrokerProcess:
     def node_id(self) -> str:
         return (self.data_dir / "node.id").read_text().strip()
 
-    def stderr_text(self) -> str:
-        try:
-            return (self.workdir / "stderr.log").read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
     def management_get(self, path: str, auth: tuple[str, str] | None = ADMIN) -> tuple[int, Any]:
         """GET a management route (blocking, urllib); returns (status, decoded JSON or text)."""
-        req = urllib.request.Request(self.management_url + path)
-        if auth is not None:
-            import base64
-            req.add_header("Authorization", "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode())
-        try:
-            with urllib.request.urlopen(req, timeout=10) as resp:
-                status, body, ctype = resp.status, resp.read(), resp.headers.get("Content-Type", "")
-        except urllib.error.HTTPError as exc:
-            status, body, ctype = exc.code, exc.read(), exc.headers.get("Content-Type", "")
-        return status, (json.loads(body) if "json" in ctype else body.decode())
+        return http_json(self.management_url + path, auth=auth, timeout_s=10)
 
     def queue(self, name: str) -> dict | None:
         status, qs = self.management_get("/api/v1/queues")
         assert status == 200, qs
         return next((q for q in qs if q["name"] == name), None)
-
-    def __hash__(self) -> int:
-        return id(self)
 
 
 def write_config(workdir: Path, *, name: str = "broker", users_file: Path | None = USERS_FILE,
@@ -225,7 +130,7 @@ def write_config(workdir: Path, *, name: str = "broker", users_file: Path | None
     lines = []
     for tname, values in tables.items():
         lines.append(f"[{_table_name(tname)}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+        lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
         lines.append("")
     path = workdir / "broker.toml"
     path.write_text("\n".join(lines))
@@ -268,23 +173,17 @@ def write_users_file(path: Path, users: dict[str, tuple[str, list[str]]], *,
         if h is None:
             h = _HASHES[password] = hash_password(password, n=1024)
         lines += [f"[users.{json.dumps(name)}]", f"password = {json.dumps(h)}",
-                  f"roles = {_toml_value(roles)}", ""]
+                  f"roles = {toml_value(roles)}", ""]
     if anonymous_roles is not None:
-        lines += ["[anonymous]", "enabled = true", f"roles = {_toml_value(anonymous_roles)}", ""]
+        lines += ["[anonymous]", "enabled = true", f"roles = {toml_value(anonymous_roles)}", ""]
     for perm in permissions:
         lines.append("[[permissions]]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in perm.items()]
+        lines += [f"{k} = {toml_value(v)}" for k, v in perm.items()]
         lines.append("")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
     return path
-
-
-@atexit.register
-def _kill_leftovers() -> None:
-    for b in list(_LIVE):
-        b.kill()
 
 
 def wait_for(predicate, timeout_s: float = 10.0, interval_s: float = 0.05):
