@@ -257,8 +257,9 @@ async def _decide(node: "Node", ev: AuthRequested, source_ip: str, cn: str | Non
             _authz, user, password = parse_plain(ev.initial_response)
         except RemoteProtocolError as exc:
             return None, exc.description
-        # scrypt takes ~50 ms on a cache miss: keep it off the event loop
-        principal = await trio.to_thread.run_sync(security.authenticate, user, password, source_ip)
+        principal = security.cached(user, password, source_ip)
+        if principal is None:  # scrypt takes ~50 ms on a cache miss: keep it off the event loop
+            principal = await trio.to_thread.run_sync(security.authenticate, user, password, source_ip)
         return (principal, "ok") if principal is not None else (None, f"bad credentials for user {user!r}")
     if mech == "ANONYMOUS":
         principal = security.anonymous_principal()

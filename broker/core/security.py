@@ -48,8 +48,8 @@ for ``orders``: ``orders`` > ``orders.#`` > ``#``; for ``x.eu``: ``#.eu`` > ``#`
 Authentication cost: scrypt takes ~50 ms on purpose. ``authenticate`` caches successful
 verifications in memory (an LRU of 1024 entries keyed by user and sha256 of the password), so a
 client reconnecting with the same credentials costs one hash lookup. A cache miss blocks for the
-scrypt time: the trio shell calls ``authenticate`` via ``trio.to_thread.run_sync`` (it is
-thread-safe). An unknown user still costs one scrypt, so timing does not reveal which users exist.
+scrypt time, so the trio shells (broker and router) first ask ``cached`` on the event loop and only
+on a miss call ``authenticate`` via ``trio.to_thread.run_sync`` (it is thread-safe). An unknown user still costs one scrypt, so timing does not reveal which users exist.
 """
 
 from __future__ import annotations
@@ -236,18 +236,30 @@ class SecurityConfig:
             return False
         return True
 
+    def cached(self, user: str, password: str, source_ip: str | None) -> Principal | None:
+        """Non-blocking fast path for event loops: the Principal when this exact login was verified
+        before and the source is allowed; None means "not known without scrypt" — then call
+        :meth:`authenticate` (in a thread) for the answer."""
+        u = self.users.get(user)
+        if u is None or not self._source_ok(u, source_ip):
+            return None
+        key = (user, hashlib.sha256(password.encode("utf-8")).digest())
+        with self._cache_lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+            return hit
+
     def authenticate(self, user: str, password: str, source_ip: str | None) -> Principal | None:
         """SASL PLAIN / HTTP Basic: the Principal, or None (wrong password, unknown user, or a
         source the user may not connect from). Blocks ~50 ms on a cache miss."""
         u = self.users.get(user)
         if u is not None and not self._source_ok(u, source_ip):
             return None
+        hit = self.cached(user, password, source_ip)
+        if hit is not None:
+            return hit
         key = (user, hashlib.sha256(password.encode("utf-8")).digest())
-        with self._cache_lock:
-            hit = self._cache.get(key)
-            if hit is not None and u is not None:
-                self._cache.move_to_end(key)
-                return hit
         self.scrypt_calls += 1
         if u is None:
             _scrypt(self._dummy, password)    # same cost as a real check

@@ -38,7 +38,6 @@ Whatever happens, ``finally`` closes every stream (TLS streams with a close_noti
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import itertools
 import logging
@@ -46,7 +45,6 @@ import os
 import socket
 import ssl
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -88,6 +86,8 @@ class Principal(Protocol):
 class Authenticator(Protocol):
     """The users/roles file (``broker.core.security.SecurityConfig``), as the edge uses it."""
 
+    def cached(self, user: str, password: str, source_ip: str) -> Principal | None: ...
+
     def authenticate(self, user: str, password: str, source_ip: str) -> Principal | None: ...
 
     def principal_for_certificate(self, cn: str, source_ip: str) -> Principal | None: ...
@@ -116,28 +116,6 @@ class AcceptorSettings:
     chunk_bytes: int = proxy_mod.DEFAULT_CHUNK_BYTES
 
 
-class AuthMemo:
-    """Successful PLAIN logins, keyed by (user, sha256(password), source host): a reconnecting
-    client is authenticated without a worker-thread hop (the users file's own cache still needs
-    one call into a thread, which costs more than the rest of a redirect). Bounded LRU; the
-    users file is not reloaded at run time, so entries cannot go stale."""
-
-    def __init__(self, size: int = 4096):
-        self.size = size
-        self._d: OrderedDict = OrderedDict()
-
-    def get(self, key):
-        p = self._d.get(key)
-        if p is not None:
-            self._d.move_to_end(key)
-        return p
-
-    def put(self, key, principal) -> None:
-        self._d[key] = principal
-        if len(self._d) > self.size:
-            self._d.popitem(last=False)
-
-
 @dataclass
 class EdgeContext:
     """Process-wide pieces every acceptor shares."""
@@ -146,7 +124,6 @@ class EdgeContext:
     routelog: RouteLog
     authenticator: Authenticator | None
     worker: int = 0
-    auth_memo: AuthMemo = field(default_factory=AuthMemo)
     clock: Callable[[], float] = time.time
     _ids: Any = field(default_factory=lambda: itertools.count(1))
     _prefix: str = field(default_factory=lambda: os.urandom(4).hex())
@@ -538,14 +515,9 @@ class Acceptor:
         try:
             if ev.mechanism == "PLAIN":
                 _authzid, user, password = parse_plain(ev.initial_response)
-                memo_key = (user, hashlib.sha256(password.encode("utf-8")).digest(), c.host)
-                principal = self.edge.auth_memo.get(memo_key)
-                if principal is not None:
-                    return principal
-                # scrypt is deliberately slow (~50 ms): keep it off the event loop
-                principal = await trio.to_thread.run_sync(auth.authenticate, user, password, c.host)
-                if principal is not None:
-                    self.edge.auth_memo.put(memo_key, principal)
+                principal = auth.cached(user, password, c.host)  # a known login: no thread hop
+                if principal is None:  # scrypt is deliberately slow (~50 ms): off the event loop
+                    principal = await trio.to_thread.run_sync(auth.authenticate, user, password, c.host)
                 return principal
             if ev.mechanism == "EXTERNAL":
                 if c.cert_cn is None:

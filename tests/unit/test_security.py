@@ -329,3 +329,19 @@ def test_hash_password_cli_errors(monkeypatch, capsys, argv, stdin, err):
     monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
     assert hash_password_main(argv) == 2
     assert err in capsys.readouterr().err
+
+
+def test_cached_is_the_non_blocking_fast_path_of_authenticate(tmp_path):
+    """`cached` answers only for logins verified before, from an allowed source, without scrypt."""
+    from broker.core.security import load_users
+
+    sec = load_users(Path(__file__).resolve().parents[2] / "etc" / "users.toml")
+    assert sec.cached("app", "app", "127.0.0.1") is None          # never verified: not known
+    assert sec.authenticate("app", "app", "127.0.0.1") is not None
+    calls = sec.scrypt_calls
+    p = sec.cached("app", "app", "127.0.0.1")
+    assert p is not None and p.user == "app"
+    assert sec.cached("app", "wrong", "127.0.0.1") is None        # another password: not known
+    assert sec.cached("app", "app", "192.0.2.7") is None          # sample user off loopback: never
+    assert sec.cached("nobody", "app", "127.0.0.1") is None
+    assert sec.scrypt_calls == calls
