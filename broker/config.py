@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from broker.core.addresses import ANYCAST, MULTICAST, AddressSettings, SettingsResolver
+from broker.core.limits import SourceLimits, source_limits_from
 from broker.core.wildcards import check_pattern
 from broker.store.journal import JournalConfig
 from broker.tomlconfig import ConfigError, Table, open_config
@@ -39,6 +40,8 @@ class AcceptorConfig:
     tls: TlsConfig | None = None
     sasl_mechanisms: tuple[str, ...] = ("PLAIN",)
     allow_no_sasl: bool = False  # clients that skip SASL are anonymous; needs [anonymous] in the users file
+    max_connections: int = 10000  # Artemis connectionsAllowed; 0 = no limit
+    limits: SourceLimits = SourceLimits()   # per-source limits (broker.core.limits)
 
     @property
     def scheme(self) -> str:
@@ -133,11 +136,13 @@ def load_config(file: str | Path) -> BrokerConfig:
             if m not in MECHANISMS:
                 raise t.error(f"sasl-mechanisms[{i}]", f"{m!r} must be one of {', '.join(MECHANISMS)}")
         allow_no_sasl = t.bool("allow-no-sasl", False)
+        max_conns = t.int("max-connections", 10000, min=0)
+        limits = source_limits_from(t)
         tls = _tls(t.table("tls"))
         t.done()
         if "EXTERNAL" in mechs and (tls is None or tls.ca_file is None):
             raise ConfigError(f, f"acceptors.{aname}.sasl-mechanisms", "EXTERNAL needs [tls] with ca-file")
-        acceptors.append(AcceptorConfig(aname, host, port, tls, mechs, allow_no_sasl))
+        acceptors.append(AcceptorConfig(aname, host, port, tls, mechs, allow_no_sasl, max_conns, limits))
     if not acceptors:
         raise ConfigError(f, "acceptors", "missing: at least one [acceptors.<name>] table is required")
 

@@ -170,7 +170,7 @@ async def serve_http(handler: Handler, host: str, port: int, *, request_timeout_
 async def _serve_connection(stream: trio.SocketStream, handler: Handler, timeout_s: float, max_body: int) -> None:
     try:
         peer = stream.socket.getpeername()
-        client = f"{peer[0]}:{peer[1]}"
+        client = f"[{peer[0]}]:{peer[1]}" if ":" in peer[0] else f"{peer[0]}:{peer[1]}"
     except OSError:
         client = "?"
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=64 * 1024)

@@ -36,7 +36,8 @@ async def _principal(node: "Node", request: Request):
     if creds is None:
         raise HttpError(401, "authentication required", challenge)
     ip = request.client.rsplit(":", 1)[0].strip("[]")
-    principal = await trio.to_thread.run_sync(node.security.authenticate, creds[0], creds[1], ip)
+    result = await node.login_gate.login(creds[0], creds[1], ip)   # throttled like AMQP logins
+    principal = result.principal
     if principal is None:
         raise HttpError(401, "bad credentials", challenge)
     if not node.security.check(principal, "manage", MANAGEMENT_ADDRESS):
@@ -86,6 +87,8 @@ def metrics(node: "Node") -> list[Metric]:
                per_queue("dead_lettered")),
         Metric("lodestone_broker_events_total", "counter", "broker events by outcome",
                tuple(({"event": k}, v) for k, v in sorted(node.counters.items()))),
+        Metric("lodestone_broker_logins_total", "counter", "password logins by outcome (broker.auth)",
+               tuple(({"outcome": k}, v) for k, v in sorted(node.login_gate.counters.items()))),
     ]
     j = node.journal
     if j is not None:

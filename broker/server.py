@@ -30,8 +30,10 @@ from typing import TYPE_CHECKING
 import trio
 
 from broker.activity import ActivityLog, iso_utc
+from broker.auth import LoginGate
 from broker.core.addresses import Broker
 from broker.core.deliveries import Message
+from broker.core.limits import OncePer, SourceLimiter
 from broker.logsetup import print_listening
 from broker.trioutil import Wakeup
 
@@ -105,6 +107,11 @@ class Node:
         self.connection_nursery: trio.Nursery | None = None
         self.activity: ActivityLog | None = None
         self.recovery: dict = {}
+        # authentication and per-source admission (broker.auth, broker.core.limits)
+        self.login_gate = LoginGate(security, name=cfg.name) if security is not None else None
+        self.source_limiters = {a.name: SourceLimiter(a.limits) for a in cfg.acceptors}
+        self.acceptor_active: collections.Counter = collections.Counter()
+        self.log_once = OncePer(security.login.log_interval_s if security is not None else 60.0)
 
     # -- recovery --------------------------------------------------------------------------
     def recover(self) -> dict:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Mapping
 from urllib.parse import parse_qsl, urlsplit
 
+from broker.core.limits import SourceLimits, source_limits_from
 from broker.tomlconfig import ConfigError, Table, open_config
 
 from router.core.filters import compile_key_filter, compile_local_filter
@@ -74,6 +75,7 @@ class AcceptorConfig:
     tls_handshake_timeout_ms: int = 5000
     sasl_mechanisms: tuple[str, ...] = ("PLAIN", "EXTERNAL")
     anonymous: bool = False
+    limits: SourceLimits = SourceLimits()  # per-source limits (broker.core.limits)
 
 
 @dataclass(frozen=True)
@@ -226,7 +228,7 @@ def _acceptor(t: Table) -> AcceptorConfig:
         handshake_timeout_ms=t.int("handshake-timeout-ms", 10000, min=1),
         connect_timeout_ms=t.int("connect-timeout-ms", 5000, min=1),
         idle_timeout_s=idle, tls_handshake_timeout_ms=t.int("tls-handshake-timeout-ms", 5000, min=1),
-        sasl_mechanisms=tuple(mechs), anonymous=t.bool("anonymous", False))
+        sasl_mechanisms=tuple(mechs), anonymous=t.bool("anonymous", False), limits=source_limits_from(t))
     t.done()
     return acc
 

@@ -112,15 +112,24 @@ class ManagementApi:
         self.cfg = running.config
 
     # -- auth ------------------------------------------------------------------------------------
-    def _check(self, user: str, password: str) -> bool:
+    async def _check(self, user: str, password: str, source: str | None) -> bool:
+        """Basic credentials: the ``[management]`` user, else a users-file user with the manage
+        permission. Failures are throttled and delayed like AMQP logins (``broker.auth``)."""
+        gate = self.running.edge.login_gate
         m = self.cfg.management
         if m.user is not None:
-            return hmac.compare_digest(user.encode(), m.user.encode()) and \
+            ok = hmac.compare_digest(user.encode(), m.user.encode()) and \
                 hmac.compare_digest(password.encode(), (m.password or "").encode())
+            if not ok and gate is not None:
+                await gate.failed(source, trio.current_time())
+            return ok
         auth = self.running.edge.authenticator
         if auth is None:
             return True
-        principal = auth.authenticate(user, password, None)
+        if gate is None:  # pragma: no cover - an authenticator that is not a users file
+            principal = await trio.to_thread.run_sync(auth.authenticate, user, password, source)
+        else:
+            principal = (await gate.login(user, password, source)).principal
         return principal is not None and auth.check(principal, "manage", MANAGEMENT_ADDRESS)
 
     def _auth_required(self) -> bool:
@@ -129,18 +138,11 @@ class ManagementApi:
     async def _authorize(self, request: Request) -> None:
         if not self._auth_required():
             return
-        # scrypt on a cache miss: off the event loop
-        ok_box = {}
-
-        def check(u: str, p: str) -> bool:
-            return ok_box.setdefault("ok", self._check(u, p))
-
         from broker.http import basic_auth
 
         creds = basic_auth(request)
-        if creds is not None:
-            await trio.to_thread.run_sync(check, *creds)
-        require_basic_auth(request, lambda u, p: ok_box.get("ok", False), realm="lodestone-router")
+        ok = creds is not None and await self._check(creds[0], creds[1], request.client)
+        require_basic_auth(request, lambda u, p: ok, realm="lodestone-router")
 
     # -- dispatch --------------------------------------------------------------------------------
     # (the resources that only answer GET; the per-router ones check their methods below)

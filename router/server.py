@@ -82,6 +82,7 @@ def acceptor_settings(acc: AcceptorConfig) -> AcceptorSettings:
         upstream_tls=acc.upstream_tls,
         # diagnostic knob for loadtest/bench_proxy.py: LODESTONE_SPLICE=0 forces the stream pump
         use_splice=os.environ.get("LODESTONE_SPLICE", "1") != "0",
+        limits=acc.limits,
     )
 
 

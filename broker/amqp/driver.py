@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from broker.amqp.engine import AmqpEngine
-from broker.amqp.frames import FRAME_SASL, NEED_DATA, SASL_HEADER, SaslOutcome, encode_frame
+from broker.amqp.frames import FRAME_SASL, NEED_DATA, SASL_HEADER, SaslOutcome, encode_frame, refuse_frames
 from broker.amqp.sasl import (
     AmqpHeaderReceived,
     AuthFailed,
@@ -51,6 +51,7 @@ from broker.amqp.sasl import (
     SaslState,
     parse_plain,
 )
+from broker.core.limits import Admission, source_key
 from broker.errors import NotThisProtocol, RemoteProtocolError
 from broker.trioutil import Wakeup
 
@@ -66,6 +67,7 @@ HANDSHAKE_TIMEOUT_S = 10.0  # the default of [amqp] handshake-timeout-s
 RECV_BYTES = 256 * 1024
 CLOSE_GRACE_S = 5.0
 LINGER_S = 2.0
+REFUSAL_TIMEOUT_S = 2.0  # a connection over a limit gets this long to hear its refusal
 _conn_ids = itertools.count(1)
 
 
@@ -131,18 +133,31 @@ async def handle_connection(node: "Node", acceptor: "AcceptorConfig", sock_strea
         sock_stream.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_NODELAY, 1)
     except OSError:
         pass
+    admitted = False
+    guard = _Admission(node, acceptor, source_ip)
     try:
+        refusal = guard.admit()
+        if refusal is _DROP:
+            return
+        admitted = refusal is None
         cn = None
         if ctx is not None:
             stream = trio.SSLStream(sock_stream, ctx, server_side=True)
-            with trio.fail_after(node.cfg.handshake_timeout_s):
+            with trio.fail_after(node.cfg.handshake_timeout_s if admitted else REFUSAL_TIMEOUT_S):
                 await stream.do_handshake()
             cn = _cert_cn(stream.getpeercert())
+        if not admitted:
+            # over a limit: a clear AMQP error, without checking credentials, then close
+            with trio.fail_after(REFUSAL_TIMEOUT_S):
+                await _refuse_unverified(node, acceptor, stream, refusal)
+            await (_linger(sock_stream) if stream is sock_stream else _linger_tls(stream))
+            return
         with trio.fail_after(node.cfg.handshake_timeout_s):
             result = await _authenticate(node, acceptor, stream, source, source_ip, cn)
         if result is None:
             await (_linger(sock_stream) if stream is sock_stream else _linger_tls(stream))
             return
+        guard.authenticated()
         principal, leftover = result
         await _pump(node, stream, conn_id, principal, source, ctx is not None, leftover)
         await (_linger(sock_stream) if stream is sock_stream else _linger_tls(stream))
@@ -153,7 +168,105 @@ async def handle_connection(node: "Node", acceptor: "AcceptorConfig", sock_strea
         node.counters["connection_broken"] += 1
         log.debug("connection broken: %r", exc, extra={"fields": {"conn": conn_id, "source": source}})
     finally:
+        guard.release()
         await trio.aclose_forcefully(stream)
+
+
+_DROP = object()
+
+
+class _Admission:
+    """One connection's place in its acceptor's limits (``max-connections``, and the per-source
+    limits of ``broker.core.limits``): taken by :meth:`admit`, given back by :meth:`release`."""
+
+    __slots__ = ("node", "acceptor", "key", "state", "authed")
+
+    def __init__(self, node: "Node", acceptor: "AcceptorConfig", source_ip: str):
+        self.node = node
+        self.acceptor = acceptor
+        self.key = source_key(source_ip)
+        self.state = ""           # "admitted" | "refusing" | ""
+        self.authed = False
+
+    def admit(self):
+        """None when admitted; else the refusal text, or ``_DROP`` (close at once)."""
+        node, acc = self.node, self.acceptor
+        limiter = node.source_limiters[acc.name]
+        now = trio.current_time()
+        if acc.max_connections and node.acceptor_active[acc.name] >= acc.max_connections:
+            reason, text = "acceptor_connections", (f"acceptor {acc.name} is at its limit of "
+                                                    f"{acc.max_connections} connections (max-connections)")
+            verdict = limiter.refuse(self.key, now)
+        else:
+            verdict, reason = limiter.admit(self.key, now)
+            text = _LIMIT_TEXT.get(reason, "").format(src=self.key, lim=acc.limits)
+        if verdict is Admission.ADMIT:
+            node.acceptor_active[acc.name] += 1
+            self.state = "admitted"
+            return None
+        node.counters[f"refused_{reason}"] += 1
+        if node.log_once(f"{acc.name}/{self.key}/{reason}", now):
+            log.warning("connection limit: %s; refusing (logged once per source per interval)", text,
+                        extra={"fields": {"acceptor": acc.name, "source": self.key, "limit": reason}})
+        if verdict is Admission.DROP:
+            node.counters["refused_dropped"] += 1
+            return _DROP
+        self.state = "refusing"
+        return text
+
+    def authenticated(self) -> None:
+        if self.state == "admitted" and not self.authed:
+            self.authed = True
+            self.node.source_limiters[self.acceptor.name].authenticated(self.key)
+
+    def release(self) -> None:
+        limiter = self.node.source_limiters[self.acceptor.name]
+        if self.state == "admitted":
+            self.node.acceptor_active[self.acceptor.name] -= 1
+            limiter.release(self.key, authenticated=self.authed)
+        elif self.state == "refusing":
+            limiter.release_refusal(self.key)
+        self.state = ""
+
+
+_LIMIT_TEXT = {
+    "source_connections": "{src} has {lim.max_connections_per_source} connections open "
+                          "(max-connections-per-source)",
+    "source_unauthenticated": "{src} has {lim.max_unauthenticated_per_source} connections still "
+                              "authenticating (max-unauthenticated-per-source)",
+    "source_rate": "{src} opens connections faster than {lim.max_connection_rate_per_source:g} per "
+                   "second (max-connection-rate-per-source)",
+}
+
+
+async def _refuse_unverified(node: "Node", acceptor: "AcceptorConfig", stream, text: str) -> None:
+    """Answer a connection over a limit with ``Close(amqp:resource-limit-exceeded, text)``: its
+    SASL exchange is completed without checking the credentials (no hash, nothing granted: the
+    only thing the client is sent after it is the refusal)."""
+    sasl = SaslServer(acceptor.sasl_mechanisms, node.cfg.max_frame_bytes)
+    refusal = refuse_frames("amqp:resource-limit-exceeded", f"{node.cfg.name}: {text}",
+                            container_id=node.container_id)
+    try:
+        while True:
+            ev = sasl.next_event()
+            out = sasl.data_to_send()
+            if out:
+                await stream.send_all(out)
+            if ev is NEED_DATA:
+                data = await stream.receive_some(65536)
+                if not data:
+                    return
+                sasl.receive_data(data)
+            elif isinstance(ev, AuthRequested):
+                sasl.accept(None)
+            elif isinstance(ev, (AmqpHeaderReceived, NoSasl)):
+                await stream.send_all(refusal)
+                return
+            elif isinstance(ev, AuthFailed):
+                return
+    except (NotThisProtocol, RemoteProtocolError) as exc:
+        if exc.reply:
+            await stream.send_all(exc.reply)
 
 
 async def _linger(stream: trio.SocketStream) -> None:
@@ -257,10 +370,12 @@ async def _decide(node: "Node", ev: AuthRequested, source_ip: str, cn: str | Non
             _authz, user, password = parse_plain(ev.initial_response)
         except RemoteProtocolError as exc:
             return None, exc.description
-        principal = security.cached(user, password, source_ip)
-        if principal is None:  # scrypt takes ~50 ms on a cache miss: keep it off the event loop
-            principal = await trio.to_thread.run_sync(security.authenticate, user, password, source_ip)
-        return (principal, "ok") if principal is not None else (None, f"bad credentials for user {user!r}")
+        # known logins at once; otherwise throttled, fair, on the gate's own threads, and a
+        # refusal only after its delay (broker.auth)
+        result = await node.login_gate.login(user, password, source_ip)
+        if result.principal is not None:
+            return result.principal, "ok"
+        return None, f"{result.reason} for user {user[:64]!r}"
     if mech == "ANONYMOUS":
         principal = security.anonymous_principal()
         return (principal, "ok") if principal is not None else (None, "anonymous access is disabled")

@@ -16,6 +16,21 @@ The users file (``etc/users.toml``) — every key below is checked; unknown keys
     user = "anonymous"                # the principal's name
     roles = ["guest"]
 
+    [login]                           # login flood protection (broker.core.limits)
+    failure-delay-ms = 250            # every refused login is answered this long after its
+                                      # request, whatever the reason
+    throttle-after-failures = 5       # failures per source within the window before the
+                                      # delay starts doubling
+    max-failure-delay-ms = 5000       # the doubling stops here
+    refuse-after-failures = 20        # then the source is refused without a password check
+                                      # (logins verified before stay accepted)
+    failure-window-s = 60             # how long a failure counts
+    max-concurrent-verifications = 0  # password hashes at once; 0 = half the cores (>= 1)
+    max-pending-verifications = 128   # waiting hashes; the most-failing source's are dropped
+    log-interval-s = 60               # throttling is logged once per source per interval
+    max-tracked-sources = 10000       # bounded memory for the tables above
+    remembered-failures = 4096        # failed (user, password) pairs refused without a hash
+
     [[permissions]]                   # Artemis security-settings
     match = "#"                       # address pattern, Artemis wildcards (below)
     send = ["admin", "app"]           # roles allowed; each list defaults to []
@@ -48,8 +63,13 @@ for ``orders``: ``orders`` > ``orders.#`` > ``#``; for ``x.eu``: ``#.eu`` > ``#`
 Authentication cost: scrypt takes ~50 ms on purpose. ``authenticate`` caches successful
 verifications in memory (an LRU of 1024 entries keyed by user and sha256 of the password), so a
 client reconnecting with the same credentials costs one hash lookup. A cache miss blocks for the
-scrypt time, so the trio shells (broker and router) first ask ``cached`` on the event loop and only
-on a miss call ``authenticate`` via ``trio.to_thread.run_sync`` (it is thread-safe). An unknown user still costs one scrypt, so timing does not reveal which users exist.
+scrypt time. The trio shells (broker and router) do not call it directly: ``broker.auth.LoginGate``
+asks ``cached`` on the event loop and on a miss runs :meth:`SecurityConfig.verify` on its own
+bounded limiter, fairly across sources, with the throttling of the ``[login]`` table.
+:meth:`SecurityConfig.verify` costs the same whatever the answer: an unknown user, or a source
+the user may not connect from, holds the verification slot for as long as a real hash takes
+(measured) without computing one, so timing does not reveal which users exist or where they
+may connect from.
 """
 
 from __future__ import annotations
@@ -64,6 +84,7 @@ import os
 import re
 import sys
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +92,7 @@ from typing import Sequence
 
 from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
+from broker.core.limits import LoginSettings
 from broker.core.wildcards import check_pattern, match_specificity, wildcard_match
 from broker.tomlconfig import ConfigError, Table, open_config
 
@@ -213,7 +235,8 @@ class SecurityConfig:
 
     def __init__(self, users: dict[str, User], permissions: list[Permission], *,
                  anonymous_enabled: bool = False, anonymous_user: str = "anonymous",
-                 anonymous_roles: tuple[str, ...] = (), file: str = "users.toml"):
+                 anonymous_roles: tuple[str, ...] = (), file: str = "users.toml",
+                 login: LoginSettings | None = None):
         self.users = users
         self.permissions = permissions
         self.anonymous_enabled = anonymous_enabled
@@ -226,6 +249,8 @@ class SecurityConfig:
         self._cache_lock = threading.Lock()
         self._dummy = _ScryptHash(16384, 8, 1, b"\0" * 16, b"\0" * 32)   # for unknown users
         self.scrypt_calls = 0          # for tests and metrics: cache misses that ran scrypt
+        self.login = login or LoginSettings()
+        self._scrypt_s: float | None = None   # measured time of one hash (EWMA), for verify()
 
     # -- authentication -------------------------------------------------------------------------
     def _source_ok(self, user: User, source_ip: str | None) -> bool:
@@ -252,27 +277,50 @@ class SecurityConfig:
 
     def authenticate(self, user: str, password: str, source_ip: str | None) -> Principal | None:
         """SASL PLAIN / HTTP Basic: the Principal, or None (wrong password, unknown user, or a
-        source the user may not connect from). Blocks ~50 ms on a cache miss."""
-        u = self.users.get(user)
-        if u is not None and not self._source_ok(u, source_ip):
-            return None
+        source the user may not connect from). Blocks ~50 ms on a cache miss (:meth:`verify`),
+        whatever the answer. The shells use ``broker.auth.LoginGate`` instead (throttled)."""
         hit = self.cached(user, password, source_ip)
         if hit is not None:
             return hit
-        key = (user, hashlib.sha256(password.encode("utf-8")).digest())
-        self.scrypt_calls += 1
-        if u is None:
-            _scrypt(self._dummy, password)    # same cost as a real check
+        return self.verify(user, password, source_ip)
+
+    def digest(self, password: str) -> bytes:
+        """The key the login caches use for a password (sha256; the password is never kept)."""
+        return hashlib.sha256(password.encode("utf-8")).digest()
+
+    def verify(self, user: str, password: str, source_ip: str | None) -> Principal | None:
+        """Blocking password check (run it in a thread) whose duration does not depend on the
+        answer: an unknown user or a source the user may not connect from waits as long as a
+        real hash takes instead of computing one, so refusals cannot be told apart by time and
+        cost no CPU. Caches a success like :meth:`authenticate`."""
+        u = self.users.get(user)
+        if u is None or not self._source_ok(u, source_ip):
+            est = self._scrypt_s
+            if est is None:           # nothing measured yet: measure once on a dummy hash
+                self._timed_scrypt(self._dummy, password)
+            else:
+                time.sleep(est)
             return None
         h = _parse_hash(u.password)
-        if not hmac.compare_digest(_scrypt(h, password), h.digest):
+        if not hmac.compare_digest(self._timed_scrypt(h, password), h.digest):
             return None
         principal = Principal(u.name, u.roles)
+        key = (user, self.digest(password))
         with self._cache_lock:
             self._cache[key] = principal
             if len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
         return principal
+
+    def _timed_scrypt(self, h: _ScryptHash, password: str) -> bytes:
+        self.scrypt_calls += 1
+        t0 = time.perf_counter()
+        out = _scrypt(h, password)
+        took = time.perf_counter() - t0
+        if h.n == self._dummy.n and h.r == self._dummy.r and h.p == self._dummy.p:
+            prev = self._scrypt_s
+            self._scrypt_s = took if prev is None else prev * 0.8 + took * 0.2
+        return out
 
     def principal_for_certificate(self, cn: str, source_ip: str | None) -> Principal | None:
         """SASL EXTERNAL: the client certificate's CN must name a known user (no password is
@@ -338,6 +386,7 @@ def load_users(path: str | Path) -> SecurityConfig:
     anon_user = anon.str("user", "anonymous")
     anon_roles = tuple(anon.str_list("roles", []))
     anon.done()
+    login = _login_settings(root.table("login"))
     perms: list[Permission] = []
     for t in root.array_of_tables("permissions"):
         match = t.str("match")
@@ -350,7 +399,39 @@ def load_users(path: str | Path) -> SecurityConfig:
         perms.append(Permission(match, roles))
     root.done()
     return SecurityConfig(users, perms, anonymous_enabled=enabled, anonymous_user=anon_user,
-                          anonymous_roles=anon_roles, file=str(path))
+                          anonymous_roles=anon_roles, file=str(path), login=login)
+
+
+def _login_settings(t: Table) -> LoginSettings:
+    """The ``[login]`` table; every value checked (ConfigError names file, key and value)."""
+    d = LoginSettings()
+
+    def num(key: str, default, *, minimum: float = 0, integer: bool = True):
+        v = t.int(key, default) if integer else t.float(key, default)
+        if v < minimum:
+            raise t.error(key, f"{v} must be >= {minimum:g}")
+        return v
+
+    s = LoginSettings(
+        failure_delay_s=num("failure-delay-ms", int(d.failure_delay_s * 1000)) / 1000,
+        max_failure_delay_s=num("max-failure-delay-ms", int(d.max_failure_delay_s * 1000)) / 1000,
+        throttle_after_failures=num("throttle-after-failures", d.throttle_after_failures, minimum=1),
+        refuse_after_failures=num("refuse-after-failures", d.refuse_after_failures),
+        failure_window_s=num("failure-window-s", d.failure_window_s, minimum=1, integer=False),
+        max_concurrent_verifications=num("max-concurrent-verifications", d.max_concurrent_verifications),
+        max_pending_verifications=num("max-pending-verifications", d.max_pending_verifications, minimum=1),
+        log_interval_s=num("log-interval-s", d.log_interval_s, integer=False),
+        max_tracked_sources=num("max-tracked-sources", d.max_tracked_sources, minimum=16),
+        remembered_failures=num("remembered-failures", d.remembered_failures),
+    )
+    t.done()
+    if s.max_failure_delay_s < s.failure_delay_s:
+        raise t.error("max-failure-delay-ms", f"{int(s.max_failure_delay_s * 1000)} must be >= "
+                                              f"failure-delay-ms ({int(s.failure_delay_s * 1000)})")
+    if s.refuse_after_failures and s.refuse_after_failures <= s.throttle_after_failures:
+        raise t.error("refuse-after-failures", f"{s.refuse_after_failures} must be 0 (never) or > "
+                                               f"throttle-after-failures ({s.throttle_after_failures})")
+    return s
 
 
 def _network(t: Table, key: str, i: int, text: str):

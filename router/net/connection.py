@@ -52,6 +52,9 @@ import trio
 
 from broker.amqp.frames import redirect_frames, refuse_frames
 from broker.amqp.sasl import SaslClientReplay, UpstreamAuthFailed, UpstreamAuthOk, parse_plain
+from broker.auth import LoginGate
+from broker.core.limits import Admission, OncePer, SourceLimiter, SourceLimits, source_key
+from broker.core.security import SecurityConfig
 from broker.errors import NotThisProtocol, RemoteProtocolError
 from router.core.decide import Decision, Outcome
 from router.core.keys import ConnectionInfo
@@ -114,6 +117,7 @@ class AcceptorSettings:
     upstream_tls: bool = False                  # TLS to every target (else only targets with tls = true)
     use_splice: bool = True
     chunk_bytes: int = proxy_mod.DEFAULT_CHUNK_BYTES
+    limits: SourceLimits = SourceLimits()       # per-source limits (broker.core.limits)
 
 
 @dataclass
@@ -124,9 +128,15 @@ class EdgeContext:
     routelog: RouteLog
     authenticator: Authenticator | None
     worker: int = 0
+    login_gate: Any = None                      # broker.auth.LoginGate over the authenticator
     clock: Callable[[], float] = time.time
     _ids: Any = field(default_factory=lambda: itertools.count(1))
     _prefix: str = field(default_factory=lambda: os.urandom(4).hex())
+
+    def __post_init__(self) -> None:
+        if self.login_gate is None and isinstance(self.authenticator, SecurityConfig):
+            self.login_gate = LoginGate(self.authenticator, name="router")
+        self.log_once = OncePer(self.login_gate.settings.log_interval_s if self.login_gate else 60.0)
 
     def next_connection_id(self) -> str:
         return f"{self._prefix}-{self.worker}-{next(self._ids)}"
@@ -140,6 +150,15 @@ def format_source(sockaddr) -> tuple[str, str, int]:
 
 
 _TLS_CLOSE_S = 1.0
+_REFUSAL_TIMEOUT_S = 2.0   # a client over a per-source limit gets this long to hear its refusal
+_LIMIT_TEXT = {
+    "source_connections": "Connection router {r}: {src} has {lim.max_connections_per_source} connections "
+                          "open (max-connections-per-source)",
+    "source_unauthenticated": "Connection router {r}: {src} has {lim.max_unauthenticated_per_source} "
+                              "connections still authenticating (max-unauthenticated-per-source)",
+    "source_rate": "Connection router {r}: {src} opens connections faster than "
+                   "{lim.max_connection_rate_per_source:g} per second (max-connection-rate-per-source)",
+}
 _INF = float("inf")
 
 # Phases of one connection: which deadline the connection's single cancel scope enforces.
@@ -230,6 +249,8 @@ class _Conn:
     container_id: str | None = None
     open_hostname: str | None = None
     phase: int = _PH_TLS
+    refusal: str | None = None  # over a per-source limit: the refusal text (no auth is checked)
+    authenticated: bool = False
     client: Any = None          # FastSocketStream | FastTLSStream once wrapped
     upstream: Any = None
     decision: Decision | None = None
@@ -256,6 +277,7 @@ class Acceptor:
         self._counters = edge.stats.counters
         self._keys = {name: (settings.name, name) for name in COUNTER_NAMES}
         self._upstream_ctx = settings.upstream_ssl_context
+        self.limiter = SourceLimiter(settings.limits)
 
     def _inc(self, name: str, n: int = 1) -> None:
         self._counters[self._keys[name]] += n
@@ -272,8 +294,22 @@ class Acceptor:
         active[s.name] += 1
         self._counters[self._keys["accepted"]] += 1
         host, port = peer[0], peer[1]
+        now = trio.current_time()
         c = _Conn(self.edge.next_connection_id(), f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
-                  host, port, trio.current_time(), self.edge.clock())
+                  host, port, now, self.edge.clock())
+        key = source_key(host)
+        verdict, reason = self.limiter.admit(key, now)
+        if verdict is not Admission.ADMIT:
+            self._inc(f"refused_{reason}")
+            lim = s.limits
+            c.refusal = _LIMIT_TEXT[reason].format(r=s.router, src=key, lim=lim)
+            if self.edge.log_once(f"{s.name}/{key}/{reason}", now):
+                log.warning("%s: %s; refusing (logged once per source per interval)", s.name, c.refusal)
+            if verdict is Admission.DROP:
+                self._inc("refused_dropped")
+                active[s.name] -= 1
+                sock.close()
+                return
         try:
             with trio.CancelScope() as scope:
                 proxy = await self._serve(sock, c, scope)
@@ -299,6 +335,10 @@ class Acceptor:
             log.exception("%s: connection %s failed", s.name, c.id)
         finally:
             active[s.name] -= 1
+            if c.refusal is not None:
+                self.limiter.release_refusal(key)
+            else:
+                self.limiter.release(key, authenticated=c.authenticated)
             if c.upstream is not None and not _close_now(c.upstream):
                 await _close(c.upstream)
             if c.client is None:
@@ -316,8 +356,9 @@ class Acceptor:
             self._inc("handshake_eof")  # the client is already gone
             return False
         # 1. TLS
+        refusing = c.refusal is not None
         if s.ssl_context is not None:
-            scope.deadline = trio.current_time() + s.tls_handshake_timeout_s
+            scope.deadline = trio.current_time() + (_REFUSAL_TIMEOUT_S if refusing else s.tls_handshake_timeout_s)
             try:
                 client = c.client = fastio.FastTLSStream(sock, s.ssl_context, server_side=True)
             except OSError as exc:  # the socket broke before the handshake began
@@ -339,9 +380,13 @@ class Acceptor:
 
         # 2. SASL + Open
         c.phase = _PH_HANDSHAKE
-        scope.deadline = trio.current_time() + s.handshake_timeout_s
+        scope.deadline = trio.current_time() + (_REFUSAL_TIMEOUT_S if refusing else s.handshake_timeout_s)
         detected = await self._sniff(client, c)
         if detected is None:
+            return False
+        if refusing:
+            await self._refuse(client, c.refusal, None, condition="amqp:resource-limit-exceeded",
+                               c=c, scope=scope)
             return False
 
         # 3. Route (the service bounds its own quorum wait)
@@ -449,6 +494,8 @@ class Acceptor:
                         self._inc("handshake_eof")
                         return None
                     sniffer.receive_data(data)
+                elif isinstance(ev, AuthRequested) and c.refusal is not None:
+                    sniffer.accept(None)  # over a limit: no credentials checked, only the refusal follows
                 elif isinstance(ev, AuthRequested):
                     principal = await self._authenticate(ev, c)
                     if principal is None:
@@ -459,6 +506,8 @@ class Acceptor:
                         c.roles, c.mechanism = tuple(principal.roles), ev.mechanism
                         self._inc("auth_ok")
                         sniffer.accept(principal.user)
+                        c.authenticated = True
+                        self.limiter.authenticated(source_key(c.host))
                 elif isinstance(ev, AuthFailed):
                     self._inc("auth_failed")
                     await self._send_quietly(client, sniffer.data_to_send())
@@ -467,12 +516,14 @@ class Acceptor:
                     out = sniffer.data_to_send()
                     if out:
                         await client.send_all(out)
-                    if ev.sasl_init_bytes is None:
+                    if ev.sasl_init_bytes is None and c.refusal is None:
                         # No SASL at all: anonymous (allowed only when the users file allows it)
                         principal = self._anonymous()
                         if principal is None:  # pragma: no cover - the sniffer refuses first
                             return None
                         c.user, c.roles, c.mechanism = None, tuple(principal.roles), None
+                        c.authenticated = True
+                        self.limiter.authenticated(source_key(c.host))
                     c.container_id = ev.open.container_id
                     c.open_hostname = ev.open.hostname
                     return ev
@@ -515,10 +566,15 @@ class Acceptor:
         try:
             if ev.mechanism == "PLAIN":
                 _authzid, user, password = parse_plain(ev.initial_response)
-                principal = auth.cached(user, password, c.host)  # a known login: no thread hop
-                if principal is None:  # scrypt is deliberately slow (~50 ms): off the event loop
-                    principal = await trio.to_thread.run_sync(auth.authenticate, user, password, c.host)
-                return principal
+                gate = self.edge.login_gate
+                if gate is None:  # pragma: no cover - an Authenticator that is not a users file
+                    principal = auth.cached(user, password, c.host)
+                    if principal is None:
+                        principal = await trio.to_thread.run_sync(auth.authenticate, user, password, c.host)
+                    return principal
+                # a known login at once; else throttled, fair, on the gate's own threads, and a
+                # refusal only after its delay (broker.auth)
+                return (await gate.login(user, password, c.host)).principal
             if ev.mechanism == "EXTERNAL":
                 if c.cert_cn is None:
                     return None

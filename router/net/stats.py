@@ -41,6 +41,13 @@ COUNTER_NAMES: dict[str, str] = {
     "proxy_upstream_error": "proxied connections the broker broke (reset)",
     "proxy_cancelled": "proxied connections cut at the drain deadline or shutdown",
     "internal_error": "connections closed because of a bug (logged with a traceback)",
+    "refused_source_connections": "clients refused (amqp:resource-limit-exceeded): their address "
+                                  "had max-connections-per-source connections open",
+    "refused_source_unauthenticated": "clients refused: their address had "
+                                      "max-unauthenticated-per-source connections still authenticating",
+    "refused_source_rate": "clients refused: their address exceeded max-connection-rate-per-source",
+    "refused_dropped": "clients over a per-source limit closed at once (their address already had "
+                       "max-refusing-per-source refusals in flight)",
 }
 
 
