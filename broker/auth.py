@@ -8,13 +8,18 @@ through :meth:`LoginGate.login`:
 1. **Known good** — ``SecurityConfig.cached``: this exact login was verified before and the
    source is allowed. Answered on the event loop at once; never throttled.
 2. **Throttled source** — the source (``broker.core.limits.source_key``) has
-   ``refuse-after-failures`` failures within the window: refused without a hash.
-3. **Remembered failure** — the same user and password failed within the window: refused
-   without a hash.
+   ``refuse-after-failures`` failures within the window, or is past ``throttle-after-failures``
+   and already had its one password check for the current delay: refused without a hash.
+3. **Remembered failure** — the same user and password failed from the same source within the
+   window: refused without a hash (per source: a login refused for its source address must not
+   shadow the same credentials from an allowed one).
 4. **Verification** — ``SecurityConfig.verify`` (scrypt, ~50 ms, 16 MiB) in a thread, under the
-   gate's own slots: ``max-concurrent-verifications`` at once (never trio's default thread
-   limiter, which the journal flush and management use), at most ``max-pending-verifications``
-   waiting. Waiters are served by their source's recent failures, fewest first, then in
+   gate's own slots: ``max-concurrent-verifications`` at once, plus one slot that only a source
+   without a failure in the window may use, at most ``max-pending-verifications`` waiting. The
+   hashes run on the gate's own threads (never trio's shared thread cache, which the journal
+   flush uses); those of a source with failures in the window at a lower scheduling priority
+   (nice +10): they get the CPU the event loops and clean logins leave, so a flood of hashes
+   cannot slow the clients already connected. Waiters are served by their source's recent failures, fewest first, then in
    arrival order: a client with a clean record overtakes a flood. When the queue is full the
    newcomer displaces the waiter with the worst record, or is itself refused if it is the worst.
 
@@ -27,7 +32,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import trio
@@ -73,8 +80,9 @@ class _FairSlots:
     falls back), then in arrival order. At most ``max_pending`` wait: a full queue drops its worst
     waiter for a better newcomer, else refuses the newcomer."""
 
-    def __init__(self, capacity: int, max_pending: int, priority_of=lambda key: 0):
+    def __init__(self, capacity: int, max_pending: int, priority_of=lambda key: 0, reserved: int = 0):
         self.capacity = capacity
+        self.reserved = reserved   # extra slots only a clean source (priority 0) may take
         self.max_pending = max_pending
         self.priority_of = priority_of
         self.busy = 0
@@ -88,8 +96,14 @@ class _FairSlots:
     def _rank(self, w: _Waiter) -> tuple[int, int]:
         return self.priority_of(w.key), w.seq
 
+    def _free_for(self, priority: int) -> bool:
+        return self.busy < self.capacity + (self.reserved if priority == 0 else 0)
+
     async def acquire(self, key: str) -> None:
-        if self.busy < self.capacity and not self._waiting:
+        priority = self.priority_of(key)
+        # straight in when a slot is free for us: nobody waits, or we are clean and a reserved
+        # slot is free (a waiter that could use a free slot would already have it)
+        if self._free_for(priority) and (not self._waiting or priority == 0):
             self.busy += 1
             await trio.lowlevel.checkpoint()
             return
@@ -115,13 +129,49 @@ class _FairSlots:
             raise _Overloaded()
 
     def release(self) -> None:
-        if self._waiting:
+        self.busy -= 1
+        while self._waiting:
             best = min(self._waiting, key=self._rank)
+            if not self._free_for(self._rank(best)[0]):
+                break
             self._waiting.remove(best)
             best.granted = True
-            best.event.set()       # the slot passes to it: busy stays
-        else:
-            self.busy -= 1
+            self.busy += 1
+            best.event.set()
+
+
+HASH_THREAD_NICE = 10   # hashing threads yield the CPU to the event loops (Linux: per thread)
+
+
+def _background_priority() -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), HASH_THREAD_NICE)
+    except (OSError, AttributeError):   # not permitted / not Linux: normal priority
+        pass
+
+
+class _HashExecutor:
+    """The gate's own threads (never trio's shared thread cache), ``workers`` at most; with
+    ``background`` each runs at a lower scheduling priority, so its hashes only get the CPU
+    the event loops leave."""
+
+    def __init__(self, workers: int, *, background: bool):
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lodestone-hash",
+                                        initializer=_background_priority if background else None)
+
+    async def run(self, fn, *args):
+        token = trio.lowlevel.current_trio_token()
+        done = trio.Event()
+        fut = self._pool.submit(fn, *args)
+        fut.add_done_callback(lambda _f: token.run_sync_soon(done.set))
+        # a hash is short and holds a slot: wait for it even when cancelled, so the slot count
+        # never runs ahead of the threads actually hashing
+        with trio.CancelScope(shield=True):
+            await done.wait()
+        return fut.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
 
 
 class LoginGate:
@@ -134,9 +184,13 @@ class LoginGate:
         capacity = st.max_concurrent_verifications or max(1, (os.cpu_count() or 2) // 2)
         self.capacity = capacity
         self.throttle = LoginThrottle(st)
+        # one more slot than the capacity, for sources without a failure in the window: a
+        # good client's first login never queues behind a flood's hash
         self._slots = _FairSlots(capacity, st.max_pending_verifications,
-                                 lambda key: self.throttle.failures(key, trio.current_time()))
-        self._limiter = trio.CapacityLimiter(capacity)   # our own threads' budget
+                                 lambda key: self.throttle.failures(key, trio.current_time()), reserved=1)
+        # a source with failures in the window hashes at a low priority; a clean one does not
+        self._hasher = _HashExecutor(capacity + 1, background=False)
+        self._suspect_hasher = _HashExecutor(capacity, background=True)
         self.memory = FailureMemory(st.remembered_failures, st.failure_window_s)
         self.counters: Counter[str] = Counter({k: 0 for k in LOGIN_COUNTERS})
         self.name = name
@@ -154,10 +208,10 @@ class LoginGate:
         key = source_key(source)
         digest = security.digest(password)
         reason = "bad credentials"
-        if self.throttle.refusing(key, t0):
+        if self.throttle.refusing(key, t0) or not self.throttle.may_verify(key, t0):
             self.counters["login_refused_throttled"] += 1
             reason = "throttled"
-        elif self.memory.seen(user, digest, t0):
+        elif self.memory.seen(f"{key}\0{user}", digest, t0):
             self.counters["login_refused_remembered"] += 1
         else:
             try:
@@ -168,14 +222,15 @@ class LoginGate:
             else:
                 try:
                     self.counters["login_verifications"] += 1
-                    principal = await trio.to_thread.run_sync(security.verify, user, password, source,
-                                                              limiter=self._limiter)
+                    hasher = self._hasher if self.throttle.failures(key, trio.current_time()) == 0 \
+                        else self._suspect_hasher
+                    principal = await hasher.run(security.verify, user, password, source)
                 finally:
                     self._slots.release()
                 if principal is not None:
                     self.counters["login_ok_verified"] += 1
                     return LoginResult(principal, "ok")
-                self.memory.add(user, digest, trio.current_time())
+                self.memory.add(f"{key}\0{user}", digest, trio.current_time())
         await self.failed(source, t0, reason=reason)
         return LoginResult(None, reason)
 

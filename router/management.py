@@ -77,6 +77,7 @@ class Aggregate:
     lines_dropped: int = 0
     per_worker: list[dict] | None = None
     processes: list[dict] | None = field(default=None)
+    logins: dict[str, int] = field(default_factory=dict)   # broker.auth.LoginGate counters
 
 
 def aggregate_workers(reports: list[dict], services: dict) -> Aggregate:
@@ -86,7 +87,9 @@ def aggregate_workers(reports: list[dict], services: dict) -> Aggregate:
     routers: dict[str, Counter] = {name: Counter(dict(svc.counters)) for name, svc in services.items()}
     written = dropped = 0
     per_worker = []
+    logins: Counter = Counter()
     for rep in reports:
+        logins.update(rep.get("logins", {}))
         mine = EdgeStats()
         for a, n, v in rep["counters"]:
             stats.counters[(a, n)] += v
@@ -101,7 +104,8 @@ def aggregate_workers(reports: list[dict], services: dict) -> Aggregate:
                            "active_connections": sum(rep["active"].values()), "routers": rep["routers"],
                            "routing_log": {"lines_written": rep["routing_log"][0],
                                            "lines_dropped": rep["routing_log"][1]}})
-    return Aggregate(stats, {n: dict(c) for n, c in routers.items()}, written, dropped, per_worker)
+    return Aggregate(stats, {n: dict(c) for n, c in routers.items()}, written, dropped, per_worker,
+                     logins=dict(logins))
 
 
 class ManagementApi:
@@ -199,8 +203,12 @@ class ManagementApi:
         if r.cluster is None:
             return Aggregate(r.edge.stats, {name: dict(getattr(svc, "counters", None) or {})
                                             for name, svc in r.services.items()},
-                             r.edge.routelog.lines_written, r.edge.routelog.lines_dropped)
+                             r.edge.routelog.lines_written, r.edge.routelog.lines_dropped,
+                             logins=dict(r.edge.login_gate.counters) if r.edge.login_gate else {})
         agg = aggregate_workers(await r.cluster.gather_stats(), r.services)
+        if r.edge.login_gate is not None:   # the supervisor's own (management) logins
+            for k, v in r.edge.login_gate.counters.items():
+                agg.logins[k] = agg.logins.get(k, 0) + v
         agg.processes = r.cluster.worker_info()
         return agg
 
@@ -324,7 +332,10 @@ class ManagementApi:
                      (({}, agg.lines_written),)),
               Metric("lodestone_router_routing_log_dropped_total", "counter",
                      "Routing-log lines dropped because the writer fell behind",
-                     (({}, agg.lines_dropped),))]
+                     (({}, agg.lines_dropped),)),
+              Metric("lodestone_router_logins_total", "counter",
+                     "Password logins by outcome (edge and management; see docs/security.md)",
+                     tuple(({"outcome": k}, v) for k, v in sorted(agg.logins.items())))]
         ready, total, quorum, target_ready = [], [], [], []
         service_counters = []
         for name, service in r.services.items():

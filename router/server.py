@@ -99,7 +99,8 @@ def worker_stats(running: RunningRouter) -> dict:
             "counters": [[a, n, v] for (a, n), v in st.counters.items()],
             "active": dict(st.active), "bytes_up": dict(st.bytes_up), "bytes_down": dict(st.bytes_down),
             "routers": {name: dict(svc.counters) for name, svc in running.services.items()},
-            "routing_log": [running.edge.routelog.lines_written, running.edge.routelog.lines_dropped]}
+            "routing_log": [running.edge.routelog.lines_written, running.edge.routelog.lines_dropped],
+            "logins": dict(running.edge.login_gate.counters) if running.edge.login_gate else {}}
 
 
 def _control_handler(running_box: dict, services: dict, state_applied: trio.Event):

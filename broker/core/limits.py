@@ -20,7 +20,8 @@ checking credentials, within a short deadline) or ``DROP`` (close at once: a sou
 
 :class:`LoginThrottle` — failed logins per source within ``failure_window_s``: the first
 ``throttle_after_failures`` are answered after the plain ``failure_delay_s``; each further one
-doubles the delay up to ``max_failure_delay_s``; from ``refuse_after_failures`` on, the source's
+doubles the delay up to ``max_failure_delay_s``, and the source gets one password check per
+delay (its other attempts meanwhile are refused without a hash); from ``refuse_after_failures`` on, the source's
 logins are refused without checking the password until its failures age out of the window
 (logins already verified and cached stay accepted: a known good client behind the same address
 is not locked out). :class:`FailureMemory` remembers failed (user, password digest) pairs for
@@ -70,7 +71,7 @@ class SourceLimits:
     """Per-source limits of one acceptor; 0 turns a limit off."""
 
     max_connections_per_source: int = 1000
-    max_unauthenticated_per_source: int = 32
+    max_unauthenticated_per_source: int = 64
     max_connection_rate_per_source: float = 0.0      # new connections per second
     max_refusing_per_source: int = 8                 # polite refusals in flight per source
 
@@ -217,6 +218,7 @@ class LoginThrottle:
         # source -> (failure timestamps, newest last; at most refuse_after + 1 kept), last log time
         self._failures: OrderedDict[str, deque] = OrderedDict()
         self._logged: OrderedDict[str, float] = OrderedDict()
+        self._next_verify: OrderedDict[str, float] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._failures)
@@ -233,6 +235,23 @@ class LoginThrottle:
             del self._failures[key]
             return 0
         return len(q)
+
+    def may_verify(self, key: str, now: float) -> bool:
+        """Whether a login of ``key`` may be verified (hashed) now. A source past
+        ``throttle_after_failures`` gets one verification per its current delay; its other
+        attempts in between are refused without a hash (a flood's hashes are rate-limited, not
+        only its answers)."""
+        f = self.failures(key, now)
+        if f < self.settings.throttle_after_failures:
+            return True
+        due = self._next_verify.get(key, 0.0)
+        if now < due:
+            return False
+        self._next_verify[key] = now + self.delay(f + 1)
+        self._next_verify.move_to_end(key)
+        while len(self._next_verify) > self.settings.max_tracked_sources:
+            self._next_verify.popitem(last=False)
+        return True
 
     def refusing(self, key: str, now: float) -> bool:
         """True when ``key``'s logins are refused without checking the password."""
