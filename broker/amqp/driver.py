@@ -52,6 +52,7 @@ from broker.amqp.sasl import (
     parse_plain,
 )
 from broker.errors import NotThisProtocol, RemoteProtocolError
+from broker.proxyproto import ProxyHeaderReader, ProxyProtocolError
 from broker.trioutil import Wakeup
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -132,6 +133,14 @@ async def handle_connection(node: "Node", acceptor: "AcceptorConfig", sock_strea
     except OSError:
         pass
     try:
+        if acceptor.trusts_proxy(source_ip):
+            # a router: its PROXY v2 header names the real client (read before TLS and SASL)
+            with trio.fail_after(node.cfg.handshake_timeout_s):
+                real = await _read_proxy_header(node, sock_stream, source)
+            if real is None:
+                return
+            if real.source is not None:  # LOCAL (the proxy's own check): the peer address stands
+                source, source_ip = real.source_text, real.source[0]
         cn = None
         if ctx is not None:
             stream = trio.SSLStream(sock_stream, ctx, server_side=True)
@@ -154,6 +163,25 @@ async def handle_connection(node: "Node", acceptor: "AcceptorConfig", sock_strea
         log.debug("connection broken: %r", exc, extra={"fields": {"conn": conn_id, "source": source}})
     finally:
         await trio.aclose_forcefully(stream)
+
+
+async def _read_proxy_header(node: "Node", stream: trio.SocketStream, source: str):
+    """Read exactly one PROXY v2 header (never a byte more); None after closing on a bad one."""
+    reader = ProxyHeaderReader()
+    try:
+        while True:
+            data = await stream.receive_some(max(reader.needed, 1))
+            if not data:
+                raise ProxyProtocolError("PROXY protocol: end of stream inside the header")
+            reader.receive_data(data)
+            ev = reader.next_event()
+            if ev is not NEED_DATA:
+                node.counters["proxy_header_ok"] += 1
+                return ev
+    except ProxyProtocolError as exc:
+        node.counters["proxy_header_invalid"] += 1
+        log.info("connection refused: %s", exc.description, extra={"fields": {"source": source}})
+        return None
 
 
 async def _linger(stream: trio.SocketStream) -> None:
