@@ -377,6 +377,8 @@ class AmqpEngine:
 
     def close_input(self) -> None:
         """The peer closed its sending side (EOF)."""
+        if self._fail_open is not None:
+            return  # our failed Open + Close are queued; proton must not write its own close first
         conn = self.connection
         if self.opened and not conn.state & Endpoint.REMOTE_CLOSED and conn.state & Endpoint.LOCAL_ACTIVE:
             # EOF without Close (a crashed client, a truncated frame): say so in our Close
@@ -460,6 +462,9 @@ class AmqpEngine:
         self._cleanup_links()
         self.connection.condition = self.error
         self.connection.close()
+        # have proton encode our Close now: an EOF right behind the bad frame (close_tail) would
+        # otherwise make it write its own Close(framing-error) instead
+        self.transport.pending()
         self.wake()
 
     def limit_exceeded(self, limit: str, value: int, what: str, *, log_line: bool = True) -> str:
