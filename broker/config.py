@@ -131,7 +131,7 @@ class BrokerConfig:
     log_level: str = "INFO"
     log_json: bool = False
     handshake_timeout_s: float = 10.0  # [amqp]: SASL, and then the client's Open, must finish in time
-    max_sessions: int = 256  # [amqp]: sessions open at once per connection (channel-max = this - 1)
+    max_sessions: int = 256  # [amqp]: sessions open at once per connection (channel-max = this)
     max_links: int = 1000  # [amqp]: links attached at once per connection
     limits: ResourceLimitSettings = field(default_factory=ResourceLimitSettings)
     extra: dict = field(default_factory=dict)
@@ -226,7 +226,7 @@ def load_config(file: str | Path) -> BrokerConfig:
     idle = at.float("idle-timeout-s", 60.0, min=0.0)
     window = at.int("producer-window", 1000, min=1)
     handshake = at.float("handshake-timeout-s", 10.0, min=0.1)
-    max_sessions = at.int("max-sessions", 256, min=1, max=65536)
+    max_sessions = at.int("max-sessions", 256, min=1, max=65535)
     max_links = at.int("max-links", 1000, min=1)
     at.done()
 

@@ -338,8 +338,11 @@ class AmqpEngine:
 
         self.transport = Transport(Transport.SERVER)
         self.transport.max_frame_size = node.cfg.max_frame_bytes
-        # §2.7.1 channel-max: the client may use channels 0..channel-max, one session each
-        self.transport.channel_max = node.cfg.max_sessions - 1
+        # §2.7.1 channel-max bounds the session table proton keeps: channels 0..max-sessions,
+        # i.e. one spare channel on which a client asking for one session too many is told why
+        # (End with amqp:resource-limit-exceeded, see _slow_event); beyond it proton answers
+        # with a framing error
+        self.transport.channel_max = min(node.cfg.max_sessions, 65535)
         if node.cfg.idle_timeout_s:
             self.transport.idle_timeout = node.cfg.idle_timeout_s
         self.connection = Connection()
