@@ -172,6 +172,10 @@ async def _read_proxy_header(node: "Node", stream: trio.SocketStream, source: st
         while True:
             data = await stream.receive_some(max(reader.needed, 1))
             if not data:
+                if reader.needed == 16:  # connect + close before any byte: a TCP health probe
+                    node.counters["proxy_header_eof"] += 1
+                    log.debug("closed before a PROXY header", extra={"fields": {"source": source}})
+                    return None
                 raise ProxyProtocolError("PROXY protocol: end of stream inside the header")
             reader.receive_data(data)
             ev = reader.next_event()
