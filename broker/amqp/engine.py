@@ -357,6 +357,7 @@ class AmqpEngine:
         # (address, direction) -> [messages, bytes] folded in from closed links since last flush
         self.activity_done: dict[tuple[str, str], list[int]] = {}
         self.sessions = 0  # sessions open now ([amqp] max-sessions)
+        self.refused_links: set = set()  # raw pn_link_t* we refused, until the client detaches them
         self.limits = node.cfg.limits.for_user(self.user)
         self.user_counted = False  # counted against the user's max-connections (Node)
 
@@ -554,10 +555,25 @@ class AmqpEngine:
 
     # -- attach ----------------------------------------------------------------------------
     def _refuse(self, link: Link, condition: str, description: str) -> None:
-        """Refuse an attach (§2.6.3): answer with a null terminus, then detach with the error."""
+        """Refuse an attach (§2.6.3): answer with a null terminus, then detach with the error.
+
+        Proton keeps a refused link until the client answers our detach; a client that keeps
+        attaching without ever answering would grow that without bound, so once more refused
+        links wait for their detach than ``max-links`` allows, the connection is closed.
+        """
         link.condition = Condition(condition, description)
         link.open()
         link.close()
+        self.refused_links.add(link._impl)
+        limit = self.node.cfg.max_links
+        if len(self.refused_links) > limit and self.connection.state & Endpoint.LOCAL_ACTIVE:
+            # inside process(): close without re-entering it (abort() would)
+            self.error = Condition(RESOURCE_LIMIT, self.limit_exceeded(
+                "max-links", limit, f"{len(self.refused_links)} refused links not detached by the client"))
+            self._cleanup_links()
+            self.connection.condition = self.error
+            self.connection.close()
+            self.wake()
 
     def _attach(self, link: Link) -> None:
         # decode every string of the attach we might log or use (UnicodeDecodeError → decode-error)
@@ -673,6 +689,7 @@ class AmqpEngine:
 
     # -- detach ----------------------------------------------------------------------------
     def _detach(self, link: Link, *, closed: bool) -> None:
+        self.refused_links.discard(link._impl)
         self._forget_link(link, closed=closed)
         if link.state & Endpoint.LOCAL_ACTIVE:
             if closed:

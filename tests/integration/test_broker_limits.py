@@ -206,3 +206,23 @@ def test_max_sessions_per_connection(broker, bystander):
     assert not any(isinstance(p, Close) for _ch, p in got)  # the connection itself goes on
     assert limit_count(broker, "max-sessions") == before + 1
     bystander()
+
+
+def attach(handle: int, name: str, target: str) -> bytes:
+    tgt = Described(ULong(0x29), [target])
+    return encode_frame(FRAME_AMQP, 0, Described(ULong(0x12), [name, UInt(handle), False, None, None,
+                                                               Described(ULong(0x28), [None]), tgt]))
+
+
+def test_a_client_ignoring_link_refusals_is_closed(broker, bystander):
+    # 4 links fill max-links; every further attach is refused, and proton keeps a refused link
+    # until the client answers its detach. This client never does: past max-links refused links
+    # the whole connection is closed
+    frames = [encode_frame(FRAME_AMQP, 0, Open("stubborn")), begin(0)]
+    frames += [attach(h, f"l{h}", "bystander") for h in range(4 + 6)]
+    got = raw_session(broker, "other", frames)
+    detaches = [error_of(p) for _ch, p in got if isinstance(p, Described) and int(p.descriptor) == 0x16]
+    assert len([d for d in detaches if d and d[0] == LIMIT]) >= 5, detaches
+    closes = [error_of(p) for _ch, p in got if isinstance(p, Close)]
+    assert len(closes) == 1 and closes[0][0] == LIMIT and "refused links" in closes[0][1], closes
+    bystander()
