@@ -205,16 +205,23 @@ def send_raw(conn: BlockingConnection, address: str | None, data: bytes) -> Deli
     return d
 
 
-def test_invalid_utf8_in_a_body_passes_through_untouched_even_on_redelivery(env):
+def client_url(env, via: str) -> str:
+    broker, router, _ = env
+    base = broker.amqp_url if via == "broker" else router.url("proxy")
+    return base.replace("amqp://", "amqp://app:app@")
+
+
+@pytest.mark.parametrize("via", ["broker", "router"])
+def test_invalid_utf8_in_a_body_passes_through_untouched_even_on_redelivery(env, via):
     broker, _router, bystander = env
-    url = broker.amqp_url.replace("amqp://", "amqp://app:app@")
+    url = client_url(env, via)
     data = raw_message(body=PLACEHOLDER, durable=True, subject="s")
     c = BlockingConnection(url, timeout=10, allowed_mechs="PLAIN")
     try:
-        assert send_raw(c, "bad-body", data).remote_state == Delivery.ACCEPTED
+        assert send_raw(c, f"bad-body-{via}", data).remote_state == Delivery.ACCEPTED
     finally:
         c.close()
-    first, again = RawConsumer(url, "bad-body", fail=1).run()
+    first, again = RawConsumer(url, f"bad-body-{via}", fail=1).run()
     assert first == data  # byte for byte
     # the redelivery carries delivery-count 1 in its header; every other section is untouched
     assert again[decode(again)[1]:] == data[decode(data)[1]:]  # everything after the header section
@@ -225,9 +232,10 @@ def test_invalid_utf8_in_a_body_passes_through_untouched_even_on_redelivery(env)
     assert "Traceback" not in broker.stderr_text()
 
 
-def test_invalid_utf8_in_the_relay_to_is_rejected_with_decode_error(env):
+@pytest.mark.parametrize("via", ["broker", "router"])
+def test_invalid_utf8_in_the_relay_to_is_rejected_with_decode_error(env, via):
     broker, _router, bystander = env
-    url = broker.amqp_url.replace("amqp://", "amqp://app:app@")
+    url = client_url(env, via)
     c = BlockingConnection(url, timeout=10, allowed_mechs="PLAIN")
     try:
         d = send_raw(c, None, raw_message(address=PLACEHOLDER, body="b"))
