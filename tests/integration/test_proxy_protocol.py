@@ -17,6 +17,7 @@ import socket
 import threading
 
 import pytest
+import trustme
 from proton import ConnectionException, Message
 from proton.utils import BlockingConnection
 
@@ -207,3 +208,39 @@ def test_allowed_sources_of_the_users_file_use_the_real_address(env):
         perfs.append(decode_performative(f.body))
     assert isinstance(perfs[-1], SaslOutcome) and perfs[-1].code == 1, perfs
     assert re.search(r"authentication failed .*source=127\.0\.0\.1:5555", broker.stderr_text())
+
+
+def test_the_header_comes_before_tls(tmp_path):
+    """A TLS acceptor that trusts the router: the header is read on the raw socket, then TLS."""
+    ca = trustme.CA()
+    users = write_users_file(tmp_path / "users.toml", USERS)
+    broker = start_broker(tmp_path, users_file=users, tls=ca,
+                          config={"acceptors.amqps": {"proxy-protocol-from": ["127.0.0.1/32"]}})
+    ca_pem = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_pem))
+    tls_port = int(broker.amqps_url.rsplit(":", 1)[1])
+    router = start_router(tmp_path / "router", "\n".join([
+        f"users-file = {toml_str(users)}",
+        "[management]", "port = 0",
+        "[routing-log]", "enabled = false",
+        "[routers.main]", 'key-type = "CLIENT_ID"', "[routers.main.policy]", 'name = "FIRST_ELEMENT"',
+        "[routers.main.pool]", "check-period = 300", 'username = "admin"', 'password = "admin"',
+        "[[routers.main.pool.targets]]", 'name = "b1"', 'host = "127.0.0.1"', f"port = {tls_port}",
+        "tls = true", f"management-url = {toml_str(broker.management_url)}",
+        "[[acceptors]]", 'name = "proxy"', "port = 0", 'router = "main"', 'mode = "proxy"',
+        'sasl-mechanisms = ["PLAIN"]', "upstream-proxy-protocol = true", f"upstream-ca = {toml_str(ca_pem)}",
+    ]) + "\n", expect=2, auth=("admin", "admin"))
+    fwd = Forwarder(("127.0.0.1", router.port("proxy")), CLIENT_IP)
+    try:
+        wait_for(lambda: router.get("/api/v1/routers/main/pool")[1]["ready"] == 1, 15)
+        c = BlockingConnection(f"amqp://app:app@127.0.0.1:{fwd.port}", timeout=10, allowed_mechs="PLAIN",
+                               container_id="tls-client")
+        c.create_sender("over-tls").send(Message(body="x"))
+        status, conns = broker.management_get("/api/v1/connections")
+        me = [x for x in conns if x["container_id"] == "tls-client"]
+        assert len(me) == 1 and me[0]["tls"] is True and me[0]["source"].startswith(f"{CLIENT_IP}:"), conns
+        c.close()
+    finally:
+        fwd.close()
+        router.terminate()
+        broker.terminate()
