@@ -10,6 +10,7 @@ Tests and the local deployment may override ports and the data directory from th
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from broker.core.wildcards import check_pattern
 from broker.store.journal import JournalConfig
 from broker.tomlconfig import ConfigError, Table, open_config
 
-__all__ = ["AcceptorConfig", "BrokerConfig", "ConfigError", "load_config", "apply_overrides", "check_anonymous"]
+__all__ = ["AcceptorConfig", "BrokerConfig", "ResourceLimits", "ResourceLimitSettings", "ConfigError", "load_config", "apply_overrides", "check_anonymous"]
 
 MECHANISMS = ("PLAIN", "ANONYMOUS", "EXTERNAL")
 
@@ -42,6 +43,20 @@ class AcceptorConfig:
     allow_no_sasl: bool = False  # clients that skip SASL are anonymous; needs [anonymous] in the users file
     max_connections: int = 10000  # Artemis connectionsAllowed; 0 = no limit
     limits: SourceLimits = SourceLimits()   # per-source limits (broker.core.limits)
+    # peers that must open with a PROXY v2 header (the routers); nobody else's header is honoured
+    proxy_protocol_from: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+
+    def trusts_proxy(self, ip: str) -> bool:
+        """Is ``ip`` (the TCP peer) one of ``proxy-protocol-from``?"""
+        if not self.proxy_protocol_from:
+            return False
+        try:
+            addr = ipaddress.ip_address(ip)
+        except ValueError:
+            return False
+        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+            addr = addr.ipv4_mapped
+        return any(addr in net for net in self.proxy_protocol_from)
 
     @property
     def scheme(self) -> str:
@@ -53,6 +68,38 @@ class ManagementConfig:
     enabled: bool = True
     host: str = "127.0.0.1"
     port: int = 8161
+    metrics_auth: bool = True  # /metrics needs Basic credentials of a user with manage
+    metrics_cache_ms: int = 1000  # per-queue series are rebuilt at most this often
+
+
+#: -1 means unlimited (Artemis); 0 allows none.
+UNLIMITED = -1
+
+
+@dataclass(frozen=True)
+class ResourceLimits:
+    """Per user (Artemis ``resource-limit-setting``): connections open at once, queues created."""
+
+    max_connections: int = 1000
+    max_queues: int = 10000
+
+
+@dataclass(frozen=True)
+class ResourceLimitSettings:
+    """``[resource-limit-defaults]`` for everyone and ``[resource-limits."<user>"]`` per user.
+
+    As in Artemis the match is the user name exactly (no wildcards); a user's table only
+    overrides the keys it names.
+    """
+
+    default: ResourceLimits = field(default_factory=ResourceLimits)
+    users: tuple[tuple[str, ResourceLimits], ...] = ()
+
+    def for_user(self, user: str | None) -> ResourceLimits:
+        for name, limits in self.users:
+            if name == user:
+                return limits
+        return self.default
 
 
 @dataclass(frozen=True)
@@ -87,6 +134,9 @@ class BrokerConfig:
     log_level: str = "INFO"
     log_json: bool = False
     handshake_timeout_s: float = 10.0  # [amqp]: SASL, and then the client's Open, must finish in time
+    max_sessions: int = 256  # [amqp]: sessions open at once per connection (channel-max = this)
+    max_links: int = 1000  # [amqp]: links attached at once per connection
+    limits: ResourceLimitSettings = field(default_factory=ResourceLimitSettings)
     extra: dict = field(default_factory=dict)
 
 
@@ -97,6 +147,23 @@ def _address_settings(t: Table, base: AddressSettings) -> AddressSettings:
     dla = t.str("dead-letter-address", base.dead_letter_address if base.dead_letter_address else "")
     t.done()
     return AddressSettings(rt, auto, mdc, dla or None)
+
+
+def _limits(t: Table, base: ResourceLimits) -> ResourceLimits:
+    mc = t.int("max-connections", base.max_connections, min=UNLIMITED)
+    mq = t.int("max-queues", base.max_queues, min=UNLIMITED)
+    t.done()
+    return ResourceLimits(mc, mq)
+
+
+def _networks(t: Table, key: str) -> tuple:
+    out = []
+    for i, text in enumerate(t.str_list(key, [])):
+        try:
+            out.append(ipaddress.ip_network(text, strict=False))
+        except ValueError as exc:
+            raise t.error(f"{key}[{i}]", f"{text!r}: {exc}") from None
+    return tuple(out)
 
 
 def _tls(t: Table) -> TlsConfig | None:
@@ -138,17 +205,20 @@ def load_config(file: str | Path) -> BrokerConfig:
         allow_no_sasl = t.bool("allow-no-sasl", False)
         max_conns = t.int("max-connections", 10000, min=0)
         limits = source_limits_from(t)
+        proxy_from = _networks(t, "proxy-protocol-from")
         tls = _tls(t.table("tls"))
         t.done()
         if "EXTERNAL" in mechs and (tls is None or tls.ca_file is None):
             raise ConfigError(f, f"acceptors.{aname}.sasl-mechanisms", "EXTERNAL needs [tls] with ca-file")
-        acceptors.append(AcceptorConfig(aname, host, port, tls, mechs, allow_no_sasl, max_conns, limits))
+        acceptors.append(AcceptorConfig(aname, host, port, tls, mechs, allow_no_sasl, max_conns, limits,
+                                        proxy_from))
     if not acceptors:
         raise ConfigError(f, "acceptors", "missing: at least one [acceptors.<name>] table is required")
 
     mt = root.table("management")
     management = ManagementConfig(mt.bool("enabled", True), mt.str("host", "127.0.0.1"),
-                                  mt.int("port", 8161, min=0, max=65535))
+                                  mt.int("port", 8161, min=0, max=65535), mt.bool("metrics-auth", True),
+                                  mt.int("metrics-cache-ms", 1000, min=0))
     mt.done()
 
     st = root.table("security")
@@ -162,7 +232,13 @@ def load_config(file: str | Path) -> BrokerConfig:
     idle = at.float("idle-timeout-s", 60.0, min=0.0)
     window = at.int("producer-window", 1000, min=1)
     handshake = at.float("handshake-timeout-s", 10.0, min=0.1)
+    max_sessions = at.int("max-sessions", 256, min=1, max=65535)
+    max_links = at.int("max-links", 1000, min=1)
     at.done()
+
+    base_limits = _limits(root.table("resource-limit-defaults"), ResourceLimits())
+    user_limits = tuple((user, _limits(t, base_limits)) for user, t in root.tables("resource-limits").items())
+    limits = ResourceLimitSettings(base_limits, user_limits)
 
     journal = JournalConfig.from_table(root.table("journal"))
 
@@ -199,7 +275,7 @@ def load_config(file: str | Path) -> BrokerConfig:
     root.done()
     return BrokerConfig(f, name, data_dir, persistent, tuple(acceptors), management, users_file,
                         max_frame, idle, window, journal, activity, settings, tuple(decls),
-                        level, json_lines, handshake)
+                        level, json_lines, handshake, max_sessions, max_links, limits)
 
 
 def check_anonymous(cfg: BrokerConfig, anonymous_enabled: bool) -> None:

@@ -2,9 +2,16 @@
 
 Routes and JSON shapes are the contract in ``docs/architecture.md`` (the router's health checks
 and LEAST_CONNECTIONS policy read ``/health`` and ``/api/v1/broker``). ``/health``,
-``/metrics`` and ``/openapi.json`` are open; every ``/api/...`` route needs HTTP Basic
-credentials of a users-file user holding the ``manage`` permission on :data:`MANAGEMENT_ADDRESS`
-(deleting needs ``deleteAddress`` on the address concerned as well).
+``/openapi.json`` are open; every ``/api/...`` route — and ``/metrics`` unless ``[management]
+metrics-auth = false`` — needs HTTP Basic credentials of a users-file user holding the
+``manage`` permission on :data:`MANAGEMENT_ADDRESS` (deleting needs ``deleteAddress`` on the
+address concerned as well).
+
+``/metrics`` must stay cheap with many queues: the per-queue series (five lines per queue) are
+rebuilt at most once per ``[management] metrics-cache-ms`` whatever the number of scrapers
+(concurrent scrapes share one rebuild), and a rebuild yields to the event loop every
+:data:`RENDER_SLICE_QUEUES` queues so producers and consumers keep being served while it runs.
+The node-wide series (connections, events, journal) are fresh on every scrape.
 """
 
 from __future__ import annotations
@@ -20,9 +27,10 @@ from broker.http import (
     Metric,
     Request,
     Response,
+    _escape_label,
     basic_auth,
     json_response,
-    metrics_response,
+    render_metrics,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -68,28 +76,50 @@ def queues_view(node: "Node") -> list[dict]:
             for q in sorted(node.core.queues.values(), key=lambda q: q.name)]
 
 
-def metrics(node: "Node") -> list[Metric]:
-    qs = sorted(node.core.queues.values(), key=lambda q: q.name)
+RENDER_SLICE_QUEUES = 1000
+LIMITS = ("max-connections", "max-queues", "max-sessions", "max-links")
+_QUEUE_FAMILIES = (
+    ("lodestone_broker_queue_depth", "gauge", "messages in a queue (incl. unsettled)"),
+    ("lodestone_broker_queue_consumers", "gauge", "consumers on a queue"),
+    ("lodestone_broker_queue_enqueued_total", "counter", "messages enqueued"),
+    ("lodestone_broker_queue_acked_total", "counter", "messages acknowledged"),
+    ("lodestone_broker_queue_dead_lettered_total", "counter", "messages dead-lettered"),
+)
 
-    def per_queue(attr):
-        return tuple(({"queue": q.name, "address": q.address}, getattr(q, attr)) for q in qs)
 
+def metrics(node: "Node", exporter: "MetricsExporter | None" = None) -> list[Metric]:
+    """The node-wide series (fresh on every scrape; the per-queue ones come from the exporter)."""
+    c = node.counters
     out = [
         Metric("lodestone_broker_up", "gauge", "1 while the node is active", (({}, 1 if node.active else 0),)),
         Metric("lodestone_broker_connections", "gauge", "open AMQP connections", (({}, node.connection_count),)),
         Metric("lodestone_broker_messages_in_total", "counter", "messages received from producers",
                (({}, node.messages_in),)),
-        Metric("lodestone_broker_queue_depth", "gauge", "messages in a queue (incl. unsettled)", per_queue("depth")),
-        Metric("lodestone_broker_queue_consumers", "gauge", "consumers on a queue", per_queue("consumer_count")),
-        Metric("lodestone_broker_queue_enqueued_total", "counter", "messages enqueued", per_queue("enqueued")),
-        Metric("lodestone_broker_queue_acked_total", "counter", "messages acknowledged", per_queue("acked")),
-        Metric("lodestone_broker_queue_dead_lettered_total", "counter", "messages dead-lettered",
-               per_queue("dead_lettered")),
+        Metric("lodestone_broker_queues", "gauge", "queues on the node", (({}, len(node.core.queues)),)),
+        Metric("lodestone_broker_resource_limit_exceeded_total", "counter",
+               "requests refused by a resource limit (amqp:resource-limit-exceeded)",
+               tuple(({"limit": lim}, c.get(f"resource_limit_{lim.replace('-', '_')}", 0)) for lim in LIMITS)),
+        Metric("lodestone_broker_decode_errors_total", "counter",
+               "connections closed with amqp:decode-error (where), messages rejected undecodable",
+               (({"where": "frame"}, c.get("decode_error", 0)),
+                ({"where": "message"}, c.get("message_decode_error", 0)))),
         Metric("lodestone_broker_events_total", "counter", "broker events by outcome",
-               tuple(({"event": k}, v) for k, v in sorted(node.counters.items()))),
+               tuple(({"event": k}, v) for k, v in sorted(c.items()))),
         Metric("lodestone_broker_logins_total", "counter", "password logins by outcome (broker.auth)",
                tuple(({"outcome": k}, v) for k, v in sorted(node.login_gate.counters.items()))),
     ]
+    if exporter is not None:
+        out += [
+            Metric("lodestone_broker_metrics_scrapes_total", "counter", "GET /metrics answered",
+                   (({}, exporter.scrapes),)),
+            Metric("lodestone_broker_metrics_rebuilds_total", "counter", "per-queue series rebuilt",
+                   (({}, exporter.rebuilds),)),
+            Metric("lodestone_broker_metrics_rebuild_loop_seconds", "gauge",
+                   "event-loop time of the last per-queue rebuild (sum of its slices)",
+                   (({}, round(exporter.last_loop_s, 6)),)),
+            Metric("lodestone_broker_metrics_rebuild_slice_max_seconds", "gauge",
+                   "longest event-loop slice of the last per-queue rebuild", (({}, round(exporter.last_slice_s, 6)),)),
+        ]
     j = node.journal
     if j is not None:
         out.append(Metric("lodestone_broker_journal_bytes", "gauge", "journal record bytes on disk",
@@ -101,8 +131,84 @@ def metrics(node: "Node") -> list[Metric]:
     return out
 
 
+class MetricsExporter:
+    """``/metrics`` for one node: node-wide series fresh, per-queue series cached and sliced.
+
+    The per-queue text is rebuilt when older than ``cache_s`` (one rebuild shared by concurrent
+    scrapes); the rebuild walks a snapshot of the queues in slices of ``slice_queues`` with a
+    checkpoint between slices, so its cost never blocks the loop in one piece and does not grow
+    with the number of scrapers.
+    """
+
+    def __init__(self, node: "Node", cache_s: float, slice_queues: int = RENDER_SLICE_QUEUES):
+        self.node = node
+        self.cache_s = cache_s
+        self.slice_queues = slice_queues
+        self._queue_text = b""
+        self._built_at: float | None = None
+        self._building: trio.Event | None = None
+        self._labels: dict[tuple[str, str], str] = {}
+        self.scrapes = 0
+        self.rebuilds = 0
+        self.last_loop_s = 0.0
+        self.last_slice_s = 0.0
+
+    async def body(self) -> bytes:
+        """The exposition text, UTF-8 (the per-queue part is kept encoded: no copy per scrape)."""
+        self.scrapes += 1
+        now = trio.current_time()
+        if self._built_at is None or now - self._built_at >= self.cache_s:
+            if self._building is not None:
+                await self._building.wait()
+            else:
+                self._building = done = trio.Event()
+                try:
+                    self._queue_text = await self._rebuild()
+                    self._built_at = trio.current_time()
+                finally:
+                    self._building = None
+                    done.set()
+        return render_metrics(metrics(self.node, self)).encode() + self._queue_text
+
+    async def _rebuild(self) -> bytes:
+        clock = time.perf_counter
+        t0 = clock()
+        qs = sorted(self.node.core.queues.values(), key=lambda q: q.name)
+        labels = self._labels
+        if len(labels) > 2 * len(qs) + 1024:  # forget deleted queues now and then
+            labels.clear()
+        fams = [[f"# HELP {n} {h}", f"# TYPE {n} {k}"] for n, k, h in _QUEUE_FAMILIES]
+        depth, consumers, enq, acked, dead = fams
+        names = [n for n, _k, _h in _QUEUE_FAMILIES]
+        loop_s = slice_max = 0.0
+        for start in range(0, len(qs), self.slice_queues):
+            for q in qs[start:start + self.slice_queues]:
+                key = (q.name, q.address)
+                lab = labels.get(key)
+                if lab is None:
+                    lab = labels[key] = f'{{queue="{_escape_label(q.name)}",address="{_escape_label(q.address)}"}} '
+                depth.append(f"{names[0]}{lab}{q.depth}")
+                consumers.append(f"{names[1]}{lab}{len(q.subs)}")
+                enq.append(f"{names[2]}{lab}{q.enqueued}")
+                acked.append(f"{names[3]}{lab}{q.acked}")
+                dead.append(f"{names[4]}{lab}{q.dead_lettered}")
+            spent = clock() - t0
+            loop_s += spent
+            slice_max = max(slice_max, spent)
+            await trio.sleep(0)  # let the connections run between slices
+            t0 = clock()
+        text = ("\n".join("\n".join(f) for f in fams) + "\n").encode()
+        spent = clock() - t0
+        self.last_loop_s = loop_s + spent
+        self.last_slice_s = max(slice_max, spent)
+        self.rebuilds += 1
+        return text
+
+
 def make_handler(node: "Node"):
     """The ``handler(Request) -> Response`` for :func:`broker.http.serve_http`."""
+    mcfg = node.cfg.management
+    exporter = MetricsExporter(node, mcfg.metrics_cache_ms / 1000)
 
     async def handler(request: Request) -> Response:
         path = request.path.rstrip("/") or "/"
@@ -112,7 +218,9 @@ def make_handler(node: "Node"):
                 return json_response({"status": "ok", "active": True, "node_id": node.node_id})
             return json_response({"status": "starting", "active": False, "node_id": node.node_id}, 503)
         if method == "GET" and path == "/metrics":
-            return metrics_response(metrics(node))
+            if mcfg.metrics_auth:
+                await _principal(node, request)
+            return Response(200, await exporter.body(), "text/plain; version=0.0.4; charset=utf-8")
         if method == "GET" and path == "/openapi.json":
             return json_response(openapi_document())
         if not path.startswith("/api/"):
@@ -203,7 +311,9 @@ def openapi_document() -> dict:
                                                  "security": secured, "responses": no_content}},
             "/api/v1/connections": {"get": {"summary": "open AMQP connections", "security": secured,
                                             "responses": ok({"type": "array", "items": conn})}},
-            "/metrics": {"get": {"summary": "Prometheus text exposition (open)", "responses": {
+            "/metrics": {"get": {"summary": "Prometheus text exposition (Basic auth with manage unless "
+                                            "[management] metrics-auth = false)", "security": secured,
+                                 "responses": {
                 "200": {"description": "OK", "content": {"text/plain": {"schema": s_str}}}}}},
             "/openapi.json": {"get": {"summary": "this document", "responses": ok({"type": "object"})}},
         },

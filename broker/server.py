@@ -99,6 +99,7 @@ class Node:
         self.window_start: dict[str, float] = {}
         self.sync_waiters: dict["AmqpEngine", list] = {}
         self.counters: collections.Counter = collections.Counter()
+        self.user_connections: collections.Counter = collections.Counter()  # per user ([resource-limits])
         self.messages_in = 0
         self.links_opened = 0
         self.active = False
@@ -173,8 +174,25 @@ class Node:
         self.opened_at[engine.conn_id] = time.time()
         self.window_start[engine.conn_id] = time.time()
         self.counters["connections_accepted"] += 1
+        limit = engine.limits.max_connections
+        have = self.user_connections[engine.user]
+        if 0 <= limit <= have:
+            # the client's Open gets a failed Open + Close (the close line logs it)
+            engine.fail_before_open("amqp:resource-limit-exceeded", engine.limit_exceeded(
+                "max-connections", limit, f"user {engine.user or '<anonymous>'} has {have} connections open",
+                log_line=False))
+            return
+        self.user_connections[engine.user] += 1
+        engine.user_counted = True
 
     def engine_finished(self, engine: "AmqpEngine") -> None:
+        if engine.user_counted:
+            engine.user_counted = False
+            left = self.user_connections[engine.user] - 1
+            if left > 0:
+                self.user_connections[engine.user] = left
+            else:
+                del self.user_connections[engine.user]
         self.engines.pop(engine.conn_id, None)
         self.opened_at.pop(engine.conn_id, None)
         self.window_start.pop(engine.conn_id, None)

@@ -76,6 +76,7 @@ class AcceptorConfig:
     sasl_mechanisms: tuple[str, ...] = ("PLAIN", "EXTERNAL")
     anonymous: bool = False
     limits: SourceLimits = SourceLimits()  # per-source limits (broker.core.limits)
+    upstream_proxy_protocol: bool = False  # proxy mode: PROXY v2 header with the client's address
 
 
 @dataclass(frozen=True)
@@ -228,8 +229,11 @@ def _acceptor(t: Table) -> AcceptorConfig:
         handshake_timeout_ms=t.int("handshake-timeout-ms", 10000, min=1),
         connect_timeout_ms=t.int("connect-timeout-ms", 5000, min=1),
         idle_timeout_s=idle, tls_handshake_timeout_ms=t.int("tls-handshake-timeout-ms", 5000, min=1),
-        sasl_mechanisms=tuple(mechs), anonymous=t.bool("anonymous", False), limits=source_limits_from(t))
+        sasl_mechanisms=tuple(mechs), anonymous=t.bool("anonymous", False), limits=source_limits_from(t),
+        upstream_proxy_protocol=t.bool("upstream-proxy-protocol", False))
     t.done()
+    if acc.upstream_proxy_protocol and acc.mode != "proxy":
+        raise t.error("upstream-proxy-protocol", "true needs mode = \"proxy\" (a redirect opens no upstream)")
     return acc
 
 

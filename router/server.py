@@ -80,6 +80,7 @@ def acceptor_settings(acc: AcceptorConfig) -> AcceptorSettings:
         idle_timeout_s=acc.idle_timeout_s or None,
         upstream_ssl_context=upstream_ctx,
         upstream_tls=acc.upstream_tls,
+        upstream_proxy_protocol=acc.upstream_proxy_protocol,
         # diagnostic knob for loadtest/bench_proxy.py: LODESTONE_SPLICE=0 forces the stream pump
         use_splice=os.environ.get("LODESTONE_SPLICE", "1") != "0",
         limits=acc.limits,

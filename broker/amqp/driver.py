@@ -53,6 +53,7 @@ from broker.amqp.sasl import (
 )
 from broker.core.limits import Admission, source_key
 from broker.errors import NotThisProtocol, RemoteProtocolError
+from broker.proxyproto import ProxyHeaderReader, ProxyProtocolError
 from broker.trioutil import Wakeup
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -136,6 +137,15 @@ async def handle_connection(node: "Node", acceptor: "AcceptorConfig", sock_strea
     admitted = False
     guard = _Admission(node, acceptor, source_ip)
     try:
+        if acceptor.trusts_proxy(source_ip):
+            # a router: its PROXY v2 header names the real client (read before TLS and SASL)
+            with trio.fail_after(node.cfg.handshake_timeout_s):
+                real = await _read_proxy_header(node, sock_stream, source)
+            if real is None:
+                return
+            if real.source is not None:  # LOCAL (the proxy's own check): the peer address stands
+                source, source_ip = real.source_text, real.source[0]
+                guard.key = source_key(source_ip)   # limits count the real client
         refusal = guard.admit()
         if refusal is _DROP:
             return
@@ -267,6 +277,29 @@ async def _refuse_unverified(node: "Node", acceptor: "AcceptorConfig", stream, t
     except (NotThisProtocol, RemoteProtocolError) as exc:
         if exc.reply:
             await stream.send_all(exc.reply)
+
+
+async def _read_proxy_header(node: "Node", stream: trio.SocketStream, source: str):
+    """Read exactly one PROXY v2 header (never a byte more); None after closing on a bad one."""
+    reader = ProxyHeaderReader()
+    try:
+        while True:
+            data = await stream.receive_some(max(reader.needed, 1))
+            if not data:
+                if reader.needed == 16:  # connect + close before any byte: a TCP health probe
+                    node.counters["proxy_header_eof"] += 1
+                    log.debug("closed before a PROXY header", extra={"fields": {"source": source}})
+                    return None
+                raise ProxyProtocolError("PROXY protocol: end of stream inside the header")
+            reader.receive_data(data)
+            ev = reader.next_event()
+            if ev is not NEED_DATA:
+                node.counters["proxy_header_ok"] += 1
+                return ev
+    except ProxyProtocolError as exc:
+        node.counters["proxy_header_invalid"] += 1
+        log.info("connection refused: %s", exc.description, extra={"fields": {"source": source}})
+        return None
 
 
 async def _linger(stream: trio.SocketStream) -> None:

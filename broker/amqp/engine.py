@@ -47,7 +47,9 @@ from cproton_ffi import ffi, lib
 from proton import Collector, Condition, Connection, Delivery, Endpoint, Event, Link, Message, Terminus, Transport
 from proton import TransportException, symbol
 
+from broker.amqp.codec import Described, UInt, ULong, decode as amqp_decode, encode as amqp_encode
 from broker.amqp.frames import close_frames
+from broker.errors import DecodeError
 from broker.core.addresses import ANYCAST, MULTICAST, AddressNotFound
 from broker.core.deliveries import Outcome
 from broker.core.queues import Subscription
@@ -64,6 +66,8 @@ FRAMING_ERROR = "amqp:connection:framing-error"
 ILLEGAL_STATE = "amqp:illegal-state"
 NOT_FOUND = "amqp:not-found"
 INTERNAL = "amqp:internal-error"
+DECODE_ERROR = "amqp:decode-error"
+RESOURCE_LIMIT = "amqp:resource-limit-exceeded"
 
 _ACCEPTED = Delivery.ACCEPTED
 _RELEASED = Delivery.RELEASED
@@ -81,6 +85,10 @@ _SLOW_EVENTS = frozenset([
     cproton.PN_LINK_REMOTE_OPEN, cproton.PN_LINK_REMOTE_CLOSE, cproton.PN_LINK_REMOTE_DETACH,
     cproton.PN_TRANSPORT_ERROR, cproton.PN_TRANSPORT_CLOSED,
 ])
+_EVENT_WHAT = {cproton.PN_CONNECTION_REMOTE_OPEN: "open", cproton.PN_SESSION_REMOTE_OPEN: "begin",
+               cproton.PN_LINK_REMOTE_OPEN: "attach", cproton.PN_LINK_REMOTE_CLOSE: "detach",
+               cproton.PN_LINK_REMOTE_DETACH: "detach", cproton.PN_SESSION_REMOTE_CLOSE: "end",
+               cproton.PN_CONNECTION_REMOTE_CLOSE: "close"}
 _E_CONN_REMOTE_OPEN = Event.CONNECTION_REMOTE_OPEN
 _E_CONN_REMOTE_CLOSE = Event.CONNECTION_REMOTE_CLOSE
 _E_SESSION_REMOTE_OPEN = Event.SESSION_REMOTE_OPEN
@@ -160,20 +168,90 @@ def message_durable(data: bytes) -> bool:
     return False
 
 
+_HEADER_CODE = 0x70
+_HEADER_SYMBOL = "amqp:header:list"
+
+
 def with_delivery_count(data: bytes, count: int) -> bytes:
-    """Re-encode a message with the header's delivery-count set (redeliveries only, §3.2.1)."""
-    m = Message()
-    m.decode(data)
-    m.delivery_count = count
-    m.first_acquirer = False
-    return m.encode()
+    """The message with the header's delivery-count set (redeliveries only, §3.2.1).
+
+    Only the header section is decoded and re-encoded; every other section passes through
+    byte for byte, so a section we cannot (or need not) read — a string that is not valid
+    UTF-8, say — reaches the consumer as the producer sent it.
+    """
+    try:
+        first, end = amqp_decode(data, 0)
+    except DecodeError:
+        first, end = None, 0
+    if (isinstance(first, Described) and isinstance(first.value, list)
+            and (first.descriptor == _HEADER_CODE or first.descriptor == _HEADER_SYMBOL)):
+        fields = list(first.value[:5]) + [None] * (5 - min(len(first.value), 5))
+        rest = data[end:]
+    else:
+        fields = [None] * 5
+        rest = data
+    fields[3] = False  # first-acquirer
+    fields[4] = UInt(count)
+    return amqp_encode(Described(ULong(_HEADER_CODE), fields)) + rest
+
+
+_SECTION_SYMBOLS = {"amqp:header:list": 0x70, "amqp:delivery-annotations:map": 0x71,
+                    "amqp:message-annotations:map": 0x72, "amqp:properties:list": 0x73}
+
+
+def _section_code(data: bytes, pos: int) -> tuple[int | None, int]:
+    """The descriptor code of the section at ``pos`` (a described value) and where its value starts."""
+    if data[pos] != 0x00:
+        raise DecodeError(f"no section at offset {pos}")
+    c = data[pos + 1]
+    if c == 0x53:
+        return data[pos + 2], pos + 3
+    if c == 0x80:
+        return int.from_bytes(data[pos + 2:pos + 10], "big"), pos + 10
+    if c in (0xA3, 0xB3):
+        desc, end = amqp_decode(data, pos + 1)
+        return _SECTION_SYMBOLS.get(str(desc)), end
+    raise DecodeError(f"bad section descriptor at offset {pos}")
+
+
+def _skip_value(data: bytes, pos: int) -> int:
+    """Where the encoded value at ``pos`` ends, reading only its size (strings inside unread)."""
+    c = data[pos]
+    if c in (0x40, 0x45):
+        return pos + 1
+    if c in (0xC0, 0xC1):
+        return pos + 2 + data[pos + 1]
+    if c in (0xD0, 0xD1):
+        return pos + 5 + struct.unpack_from(">I", data, pos + 1)[0]
+    return amqp_decode(data, pos)[1]
 
 
 def message_to(data: bytes) -> str | None:
-    """The properties ``to`` of a message (anonymous-relay producers, §3.2.4)."""
-    m = Message()
-    m.decode(data)
-    return m.address
+    """The properties ``to`` of a message (anonymous-relay producers, §3.2.4).
+
+    Only the properties section is decoded (header and annotations are skipped by their
+    size); a ``to`` that is not a valid string raises ``DecodeError``.
+    """
+    pos = 0
+    n = len(data)
+    try:
+        while pos < n:
+            code, vstart = _section_code(data, pos)
+            if code == 0x73:
+                value, _ = amqp_decode(data, vstart)
+                if not isinstance(value, list):
+                    raise DecodeError("properties section is not a list")
+                to = value[2] if len(value) > 2 else None
+                if to is not None and not isinstance(to, str):
+                    raise DecodeError("properties 'to' is not a string")
+                return to
+            if code in (0x70, 0x71, 0x72):
+                pos = _skip_value(data, vstart)
+                continue
+            return None  # application-properties, body or footer: no properties section
+    except (IndexError, struct.error):
+        raise DecodeError("message sections are truncated") from None
+    return None
 
 
 def _capabilities(terminus: Terminus) -> set[str]:
@@ -260,6 +338,11 @@ class AmqpEngine:
 
         self.transport = Transport(Transport.SERVER)
         self.transport.max_frame_size = node.cfg.max_frame_bytes
+        # §2.7.1 channel-max bounds the session table proton keeps: channels 0..max-sessions,
+        # i.e. one spare channel on which a client asking for one session too many is told why
+        # (End with amqp:resource-limit-exceeded, see _slow_event); beyond it proton answers
+        # with a framing error
+        self.transport.channel_max = min(node.cfg.max_sessions, 65535)
         if node.cfg.idle_timeout_s:
             self.transport.idle_timeout = node.cfg.idle_timeout_s
         self.connection = Connection()
@@ -273,6 +356,10 @@ class AmqpEngine:
         self._collector_impl = self.collector._impl
         # (address, direction) -> [messages, bytes] folded in from closed links since last flush
         self.activity_done: dict[tuple[str, str], list[int]] = {}
+        self.sessions = 0  # sessions open now ([amqp] max-sessions)
+        self.refused_links: set = set()  # raw pn_link_t* we refused, until the client detaches them
+        self.limits = node.cfg.limits.for_user(self.user)
+        self.user_counted = False  # counted against the user's max-connections (Node)
 
     # -- bytes in / out ------------------------------------------------------------------------
     def push(self, data: bytes) -> None:
@@ -294,6 +381,8 @@ class AmqpEngine:
 
     def close_input(self) -> None:
         """The peer closed its sending side (EOF)."""
+        if self._fail_open is not None:
+            return  # our failed Open + Close are queued; proton must not write its own close first
         conn = self.connection
         if self.opened and not conn.state & Endpoint.REMOTE_CLOSED and conn.state & Endpoint.LOCAL_ACTIVE:
             # EOF without Close (a crashed client, a truncated frame): say so in our Close
@@ -364,6 +453,34 @@ class AmqpEngine:
         self.connection.close()
         self.process()
 
+    def decode_failed(self, description: str) -> None:
+        """The client sent something we cannot decode: close with ``amqp:decode-error`` (§2.8.15)."""
+        if self.closed or (self.error is not None and self.error.name == DECODE_ERROR):
+            return
+        # the connection's close line (Node.connection_closed) logs condition and description
+        self.node.counters["decode_error"] += 1
+        self.error = Condition(DECODE_ERROR, description)
+        if not self.opened:
+            self.fail_before_open(DECODE_ERROR, description)
+            return
+        self._cleanup_links()
+        self.connection.condition = self.error
+        self.connection.close()
+        # have proton encode our Close now: an EOF right behind the bad frame (close_tail) would
+        # otherwise make it write its own Close(framing-error) instead
+        self.transport.pending()
+        self.wake()
+
+    def limit_exceeded(self, limit: str, value: int, what: str, *, log_line: bool = True) -> str:
+        """Count and log one refusal by a resource limit; returns the AMQP error description."""
+        node = self.node
+        node.counters[f"resource_limit_{limit.replace('-', '_')}"] += 1
+        description = f"{what}: {limit} {value} reached"
+        if log_line:
+            log.info("resource limit exceeded", extra={"fields": {
+                "conn": self.conn_id, "user": self.user, "source": self.source, "limit": limit, "value": value}})
+        return description
+
     # -- events --------------------------------------------------------------------------------
     def process(self) -> None:
         """Handle every pending collector event (fast path for transfers, dispositions, flow)."""
@@ -379,7 +496,12 @@ class AmqpEngine:
                 elif t == _PN_LINK_FLOW:
                     self._on_flow(_pn_event_link(ev))
                 elif t in _SLOW_EVENTS:
-                    self._slow_event(Event.wrap(ev))
+                    try:
+                        self._slow_event(Event.wrap(ev))
+                    except UnicodeDecodeError as exc:
+                        # proton does not check UTF-8; its Python binding decodes on access
+                        self.decode_failed(f"a string in a {_EVENT_WHAT.get(t, 'frame')} is not valid "
+                                           f"UTF-8: {exc.reason} at byte {exc.start}")
             finally:
                 _pn_collector_pop(col)
 
@@ -397,8 +519,19 @@ class AmqpEngine:
             if not self.opened:  # §2.4.1: Open is the first frame; proton lets a Begin through
                 self.fail_before_open(ILLEGAL_STATE, "begin received before open")
                 return
-            ev.session.open()
+            session = ev.session
+            limit = self.node.cfg.max_sessions
+            session.open()
+            if self.sessions >= limit:
+                # §2.7.2/§2.7.7: answer the begin, then end the session with the error
+                session.condition = Condition(RESOURCE_LIMIT, self.limit_exceeded(
+                    "max-sessions", limit, f"connection has {self.sessions} sessions open"))
+                session.close()
+                return
+            self.sessions += 1
         elif t is _E_SESSION_REMOTE_CLOSE:
+            if ev.session.condition is None or ev.session.condition.name != RESOURCE_LIMIT:
+                self.sessions = max(self.sessions - 1, 0)
             self._end_session(ev.session)
         elif t is _E_CONN_REMOTE_OPEN:
             self._open(ev.connection)
@@ -412,6 +545,7 @@ class AmqpEngine:
 
     def _open(self, conn: Connection) -> None:
         self.container_id = conn.remote_container
+        conn.remote_hostname  # noqa: B018 - decoding it checks its UTF-8 (we do not use it)
         conn.container = self.node.container_id
         conn.offered_capabilities = [symbol("ANONYMOUS-RELAY")]
         conn.properties = {symbol("product"): "lodestone", symbol("node-id"): self.node.node_id}
@@ -421,12 +555,35 @@ class AmqpEngine:
 
     # -- attach ----------------------------------------------------------------------------
     def _refuse(self, link: Link, condition: str, description: str) -> None:
-        """Refuse an attach (§2.6.3): answer with a null terminus, then detach with the error."""
+        """Refuse an attach (§2.6.3): answer with a null terminus, then detach with the error.
+
+        Proton keeps a refused link until the client answers our detach; a client that keeps
+        attaching without ever answering would grow that without bound, so once more refused
+        links wait for their detach than ``max-links`` allows, the connection is closed.
+        """
         link.condition = Condition(condition, description)
         link.open()
         link.close()
+        self.refused_links.add(link._impl)
+        limit = self.node.cfg.max_links
+        if len(self.refused_links) > limit and self.connection.state & Endpoint.LOCAL_ACTIVE:
+            # inside process(): close without re-entering it (abort() would)
+            self.error = Condition(RESOURCE_LIMIT, self.limit_exceeded(
+                "max-links", limit, f"{len(self.refused_links)} refused links not detached by the client"))
+            self._cleanup_links()
+            self.connection.condition = self.error
+            self.connection.close()
+            self.wake()
 
     def _attach(self, link: Link) -> None:
+        # decode every string of the attach we might log or use (UnicodeDecodeError → decode-error)
+        link.name, link.remote_source.address, link.remote_target.address  # noqa: B018
+        limit = self.node.cfg.max_links
+        n = len(self.producers) + len(self.consumers)
+        if n >= limit:
+            self._refuse(link, RESOURCE_LIMIT, self.limit_exceeded(
+                "max-links", limit, f"connection has {n} links attached"))
+            return
         if link.is_receiver:
             self._attach_producer(link)
         else:
@@ -458,8 +615,12 @@ class AmqpEngine:
         core = self.core
         need = core.needs_create(address, routing_type)
         may_create = not need or node.authorize(self.principal, "createAddress", address)
+        if need and may_create and core.creates_queue(address, routing_type):
+            err = self._queue_quota()
+            if err:
+                return err
         try:
-            core.resolve(address, routing_type, may_create=may_create)
+            core.resolve(address, routing_type, may_create=may_create, owner=self.user)
         except AddressNotFound as exc:
             if need and not may_create and core.settings.for_address(address).auto_create:
                 return UNAUTHORIZED, (f"user {self.user or '<anonymous>'} may not createAddress "
@@ -468,6 +629,17 @@ class AmqpEngine:
         if need:
             node.address_created(address)
         return None
+
+    def _queue_quota(self) -> tuple[str, str] | None:
+        """The user's ``max-queues`` (queues its links created): an error tuple or None."""
+        limit = self.limits.max_queues
+        if limit < 0:
+            return None
+        have = self.core.owned[self.user]
+        if have < limit:
+            return None
+        return RESOURCE_LIMIT, self.limit_exceeded(
+            "max-queues", limit, f"user {self.user or '<anonymous>'} has created {have} queues")
 
     def _attach_consumer(self, link: Link) -> None:
         rsrc = link.remote_source
@@ -489,7 +661,12 @@ class AmqpEngine:
                 durable = (rsrc.durability != Terminus.NONDURABLE
                            or rsrc.expiry_policy == Terminus.EXPIRE_NEVER)
                 sub_name = f"{self.container_id}.{link.name}"
-                q = core.subscription_queue(address, sub_name, durable=durable)
+                if core.subscription_creates_queue(sub_name, durable=durable):
+                    err = self._queue_quota()
+                    if err:
+                        self._refuse(link, *err)
+                        return
+                q = core.subscription_queue(address, sub_name, durable=durable, owner=self.user)
                 cl.durable_sub = durable
             else:
                 q = core.anycast_queue(address)
@@ -512,6 +689,7 @@ class AmqpEngine:
 
     # -- detach ----------------------------------------------------------------------------
     def _detach(self, link: Link, *, closed: bool) -> None:
+        self.refused_links.discard(link._impl)
         self._forget_link(link, closed=closed)
         if link.state & Endpoint.LOCAL_ACTIVE:
             if closed:
@@ -683,8 +861,13 @@ class AmqpEngine:
             # anonymous relay: the address is the message's 'to'
             try:
                 address = message_to(data)
-            except Exception:  # proton raises its own MessageException family on bad bytes
-                self._reject(d, "amqp:decode-error", "message cannot be decoded")
+            except Exception as exc:  # proton's MessageException family, or UnicodeDecodeError
+                self.node.counters["message_decode_error"] += 1
+                log.info("message rejected: cannot decode its properties", extra={"fields": {
+                    "conn": self.conn_id, "user": self.user, "source": self.source,
+                    "error": type(exc).__name__}})
+                self._reject(d, DECODE_ERROR, "message properties cannot be decoded (anonymous relay "
+                                              "needs 'to')")
                 return
             if not address:
                 self._reject(d, "amqp:precondition-failed", "anonymous relay needs the message 'to' field")

@@ -30,6 +30,7 @@ replication of the journal replays to exactly this state.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Protocol
 
@@ -140,6 +141,8 @@ class Broker:
         self._next_mid = 1
         self.dropped_unrouted = 0
         self.temp_counter = 0
+        #: queues per creating user (Artemis ``max-queues`` counts these)
+        self.owned: Counter = Counter()
 
     # -- ids -------------------------------------------------------------------------------
     def next_mid(self) -> int:
@@ -153,7 +156,8 @@ class Broker:
             self._next_mid = seen + 1
 
     # -- addresses ---------------------------------------------------------------------------
-    def declare_address(self, name: str, routing_types: Iterable[str], *, auto_created: bool = False) -> Address:
+    def declare_address(self, name: str, routing_types: Iterable[str], *, auto_created: bool = False,
+                        owner: str | None = None) -> Address:
         """Create an address (or add routing types to an existing one). Anycast gets its queue."""
         types = set(routing_types)
         bad = types - set(ROUTING_TYPES)
@@ -166,10 +170,10 @@ class Broker:
         else:
             addr.routing_types |= types
         if ANYCAST in addr.routing_types and name not in addr.queues:
-            self._create_queue(name, addr, ANYCAST, durable=True)
+            self._create_queue(name, addr, ANYCAST, durable=True, owner=owner)
         return addr
 
-    def resolve(self, name: str, routing_type: str | None, *, may_create: bool) -> Address:
+    def resolve(self, name: str, routing_type: str | None, *, may_create: bool, owner: str | None = None) -> Address:
         """The address a link names, auto-creating it (or a missing routing type) when allowed.
 
         ``routing_type`` None means "whatever the address has" (the settings' default for a new
@@ -182,12 +186,24 @@ class Broker:
         if not (may_create and settings.auto_create):
             raise AddressNotFound(f"address {name!r} does not exist"
                                   + (f" with routing type {routing_type}" if addr else ""))
-        return self.declare_address(name, [routing_type or settings.default_routing_type], auto_created=True)
+        return self.declare_address(name, [routing_type or settings.default_routing_type], auto_created=True,
+                                    owner=owner)
 
     def needs_create(self, name: str, routing_type: str | None) -> bool:
         """Would :meth:`resolve` have to create something? (The caller checks createAddress.)"""
         addr = self.addresses.get(name)
         return addr is None or (routing_type is not None and routing_type not in addr.routing_types)
+
+    def creates_queue(self, name: str, routing_type: str | None) -> bool:
+        """Would :meth:`resolve` create a queue (an anycast one)? For ``max-queues``."""
+        addr = self.addresses.get(name)
+        if addr is None:
+            return (routing_type or self.settings.for_address(name).default_routing_type) == ANYCAST
+        return routing_type == ANYCAST and ANYCAST not in addr.routing_types
+
+    def subscription_creates_queue(self, sub_name: str | None, *, durable: bool) -> bool:
+        """Would :meth:`subscription_queue` create a queue? (A durable one may exist already.)"""
+        return not durable or sub_name not in self.queues
 
     def delete_address(self, name: str) -> None:
         addr = self.addresses.pop(name, None)
@@ -198,12 +214,15 @@ class Broker:
 
     # -- queues ----------------------------------------------------------------------------
     def _create_queue(self, name: str, addr: Address, routing_type: str, *, durable: bool,
-                      subscription: bool = False, temporary: bool = False) -> Queue:
+                      subscription: bool = False, temporary: bool = False, owner: str | None = None) -> Queue:
         settings = self.settings.for_address(addr.name)
         q = Queue(self, name, addr.name, routing_type, durable=durable,
                   max_delivery_count=settings.max_delivery_count,
                   dead_letter_address=settings.dead_letter_address,
                   subscription=subscription, temporary=temporary)
+        if owner is not None:
+            q.owner = owner
+            self.owned[owner] += 1
         addr.queues[name] = q
         self.queues[name] = q
         if durable:
@@ -215,6 +234,12 @@ class Broker:
         if q is None:
             return
         q.deleted = True
+        if q.owner is not None:
+            left = self.owned[q.owner] - 1
+            if left > 0:
+                self.owned[q.owner] = left
+            else:
+                del self.owned[q.owner]
         q.drain_all()
         addr = self.addresses.get(q.address)
         if addr is not None:
@@ -226,7 +251,8 @@ class Broker:
         """The competing-consumer queue of an anycast address."""
         return self.addresses[address].queues[address]
 
-    def subscription_queue(self, address: str, sub_name: str | None, *, durable: bool) -> Queue:
+    def subscription_queue(self, address: str, sub_name: str | None, *, durable: bool,
+                           owner: str | None = None) -> Queue:
         """The queue of one multicast subscriber.
 
         Durable: named ``sub_name`` (``<container-id>.<link-name>``), reused if it exists.
@@ -240,10 +266,11 @@ class Broker:
                 if q.address != address:
                     raise AddressNotFound(f"subscription {sub_name!r} belongs to address {q.address!r}")
                 return q
-            return self._create_queue(sub_name, addr, MULTICAST, durable=True, subscription=True)
+            return self._create_queue(sub_name, addr, MULTICAST, durable=True, subscription=True, owner=owner)
         self.temp_counter += 1
         name = f"{sub_name or 'sub'}.{self.temp_counter}"
-        return self._create_queue(name, addr, MULTICAST, durable=False, subscription=True, temporary=True)
+        return self._create_queue(name, addr, MULTICAST, durable=False, subscription=True, temporary=True,
+                                  owner=owner)
 
     def subscribe(self, queue: Queue, sub: Subscription) -> None:
         queue.add_subscription(sub)
@@ -297,6 +324,10 @@ class Broker:
                   max_delivery_count=settings.max_delivery_count,
                   dead_letter_address=settings.dead_letter_address,
                   subscription=bool(definition.get("subscription")))
+        owner = definition.get("owner")
+        if isinstance(owner, str):
+            q.owner = owner
+            self.owned[owner] += 1
         addr.queues[name] = q
         self.queues[name] = q
         return q

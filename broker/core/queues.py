@@ -89,6 +89,7 @@ class Queue:
         self.dead_lettered = 0
         self.released = 0
         self.deleted = False
+        self.owner: str | None = None  # the user whose link created it (resource limits)
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -102,8 +103,11 @@ class Queue:
 
     def definition(self) -> dict:
         """What the store keeps about a durable queue (a KV record)."""
-        return {"name": self.name, "address": self.address, "routing_type": self.routing_type,
-                "subscription": self.subscription}
+        d = {"name": self.name, "address": self.address, "routing_type": self.routing_type,
+             "subscription": self.subscription}
+        if self.owner is not None:
+            d["owner"] = self.owner
+        return d
 
     # -- producing ---------------------------------------------------------------------------
     def enqueue(self, msg: Message) -> bool:

@@ -55,7 +55,8 @@ from broker.amqp.sasl import SaslClientReplay, UpstreamAuthFailed, UpstreamAuthO
 from broker.auth import LoginGate
 from broker.core.limits import Admission, OncePer, SourceLimiter, SourceLimits, source_key
 from broker.core.security import SecurityConfig
-from broker.errors import NotThisProtocol, RemoteProtocolError
+from broker.errors import DecodeError, NotThisProtocol, RemoteProtocolError
+from broker.proxyproto import build_header as build_proxy_header
 from router.core.decide import Decision, Outcome
 from router.core.keys import ConnectionInfo
 from router.net import fastio
@@ -115,6 +116,7 @@ class AcceptorSettings:
     max_handshake_bytes: int = 65536
     upstream_ssl_context: ssl.SSLContext | None = None
     upstream_tls: bool = False                  # TLS to every target (else only targets with tls = true)
+    upstream_proxy_protocol: bool = False       # PROXY v2 header (the client's address) first upstream
     use_splice: bool = True
     chunk_bytes: int = proxy_mod.DEFAULT_CHUNK_BYTES
     limits: SourceLimits = SourceLimits()       # per-source limits (broker.core.limits)
@@ -537,7 +539,8 @@ class Acceptor:
             await self._send_quietly(client, sniffer.data_to_send() + (exc.reply or b""))
             return None
         except RemoteProtocolError as exc:
-            self._inc("handshake_oversized" if sniffer._received > s.max_handshake_bytes else "protocol_error")
+            self._inc("handshake_oversized" if sniffer._received > s.max_handshake_bytes else
+                      "handshake_decode_error" if isinstance(exc, DecodeError) else "protocol_error")
             log.debug("%s: %s: handshake error %s", s.name, c.source, exc)
             await self._send_quietly(client, sniffer.data_to_send() + (exc.reply or b""))
             return None
@@ -650,6 +653,10 @@ class Acceptor:
         usock = None
         try:
             usock = await _connect_tcp(target.host, target.port)
+            if s.upstream_proxy_protocol:
+                # before TLS and SASL: the broker trusts this header from the router's address only
+                # (its acceptor's proxy-protocol-from) and uses the client's address from then on
+                await fastio.FastSocketStream(usock).send_all(build_proxy_header((c.host, c.port)))
             if target.tls or s.upstream_tls:
                 ctx = self._upstream_ctx
                 if ctx is None:

@@ -22,6 +22,7 @@ COUNTER_NAMES: dict[str, str] = {
     "handshake_oversized": "handshakes larger than max-handshake-bytes",
     "protocol_header_rejected": "garbage or a wrong AMQP protocol header",
     "protocol_error": "malformed SASL or Open frames",
+    "handshake_decode_error": "Opens with an undecodable field (e.g. a container-id not valid UTF-8): amqp:decode-error",
     "auth_ok": "SASL authentications accepted",
     "auth_failed": "SASL authentications refused (bad credentials, source not allowed, no certificate)",
     "route_ok": "routing decisions with a target",

@@ -293,7 +293,7 @@ def test_management_api_and_activity_log(broker):
     assert set(q) == {"name", "address", "routing_type", "durable", "depth", "consumers", "enqueued",
                       "acked", "dead_lettered"}
     c.close()
-    status, text = broker.management_get("/metrics", auth=None)
+    status, text = broker.management_get("/metrics")  # [management] metrics-auth = true by default
     assert status == 200 and 'lodestone_broker_queue_depth{queue="activity",address="activity"} 7' in text
     status, doc = broker.management_get("/openapi.json", auth=None)
     assert status == 200 and "/api/v1/queues" in doc["paths"]

@@ -83,7 +83,7 @@ def drain_all(b, address, idle_s=2.0):
 
 def journal_synced(b):
     """True once every journal record the broker wrote so far has been made durable."""
-    status, text = b.management_get("/metrics", auth=None)
+    status, text = b.management_get("/metrics")  # [management] metrics-auth = true by default
     last = int(re.search(r"^lodestone_broker_journal_last_seq (\d+)", text, re.M).group(1))
     synced = int(re.search(r"^lodestone_broker_journal_synced_seq (\d+)", text, re.M).group(1))
     return synced >= last

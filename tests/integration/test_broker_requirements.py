@@ -284,7 +284,7 @@ def test_metrics_parse_as_prometheus_text(tmp_path, users):
     try:
         c = connect(b)
         c.create_sender("metered").send(Message(body="m", durable=True))
-        status, text = b.management_get("/metrics", auth=None)
+        status, text = b.management_get("/metrics")  # [management] metrics-auth = true by default
         assert status == 200
         families = {f.name: f for f in text_string_to_metric_families(text)}
         assert families["lodestone_broker_up"].samples[0].value == 1
