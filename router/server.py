@@ -98,7 +98,39 @@ def worker_stats(running: RunningRouter) -> dict:
             "counters": [[a, n, v] for (a, n), v in st.counters.items()],
             "active": dict(st.active), "bytes_up": dict(st.bytes_up), "bytes_down": dict(st.bytes_down),
             "routers": {name: dict(svc.counters) for name, svc in running.services.items()},
-            "routing_log": [running.edge.routelog.lines_written, running.edge.routelog.lines_dropped]}
+            "routing_log": [running.edge.routelog.lines_written, running.edge.routelog.lines_dropped,
+                            running.edge.routelog.write_errors, running.edge.routelog.error],
+            "io": io_status(running)}
+
+
+def io_status(running: RunningRouter) -> dict:
+    """This process's I/O health: failing components, error counts, descriptor budget."""
+    rl = running.edge.routelog
+    failing = []
+    if rl.error is not None:
+        failing.append({"component": "routing_log", "error": rl.error})
+    for name, svc in running.services.items():
+        for comp, err in getattr(svc, "io_errors", {}).items():
+            failing.append({"component": comp, "router": name, "error": err})
+    return {"failing": failing, "routing_log_write_errors": rl.write_errors,
+            "open_fds": open_fd_count(), "fd_limit": fd_limit()}
+
+
+def open_fd_count() -> int | None:
+    """Descriptors this process has open (Linux /proc), or None."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # minus the one listdir holds
+    except OSError:
+        return None
+
+
+def fd_limit() -> int | None:
+    try:
+        import resource
+
+        return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return None
 
 
 def _control_handler(running_box: dict, services: dict, state_applied: trio.Event):
@@ -181,7 +213,8 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
     path = None
     if rl.enabled and rl.path is not None:
         path = worker_log_path(rl.path, worker, workers)
-    routelog = RouteLog(path, max_bytes=rl.max_bytes, backup_count=rl.backups)
+    routelog = RouteLog(path, max_bytes=rl.max_bytes, backup_count=rl.backups,
+                        max_field_chars=rl.max_field_chars)
     edge = EdgeContext(EdgeStats(), routelog, authenticator, worker=worker)
     acceptors: dict[str, Acceptor] = {}
     limits: dict[str, ConnectionLimit] = {}

@@ -51,6 +51,7 @@ import trio
 from router.cache_embedded import EmbeddedCacheStore
 from router.config import RouterConfig, RouterProcessConfig
 from router.core.cache import StickyCache
+from router.core.cache import page as cache_page
 from router.core.decide import Decision, Outcome, Router
 from router.core.filters import compile_key_filter, compile_local_filter
 from router.core.keys import ConnectionInfo, KeyResolver
@@ -66,6 +67,7 @@ FLUSH_INTERVAL_S = 0.2
 REDIS_SYNC_INTERVAL_S = 0.05
 REDIS_RETRY_S = 1.0
 REDIS_MAX_PENDING = 100_000
+PERSIST_RETRY_MAX_S = 5.0
 SHARED_TIMEOUT_S = 1.0  # a worker's request to the supervisor's cache (same machine)
 
 COUNTERS = ("route_ok", "route_refused_unavailable", "route_refused_use_another", "cache_hit",
@@ -73,7 +75,8 @@ COUNTERS = ("route_ok", "route_refused_unavailable", "route_refused_use_another"
             "quorum_wait_timeouts", "redis_hits", "redis_misses", "redis_errors", "redis_writes",
             "redis_conflicts", "redis_writes_dropped", "shared_hits", "shared_misses",
             "shared_errors", "shared_writes", "shared_conflicts", "shared_writes_dropped",
-            "persist_writes", "persist_errors",
+            "persist_writes", "persist_errors", "persist_compactions", "cache_evictions",
+            "key_too_long", "redis_reads", "redis_reads_skipped", "redis_read_timeouts",
             "pins_reloads", "pins_errors", "pins_bad_lines", "probe_rounds",
             "management_lookups")
 
@@ -97,6 +100,8 @@ class RouterService:
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.degraded = False
         self.degraded_reason: str | None = None
+        #: I/O components failing right now (``"cache_file"``) → the error; they are retried
+        self.io_errors: dict[str, str] = {}
         self.pins_error: str | None = None
         self._pool_changed = trio.Event()
         #: called after every health-probe round (the supervisor pushes the pool to its workers)
@@ -123,7 +128,8 @@ class RouterService:
             to_owner = shared is not None and cc.backend != "redis"
             cache = StickyCache(cc.timeout_ms,
                                 track_changes=cc.backend in ("embedded", "redis") or to_owner,
-                                log_expiry=cc.backend != "redis" and not to_owner)
+                                log_expiry=cc.backend != "redis" and not to_owner,
+                                max_entries=cc.max_entries)
             if to_owner:
                 from router.control import SharedCacheTier
                 self._redis = SharedCacheTier(shared, self.name)
@@ -136,7 +142,8 @@ class RouterService:
                     from router.cache_redis import RedisCache
                     redis_cache = RedisCache(cc.redis_url, router=self.name,
                                              prefix=cc.redis_key_prefix, timeout_ms=cc.timeout_ms,
-                                             socket_timeout_s=max(0.25, cc.redis_timeout_ms / 1e3))
+                                             socket_timeout_s=max(0.25, cc.redis_timeout_ms / 1e3),
+                                             connect_timeout_s=cc.redis_connect_timeout_ms / 1e3)
                 self._redis = redis_cache
         self._redis_seen: dict[str, str] = {}
         self._claiming: dict[str, trio.Event] = {}  # shared tier: keys whose new decision is in flight
@@ -154,7 +161,8 @@ class RouterService:
                            pool=self._holder if pc is not None else None, cache=cache,
                            local_filter=compile_local_filter(config.local_target_filter,
                                                              from_config=True),
-                           local=self._holder.local, pins=pins)
+                           local=self._holder.local, pins=pins,
+                           max_key_length=config.max_key_length)
 
     # -- public surface -------------------------------------------------------------------------
     @property
@@ -180,10 +188,16 @@ class RouterService:
         return d
 
     def route_for_key(self, key: str) -> Decision:
-        """Management lookup: skip the key filter, populate the cache (no quorum wait)."""
+        """Management lookup: skip the key filter, populate the cache (no quorum wait).
+        A key over ``max-key-length`` is refused (the management API checks
+        :meth:`key_too_long` first and answers 400)."""
         d = self.core.decide_for_key(key, self.clock())
         self.counters["management_lookups"] += 1
         return d
+
+    def key_too_long(self, key: str) -> str | None:
+        """Why ``key`` is refused by ``max-key-length``, or None."""
+        return self.core.key_too_long(key)
 
     def set_key_filter(self, pattern: str | None) -> None:
         """Replace the key filter (None/blank clears). Raises FilterError."""
@@ -203,12 +217,23 @@ class RouterService:
         return self.core.get_local_target_filter()
 
     def cache_entries(self) -> list[dict[str, Any]]:
-        """Live local-tier entries: key, node_id, idle_s, age_s."""
+        """Live local-tier entries: key, node_id, idle_s, age_s (all of them: tests, embedders;
+        the management API pages with :meth:`cache_page`)."""
         cache = self.core.cache
         if cache is None:
             return []
         return [{"key": k, "node_id": ident, "idle_s": idle, "age_s": age}
                 for k, ident, idle, age in cache.items(self.clock())]
+
+    def cache_page(self, *, after: str | None, limit: int) -> dict[str, Any]:
+        """One page of live local-tier entries in key order: ``{total, entries, next}``."""
+        cache = self.core.cache
+        if cache is None:
+            return {"total": 0, "entries": [], "next": None}
+        rows, nxt = cache_page(cache.items(self.clock()), after=after, limit=limit)
+        return {"total": len(cache), "max_entries": cache.max_entries,
+                "entries": [{"key": k, "node_id": ident, "idle_s": idle, "age_s": age}
+                            for k, ident, idle, age in rows], "next": nxt}
 
     # -- multi-worker: owner side (supervisor) and follower side (worker) ----------------------
     def shared_get(self, key: str) -> str | None:
@@ -239,6 +264,7 @@ class RouterService:
             cache.get(key, now)
         for key in deletes:
             cache.remove(key)
+        self.counters["cache_evictions"] = cache.evictions
         return conflicts
 
     def pool_states(self) -> list[list]:
@@ -261,7 +287,8 @@ class RouterService:
                 "local_target_filter": self.get_local_target_filter(),
                 "cache_size": len(self.core.cache) if self.core.cache is not None else None,
                 "pins": len(self.core.pins) if self.core.pins is not None else None,
-                "pins_error": self.pins_error, "counters": dict(self.counters)}
+                "pins_error": self.pins_error, "io_errors": dict(self.io_errors),
+                "counters": dict(self.counters)}
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run probes, persistence / Redis sync, expiry and pin reloads until cancelled.
@@ -296,7 +323,7 @@ class RouterService:
                 self._store.write(*self._persist_batch())
             except OSError as exc:
                 self.counters["persist_errors"] += 1
-                log.error("router %s: cannot write cache file %s: %s", self.name,
+                log.error("router %s: cannot write cache file %s at exit: %s", self.name,
                           self._store.path, exc)
 
     def close(self) -> None:
@@ -324,6 +351,11 @@ class RouterService:
             c["local_match"] += 1
         if ex.pin is not None and ex.reason.startswith("pinned"):
             c["pin_hit"] += 1
+        elif cs == "skipped" and ex.reason.startswith("key too long"):
+            c["key_too_long"] += 1
+        cache = self.core.cache
+        if cache is not None:
+            c["cache_evictions"] = cache.evictions
 
     def _on_pool_change(self, _pool: Pool) -> None:
         ev, self._pool_changed = self._pool_changed, trio.Event()
@@ -374,12 +406,16 @@ class RouterService:
         entries = self._store.load()
         now_wall = self.clock() + self._wall_offset
         timeout = cache.timeout_s
-        for key, (ident, last_wall, stored_wall) in entries.items():
-            if timeout and now_wall - last_wall >= timeout:
-                cache.changes[key] = None  # expired while we were down: delete the record
+        max_len = self.config.max_key_length
+        # least recently used first, so over max-entries the oldest are the ones evicted
+        for key, (ident, last_wall, stored_wall) in sorted(entries.items(),
+                                                           key=lambda kv: kv[1][1]):
+            if (timeout and now_wall - last_wall >= timeout) or len(key) > max_len:
+                cache.changes[key] = None  # expired while we were down / over the key limit
                 continue
             cache.restore(key, ident, last_wall - self._wall_offset,
                           stored_wall - self._wall_offset)
+        self.counters["cache_evictions"] = cache.evictions
         if self._store.skipped:
             log.warning("router %s: skipped %d damaged record(s) in %s", self.name,
                         self._store.skipped, self._store.path)
@@ -400,22 +436,43 @@ class RouterService:
         return puts, touches, deletes
 
     async def _persist_loop(self) -> None:
+        """Append the drained changes every FLUSH_INTERVAL_S; compact when the file holds
+        many more records than live entries. A failed write (ENOSPC, EMFILE, EIO…) never stops
+        the router: the batch goes back into the pending changes (newer changes win), the
+        failure is counted and reported (``io_errors["cache_file"]``, /health), and the next
+        flush retries — after a back-off that doubles up to PERSIST_RETRY_MAX_S."""
         store = self._store
+        cache = self.core.cache
+        backoff = 0.0
         while True:
-            await trio.sleep(FLUSH_INTERVAL_S)
+            await trio.sleep(FLUSH_INTERVAL_S + backoff)
             puts, touches, deletes = self._persist_batch()
             try:
                 if puts or touches or deletes:
                     await trio.to_thread.run_sync(store.write, puts, touches, deletes)
                     self.counters["persist_writes"] += 1
-                if store.needs_compaction(len(self.core.cache)):
+                if store.needs_compaction(len(cache)):
                     off = self._wall_offset
-                    snap = [(k, e[0], e[1] + off, e[2] + off)
-                            for k, e in self.core.cache.entries.items()]
+                    snap = [(k, e[0], e[1] + off, e[2] + off) for k, e in cache.entries.items()]
                     await trio.to_thread.run_sync(store.compact, snap)
+                    self.counters["persist_compactions"] += 1
             except OSError as exc:
                 self.counters["persist_errors"] += 1
-                log.error("router %s: cannot write cache file %s: %s", self.name, store.path, exc)
+                for key, *_ in puts:
+                    cache.changes.setdefault(key, cache.entries[key][0]
+                                             if key in cache.entries else None)
+                for key in deletes:
+                    cache.changes.setdefault(key, None)
+                cache.touched.update(k for k, _ in touches)
+                backoff = min(PERSIST_RETRY_MAX_S, max(FLUSH_INTERVAL_S, backoff * 2))
+                text = f"{store.path}: {exc.strerror or exc}"
+                if "cache_file" not in self.io_errors:
+                    log.error("router %s: cannot write cache file %s; retrying", self.name, text)
+                self.io_errors["cache_file"] = text
+                continue
+            backoff = 0.0
+            if self.io_errors.pop("cache_file", None) is not None:
+                log.warning("router %s: cache file %s writable again", self.name, store.path)
 
     async def _expiry_loop(self) -> None:
         cache = self.core.cache
