@@ -404,8 +404,19 @@ class ManagementApi:
                Metric("lodestone_router_pool_quorum_met", "gauge", "1 when the pool has its quorum", tuple(quorum)),
                Metric("lodestone_router_target_ready", "gauge", "1 when a target is ready", tuple(target_ready)),
                Metric("lodestone_router_routing_events_total", "counter", "Routing-core events per router",
-                      tuple(service_counters))]
+                      tuple(service_counters)),
+               Metric("lodestone_router_redis_miss_read_share", "gauge",
+                      "Share of local cache misses that read Redis (redis_reads / (redis_reads + "
+                      "redis_reads_skipped)); 1 when none was skipped",
+                      tuple(({"router": name}, _share(c.get("redis_reads", 0), c.get("redis_reads_skipped", 0)))
+                            for name, c in agg.routers.items()
+                            if getattr(r.services.get(name), "_tier", None) == "redis"
+                            and getattr(r.services.get(name), "_redis", None) is not None))]
         return ms
+
+
+def _share(done: int, skipped: int) -> float:
+    return round(done / (done + skipped), 4) if done + skipped else 1.0
 
 
 def target_json(decision: Decision) -> dict:

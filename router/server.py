@@ -233,6 +233,10 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
             for name, service in services.items():
                 await system.start(service.run)
             await system.start(routelog.run)
+            if any(acc.mode == "proxy" for acc in cfg.acceptors):
+                from router.net.proxy import SharedPoller
+
+                await system.start(SharedPoller().run)
 
             bound: dict[str, list[trio.SocketListener]] = {}
             try:
@@ -293,7 +297,8 @@ async def _serve_acceptor(acceptor: Acceptor, listeners, handlers: trio.Nursery,
                           edge: EdgeContext) -> None:
     name = acceptor.settings.name
     await serve_listeners(acceptor.handle, listeners, handler_nursery=handlers, limit=limit,
-                          on_rejected=lambda: edge.stats.inc(name, "connection_limit_rejected"))
+                          on_rejected=lambda: edge.stats.inc(name, "connection_limit_rejected"),
+                          on_fd_exhausted=lambda: edge.stats.inc(name, "fd_limit_rejected"))
 
 
 async def _wait_for_signal(accept_scope: trio.CancelScope) -> None:

@@ -58,7 +58,7 @@ from router.core.keys import ConnectionInfo, KeyResolver
 from router.core.pins import PinTable, load_pins
 from router.core.policies import create_policy
 from router.core.pool import Pool, create_membership_source
-from router.errors import CacheBackendError, PinFileError
+from router.errors import CacheBackendError, CacheBackendTimeout, PinFileError
 from router.health import run_health_checks
 
 log = logging.getLogger("lodestone.router.service")
@@ -68,6 +68,7 @@ REDIS_SYNC_INTERVAL_S = 0.05
 REDIS_RETRY_S = 1.0
 REDIS_MAX_PENDING = 100_000
 PERSIST_RETRY_MAX_S = 5.0
+READ_TIMEOUTS_TO_DEGRADE = 3
 SHARED_TIMEOUT_S = 1.0  # a worker's request to the supervisor's cache (same machine)
 
 COUNTERS = ("route_ok", "route_refused_unavailable", "route_refused_use_another", "cache_hit",
@@ -151,6 +152,7 @@ class RouterService:
         self._pending_touch: set[str] = set()
         self._pending_del: set[str] = set()
         self._last_redis_try = -1e9
+        self._read_timeouts_in_row = 0
         pins = None
         self._pins_mtime: float | None = None
         if config.pins is not None:
@@ -305,6 +307,8 @@ class RouterService:
                     nursery.start_soon(self._persist_loop)
                 if self._redis is not None:
                     nursery.start_soon(self._redis_loop)
+                    if getattr(self._redis, "reader", None) is not None and self._tier == "redis":
+                        nursery.start_soon(self._redis.reader.run)
                 if self.core.cache is not None and self.config.cache.timeout_ms:
                     nursery.start_soon(self._expiry_loop)
                 if self.config.pins is not None:
@@ -315,6 +319,10 @@ class RouterService:
             self.flush()
             if self._store is not None:
                 self._store.close()
+            reader = getattr(self._redis, "reader", None) if self._tier == "redis" else None
+            if reader is not None:
+                with trio.CancelScope(shield=True):
+                    await reader.aclose()
 
     def flush(self) -> None:
         """Write pending cache changes to the embedded file now (sync; used at shutdown)."""
@@ -505,7 +513,7 @@ class RouterService:
                 raise CacheBackendError(f"redis client error: {type(exc).__name__}: {exc}") \
                     from exc
         if cs.cancelled_caught:
-            raise CacheBackendError(f"{self._tier} timeout after {timeout_s * 1000:.0f} ms")
+            raise CacheBackendTimeout(f"{self._tier} timeout after {timeout_s * 1000:.0f} ms")
 
     async def _decide_with_redis(self, conn: ConnectionInfo) -> Decision:
         d, key = self.core.lookup(conn, self.clock())
@@ -517,12 +525,39 @@ class RouterService:
             return d
         from_redis = False
         tier = self._tier
-        if not self.degraded:
+        if self.degraded:
+            if tier == "redis":
+                self.counters["redis_reads_skipped"] += 1
+        else:
+            reader = getattr(self._redis, "reader", None) if tier == "redis" else None
+            if tier == "redis":
+                self.counters["redis_reads"] += 1
             try:
-                value = await self._redis_call(self._redis.get, key, timeout_s=self._read_timeout_s())
+                if reader is not None:  # its own deadline: it tells a late task from a late reply
+                    value = await reader.get(key, self._read_timeout_s())
+                else:
+                    value = await self._redis_call(self._redis.get, key,
+                                                   timeout_s=self._read_timeout_s())
             except CacheBackendError as exc:
-                self._set_degraded(exc)
+                value = None
+                if isinstance(exc, CacheBackendTimeout) and tier == "redis":
+                    # A late answer is not an outage: reads stop (degraded) only when Redis
+                    # answered nothing at all while this read waited (hung or gone), or —
+                    # threaded client — after READ_TIMEOUTS_TO_DEGRADE timeouts in a row.
+                    self.counters["redis_read_timeouts"] += 1
+                    self._read_timeouts_in_row += 1
+                    if reader is not None:
+                        dead = getattr(exc, "silent", True)
+                    else:
+                        dead = self._read_timeouts_in_row >= READ_TIMEOUTS_TO_DEGRADE
+                    if dead:
+                        self._set_degraded(exc)
+                    else:
+                        self.counters["redis_errors"] += 1
+                else:
+                    self._set_degraded(exc)
             else:
+                self._read_timeouts_in_row = 0
                 if value is None:
                     self.counters[f"{tier}_misses"] += 1
                 else:

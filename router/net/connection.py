@@ -38,6 +38,7 @@ Whatever happens, ``finally`` closes every stream (TLS streams with a close_noti
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import itertools
 import logging
@@ -613,9 +614,15 @@ class Acceptor:
                 c.upstream = None
             elif usock is not None:
                 usock.close()
+            self._log_decision(c, c.decision, c.decision_us, "upstream_failed")
+            if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+                # out of descriptors: this client is refused, established ones are unaffected
+                self._inc("upstream_fd_exhausted")
+                await self._refuse(client, f"Connection router {r} is out of file descriptors and cannot "
+                                           f"connect to broker {where}", None, c=c, scope=scope)
+                return False
             self._inc("upstream_connect_failed")
             log.info("%s: cannot reach %s: %s", s.name, where, exc)
-            self._log_decision(c, c.decision, c.decision_us, "upstream_failed")
             await self._refuse(client, f"Connection router {r} could not reach broker {where}", None,
                                c=c, scope=scope)
             return False

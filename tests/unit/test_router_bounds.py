@@ -218,3 +218,63 @@ def test_config_defaults_and_errors(tmp_path):
         _load(tmp_path, cache="max-entries = 0")
     with pytest.raises(ConfigError, match=r"max-key-length: 0 must be > 0"):
         _load(tmp_path, router="max-key-length = 0")
+
+
+# -- the pump's shared poller: no descriptor per connection -------------------------------------
+import trio  # noqa: E402
+
+from router.net import proxy as proxy_mod  # noqa: E402
+from tests.unit import test_router_net_proxy as pump_tests  # noqa: E402
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("use_splice", [True, False])
+async def test_the_pump_tests_pass_through_the_shared_poller(use_splice):
+    async with trio.open_nursery() as nursery:
+        await nursery.start(proxy_mod.SharedPoller().run)
+        assert proxy_mod.active_poller() is not None
+        await pump_tests.test_bytes_both_ways_and_half_close(use_splice)
+        await pump_tests.test_upstream_reset_ends_both_directions(use_splice)
+        await pump_tests.test_idle_timeout_ends_a_silent_connection(use_splice)
+        nursery.cancel_scope.cancel()
+    assert proxy_mod.active_poller() is None
+
+
+async def test_small_phase_costs_no_descriptor_per_connection():
+    n = 40
+    async with trio.open_nursery() as nursery:
+        await nursery.start(proxy_mod.SharedPoller().run)
+        pairs = []
+        for _ in range(n):
+            client_app, client_side = await pump_tests._pair()
+            upstream_side, broker_app = await pump_tests._pair()
+            pairs.append((client_app, client_side, upstream_side, broker_app))
+        baseline = _open_fds()
+        results = []
+
+        async def one(client_side, upstream_side):
+            results.append(await proxy_mod.pump(client_side, upstream_side, idle_timeout_s=10))
+
+        for _app, cs, us, _b in pairs:
+            nursery.start_soon(one, cs, us)
+        await trio.sleep(0.2)  # every connection is parked in the small phase now
+        during = _open_fds()
+        for client_app, _cs, _us, broker_app in pairs:  # a frame each way, then both close
+            await client_app.send_all(b"open")
+            assert await broker_app.receive_some(10) == b"open"
+            await broker_app.send_all(b"ok")
+            assert await client_app.receive_some(10) == b"ok"
+            await client_app.send_eof()
+            await broker_app.send_eof()
+        while len(results) < n:
+            await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert during == baseline  # the old pump held one epoll descriptor per connection here
+    assert all(r.reason is proxy_mod.EndReason.CLOSED and r.bytes_up == 4 and r.bytes_down == 2
+               for r in results)
+    for group in pairs:
+        for s in group:
+            await s.aclose()
