@@ -144,6 +144,7 @@ class SharedPoller:
                         w.task = None
                         trio.lowlevel.reschedule(task)
         finally:
+            self.token = None
             if _ACTIVE is self:
                 _ACTIVE = None
             for w in list(owners.values()):  # nobody will wake them: wake them now
@@ -171,11 +172,15 @@ class SharedPoller:
             except (OSError, ValueError):
                 pass
 
-    async def wait(self, w: _Waiter) -> None:
-        """Park until one of ``w``'s sockets fired (at once if one already did)."""
-        if w.ready or self.token is None:
+    async def wait(self, w: _Waiter) -> bool:
+        """Park until one of ``w``'s sockets fired (at once if one already did). False when the
+        dispatcher has stopped: the caller must go on without it."""
+        if self.token is None:
             await trio.lowlevel.checkpoint()
-            return
+            return False
+        if w.ready:
+            await trio.lowlevel.checkpoint()
+            return True
         w.task = trio.lowlevel.current_task()
 
         def abort(_raise_cancel):
@@ -183,6 +188,7 @@ class SharedPoller:
             return trio.lowlevel.Abort.SUCCEEDED
 
         await trio.lowlevel.wait_task_rescheduled(abort)
+        return self.token is not None or bool(w.ready)
 
 
 _ACTIVE: SharedPoller | None = None
@@ -288,7 +294,8 @@ async def _pump_small(poller: SharedPoller, csock, usock, stats: PumpStats, refr
         registered.append(ufd)
         done = {cfd: False, ufd: False}
         while True:
-            await poller.wait(w)
+            if not await poller.wait(w):  # the dispatcher stopped: the two-task pump goes on
+                return (done[cfd], b"", False), (done[ufd], b"", False)
             fired, w.ready = w.ready, []
             for fd in fired:
                 if done[fd]:
