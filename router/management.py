@@ -223,6 +223,7 @@ class ManagementApi:
         agg.processes = r.cluster.worker_info()
         agg.failing = own["failing"] + agg.failing  # the supervisor's cache file, then workers'
         agg.fd_limit = own["fd_limit"]
+        agg.open_fds = (agg.open_fds or 0) + (own["open_fds"] or 0)
         return agg
 
     def summary(self, agg: Aggregate | None = None) -> dict:
@@ -381,7 +382,7 @@ class ManagementApi:
                      "1 per I/O component currently failing (routing_log, cache_file); 0 = healthy",
                      tuple(({"component": c}, int(any(f["component"] == c for f in agg.failing)))
                            for c in ("routing_log", "cache_file"))),
-              Metric("lodestone_router_open_fds", "gauge", "Open file descriptors (all processes)",
+              Metric("lodestone_router_open_fds", "gauge", "Open file descriptors (summed over the router's processes)",
                      (({}, agg.open_fds or 0),)),
               Metric("lodestone_router_fd_limit", "gauge", "RLIMIT_NOFILE soft limit (per process)",
                      (({}, agg.fd_limit or 0),))]

@@ -278,3 +278,34 @@ async def test_small_phase_costs_no_descriptor_per_connection():
     for group in pairs:
         for s in group:
             await s.aclose()
+
+
+# -- descriptor budget --------------------------------------------------------------------------
+def test_budget_warning_counts_two_descriptors_per_proxied_connection():
+    from router.config import AcceptorConfig
+    from router.fdlimit import budget_warning, needed_descriptors
+
+    proxy = AcceptorConfig("p", "127.0.0.1", 0, "r", mode="proxy", max_connections=10_000)
+    redirect = AcceptorConfig("d", "127.0.0.1", 0, "r", max_connections=1_000)
+    assert needed_descriptors([proxy, redirect]) == 64 + 20_000 + 1_000
+    assert needed_descriptors([AcceptorConfig("u", "127.0.0.1", 0, "r", max_connections=0)]) is None
+    assert budget_warning([proxy, redirect], 1 << 20) is None
+    w = budget_warning([proxy, redirect], 1024)
+    assert w.startswith("max-connections needs about 21064 file descriptors (p 10000 x 2, d 1000 x 1 + "
+                        "64 overhead) but the open-files limit is 1024: only about 960")
+
+
+def test_check_prints_the_budget_warning_and_still_exits_0(tmp_path, capsys):
+    import resource
+
+    from router.__main__ import main
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    too_many = (1 << 21) if hard == resource.RLIM_INFINITY else hard  # proxy: 2 per connection
+    p = tmp_path / "router.toml"
+    p.write_text(BASE.format(log="", router="", cache="").replace(
+        'router = "r"', f'router = "r"\nmode = "proxy"\nmax-connections = {too_many}'))
+    assert main(["check", str(p)]) == 0
+    out = capsys.readouterr()
+    assert "ok (1 router(s), 1 acceptor(s))" in out.out
+    assert "warning: max-connections needs about" in out.err
