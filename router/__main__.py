@@ -99,13 +99,32 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"lodestone-router: {exc}", file=sys.stderr)
         return 2
+    from router.fdlimit import budget_warning, raise_nofile_limit
+
     if args.command == "check":
         print(f"{args.config}: ok ({len(cfg.routers)} router(s), {len(cfg.acceptors)} acceptor(s))")
+        import resource
+
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]  # what `run` raises the limit to
+        warning = budget_warning(cfg.acceptors, hard if hard != resource.RLIM_INFINITY else 1 << 20)
+        if warning:
+            print(f"lodestone-router: warning: {warning}", file=sys.stderr)
         return 0
 
     from broker.logsetup import setup_logging
 
     setup_logging(args.log_level, args.log_json)
+    import logging
+
+    log = logging.getLogger("router.main")
+    limits = raise_nofile_limit()  # workers inherit it
+    if limits is not None:
+        before, now, hard = limits
+        if args.command != "worker":
+            log.info("open-files limit: %d (was %d, hard limit %d)", now, before, hard)
+        warning = budget_warning(cfg.acceptors, now)
+        if warning and args.command != "worker":
+            log.warning("%s", warning)
     drain = args.drain_timeout_s
     if args.command == "worker":
         return _run(cfg, worker=args.index, workers=args.count, ports=json.loads(args.ports), drain=drain,

@@ -12,8 +12,12 @@ Each line is ``<crc32 hex> <json>\\n`` where the JSON is one record:
 ``load()`` replays the file; a line with a bad CRC or a torn last line (crash during a write) is
 skipped, so a crash loses at most the last unflushed batch. A torn tail (no final newline) is cut
 off, else the next append would be glued onto it and fail its CRC too. ``write()`` appends one batch with one
-``os.write`` and an optional fsync; it is called from a worker thread by the shell. When the file
-holds many more records than live entries, ``compact()`` rewrites it (temp file + ``os.replace``).
+``os.write`` and an optional fsync; it is called from a worker thread by the shell. A write that
+fails half-way (ENOSPC) is cut back to where it began, so the file never keeps a torn record the
+next append would be glued to; the shell retries the batch. When the file holds more than twice
+as many records as live entries (and at least ``compact_min_records``), ``compact()`` rewrites it
+(temp file + ``os.replace``), so its size follows the live entries — which ``max-entries`` and
+``max-key-length`` bound — and so does the replay at start.
 """
 
 from __future__ import annotations
@@ -110,28 +114,41 @@ class EmbeddedCacheStore:
             return 0
         fd = self._open()
         data = self._pad + b"".join(lines)
-        self._pad = b""
+        start = os.lseek(fd, 0, os.SEEK_END)
         view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-        if self.fsync:
-            os.fsync(fd)
+        try:
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            if self.fsync:
+                os.fsync(fd)
+        except OSError:
+            try:
+                os.ftruncate(fd, start)  # no torn record left behind
+            except OSError:
+                self._pad = b"\n"
+            self.close()  # reopened by the retry (EMFILE/EIO may have been about this fd)
+            raise
+        self._pad = b""
         self.records += len(lines)
         return len(lines)
 
     def needs_compaction(self, live_entries: int) -> bool:
-        return self.records > max(self.compact_min_records, 4 * live_entries)
+        return self.records > max(self.compact_min_records, 2 * live_entries)
 
     def compact(self, entries: Iterable[tuple[str, str, float, float]]) -> None:
         """Rewrite the file with one put per live entry (atomic replace)."""
         tmp = self.path.with_name(self.path.name + ".compact")
         lines = [self._line(["P", k, ident, la, st]) for k, ident, la, st in entries]
-        with open(tmp, "wb") as fh:
-            fh.write(b"".join(lines))
-            fh.flush()
-            if self.fsync:
-                os.fsync(fh.fileno())
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(b"".join(lines))
+                fh.flush()
+                if self.fsync:
+                    os.fsync(fh.fileno())
+        except OSError:
+            tmp.unlink(missing_ok=True)  # a full disk must not keep half a copy
+            raise
         self.close()
         os.replace(tmp, self.path)
         self.records = len(lines)

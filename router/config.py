@@ -54,6 +54,7 @@ class RoutingLogConfig:
     max_bytes: int = 10 * 1024 * 1024
     backups: int = 5
     enabled: bool = True
+    max_field_chars: int = 1024             # longer string fields are truncated (marked)
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,8 @@ class CacheConfig:
     redis_url: str | None = None
     redis_key_prefix: str = "lodestone:"
     redis_timeout_ms: int = 50
+    max_entries: int = 100_000              # least recently used evicted beyond this
+    redis_connect_timeout_ms: int = 1000
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,7 @@ class RouterConfig:
     local_target: TargetConfig | None = None
     pins: PinsConfig | None = None
     file: Path | None = None
+    max_key_length: int = 255               # longer keys are refused (never hashed/truncated)
 
 
 @dataclass(frozen=True)
@@ -189,6 +193,11 @@ def load_router_config(path: str | Path) -> RouterProcessConfig:
         acceptors.append(acc)
     if not routers:
         raise ConfigError(file, "routers", "no router defined (add a [routers.<name>] table)")
+    for rname, rc in routers.items():
+        if rc.max_key_length > routing_log.max_field_chars:
+            raise ConfigError(file, f"routers.{rname}.max-key-length",
+                              f"{rc.max_key_length} must be <= routing-log.max-field-chars "
+                              f"({routing_log.max_field_chars}), so accepted keys are logged whole")
     root.done()
     return RouterProcessConfig(name, users_file, management, routing_log, tuple(acceptors),
                                workers, routers, file)
@@ -203,7 +212,8 @@ def _management(t: Table) -> ManagementConfig:
 
 def _routing_log(t: Table) -> RoutingLogConfig:
     r = RoutingLogConfig(t.path_value("path", None), t.int("max-bytes", 10 * 1024 * 1024, min=1),
-                         t.int("backups", 5, min=0), t.bool("enabled", True))
+                         t.int("backups", 5, min=0), t.bool("enabled", True),
+                         t.int("max-field-chars", 1024, min=64))
     t.done()
     return r
 
@@ -314,7 +324,9 @@ def _cache(t: Table, router: str) -> CacheConfig:
     elif redis_url is not None:
         raise t.error("redis-url", f"{redis_url!r} is only used with backend = 'redis'")
     c = CacheConfig(timeout, persisted, backend, path, redis_url,
-                    t.str("redis-key-prefix", "lodestone:"), t.int("redis-timeout-ms", 50, min=1))
+                    t.str("redis-key-prefix", "lodestone:"), t.int("redis-timeout-ms", 50, min=1),
+                    t.int("max-entries", 100_000, min=1),
+                    t.int("redis-connect-timeout-ms", 1000, min=1))
     t.done()
     return c
 
@@ -350,6 +362,7 @@ def _router(name: str, t: Table) -> RouterConfig:
     key_filter = _regex(t, "key-filter", local=False)
     local_filter = _regex(t, "local-target-filter", local=True)
     artemis_keys = t.bool("artemis-keys", False)
+    max_key_length = t.int("max-key-length", 255, min=1)
     policy = _policy(t.table("policy")) if t.has("policy") else None
     cache = _cache(t.table("cache"), name) if t.has("cache") else None
     pool = _pool(t.table("pool")) if t.has("pool") else None
@@ -368,7 +381,7 @@ def _router(name: str, t: Table) -> RouterConfig:
                           f"true needs a [routers.{name}.local-target]")
     t.done()
     return RouterConfig(name, key_type, key_filter, local_filter, artemis_keys, policy, cache,
-                        pool, local, pins, t.file)
+                        pool, local, pins, t.file, max_key_length)
 
 
 # -- Artemis broker.xml import -----------------------------------------------------------------

@@ -45,6 +45,10 @@ class CacheBackendError(RemoteRouterError):
     """The shared cache backend (Redis) failed or timed out; routing continues degraded."""
 
 
+class CacheBackendTimeout(CacheBackendError):
+    """A call to the shared cache backend did not answer within its deadline."""
+
+
 class RoutingRefused(RouterError):
     """Raised by helpers that turn a refusing Decision into an exception (edge convenience)."""
 

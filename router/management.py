@@ -3,7 +3,7 @@
 Routes (``/openapi.json`` has the full document; docs/router.md has examples):
 
 =======  ==============================================  ==============================================
-GET      /health                                         liveness (open, no credentials)
+GET      /health                                         liveness + degraded I/O components (open, no credentials)
 GET      /api/v1/router                                  process summary: name, worker(s), acceptors, routers
 GET      /api/v1/routers                                 every router: config, filters, pool readiness
 GET      /api/v1/routers/{r}                             one router
@@ -11,7 +11,7 @@ GET      /api/v1/routers/{r}/target?key=K                Artemis ``getTargetAsJS
 GET/PUT  /api/v1/routers/{r}/key-filter                  ``{"key_filter": "regex" | null}``
 GET/PUT  /api/v1/routers/{r}/local-target-filter         ``{"local_target_filter": "regex" | null}``
 GET      /api/v1/routers/{r}/pool                        targets (ready, node id, connections), quorum
-GET      /api/v1/routers/{r}/cache                       sticky-cache entries
+GET      /api/v1/routers/{r}/cache?limit=&after=         sticky-cache entries, one page (key order)
 GET      /api/v1/counters                                edge counters (total and per acceptor) + routers'
 GET      /metrics                                        Prometheus text format
 GET      /openapi.json                                   this API as OpenAPI 3.0
@@ -46,6 +46,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from broker.http import HttpError, Metric, Request, Response, json_response, metrics_response, require_basic_auth, serve_http
+from router.core.cache import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE
 from router.core.decide import Decision, Outcome
 from router.errors import FilterError
 from router.net.stats import COUNTER_NAMES, EdgeStats
@@ -76,6 +77,10 @@ class Aggregate:
     lines_written: int = 0
     lines_dropped: int = 0
     per_worker: list[dict] | None = None
+    log_write_errors: int = 0
+    failing: list[dict] = field(default_factory=list)
+    open_fds: int | None = None
+    fd_limit: int | None = None
     processes: list[dict] | None = field(default=None)
     logins: dict[str, int] = field(default_factory=dict)   # broker.auth.LoginGate counters
 
@@ -85,7 +90,9 @@ def aggregate_workers(reports: list[dict], services: dict) -> Aggregate:
     own service counters (probe rounds, persistence, management lookups)."""
     stats = EdgeStats()
     routers: dict[str, Counter] = {name: Counter(dict(svc.counters)) for name, svc in services.items()}
-    written = dropped = 0
+    written = dropped = errors = 0
+    failing: list[dict] = []
+    fds = 0
     per_worker = []
     logins: Counter = Counter()
     for rep in reports:
@@ -100,12 +107,16 @@ def aggregate_workers(reports: list[dict], services: dict) -> Aggregate:
             routers.setdefault(name, Counter()).update(counts)
         written += rep["routing_log"][0]
         dropped += rep["routing_log"][1]
+        errors += rep["routing_log"][2] if len(rep["routing_log"]) > 2 else 0
+        io = rep.get("io", {})
+        failing += [{**f, "worker": rep["worker"]} for f in io.get("failing", [])]
+        fds += io.get("open_fds") or 0
         per_worker.append({"worker": rep["worker"], "pid": rep["pid"], "edge": mine.totals(),
                            "active_connections": sum(rep["active"].values()), "routers": rep["routers"],
                            "routing_log": {"lines_written": rep["routing_log"][0],
                                            "lines_dropped": rep["routing_log"][1]}})
     return Aggregate(stats, {n: dict(c) for n, c in routers.items()}, written, dropped, per_worker,
-                     logins=dict(logins))
+                     log_write_errors=errors, failing=failing, open_fds=fds, logins=dict(logins))
 
 
 class ManagementApi:
@@ -155,8 +166,7 @@ class ManagementApi:
         if path in _READ_ONLY and request.method not in ("GET", "HEAD"):
             raise HttpError(405, f"{request.method} not allowed on {path} (GET)", [("Allow", "GET")])
         if path == "/health":
-            return json_response({"status": "draining" if self.running.draining else "ok",
-                                  "router": self.cfg.name}, 503 if self.running.draining else 200)
+            return json_response(*await self.health())
         if path == "/openapi.json":
             return json_response(openapi_document())
         await self._authorize(request)
@@ -180,6 +190,10 @@ class ManagementApi:
                 key = request.query.get("key")
                 if key is None:
                     raise HttpError(400, "missing query parameter: key")
+                too_long = getattr(service, "key_too_long", None)
+                reason = too_long(key) if too_long is not None else None
+                if reason is not None:  # refused as a connection with that key would be
+                    raise HttpError(400, f"router {name!r} refuses this key: {reason}")
                 return json_response(await self.target_for_key(name, key))
             if sub in ("/key-filter", "/local-target-filter"):
                 field = sub[1:].replace("-", "_")
@@ -191,7 +205,7 @@ class ManagementApi:
             if sub == "/pool" and request.method == "GET":
                 return json_response(self.pool_view(name))
             if sub == "/cache" and request.method == "GET":
-                return json_response(self.cache_view(name))
+                return json_response(self.cache_view(name, request.query))
             if request.method != "GET":
                 raise HttpError(405, f"{request.method} not allowed on {path}")
         raise HttpError(404, f"no such resource: {path}")
@@ -200,16 +214,25 @@ class ManagementApi:
     async def aggregate(self) -> Aggregate:
         """This process's numbers, or (supervisor of several workers) the sum over the workers."""
         r = self.running
+        from router.server import io_status
+
+        own = io_status(r)
         if r.cluster is None:
             return Aggregate(r.edge.stats, {name: dict(getattr(svc, "counters", None) or {})
                                             for name, svc in r.services.items()},
                              r.edge.routelog.lines_written, r.edge.routelog.lines_dropped,
+                             log_write_errors=r.edge.routelog.write_errors,
+                             failing=own["failing"], open_fds=own["open_fds"],
+                             fd_limit=own["fd_limit"],
                              logins=dict(r.edge.login_gate.counters) if r.edge.login_gate else {})
         agg = aggregate_workers(await r.cluster.gather_stats(), r.services)
         if r.edge.login_gate is not None:   # the supervisor's own (management) logins
             for k, v in r.edge.login_gate.counters.items():
                 agg.logins[k] = agg.logins.get(k, 0) + v
         agg.processes = r.cluster.worker_info()
+        agg.failing = own["failing"] + agg.failing  # the supervisor's cache file, then workers'
+        agg.fd_limit = own["fd_limit"]
+        agg.open_fds = (agg.open_fds or 0) + (own["open_fds"] or 0)
         return agg
 
     def summary(self, agg: Aggregate | None = None) -> dict:
@@ -254,13 +277,39 @@ class ManagementApi:
         snap = pool.snapshot() if hasattr(pool, "snapshot") else {}
         return snap
 
-    def cache_view(self, name: str) -> Any:
+    def cache_view(self, name: str, query: dict | None = None) -> Any:
+        """One page of the sticky cache: ``limit`` entries (default DEFAULT_PAGE_SIZE, at most
+        MAX_PAGE_SIZE) with keys after ``after``, in key order; ``next`` is the cursor for the
+        following page (null on the last one)."""
+        query = query or {}
+        raw_limit = query.get("limit")
+        try:
+            limit = DEFAULT_PAGE_SIZE if raw_limit is None else int(raw_limit)
+        except ValueError:
+            raise HttpError(400, f"limit: {raw_limit[:40]!r} is not an integer") from None
+        if not 1 <= limit <= MAX_PAGE_SIZE:
+            raise HttpError(400, f"limit: {limit} must be between 1 and {MAX_PAGE_SIZE}")
+        after = query.get("after") or None
         service = self.running.services[name]
-        entries = getattr(service, "cache_entries", None)
-        if entries is None:
-            return {"enabled": False, "entries": []}
-        value = entries() if callable(entries) else entries
-        return {"enabled": True, "entries": value}
+        if getattr(service, "core", None) is None or service.core.cache is None:
+            return {"enabled": False, "total": 0, "entries": [], "next": None}
+        return {"enabled": True, **service.cache_page(after=after, limit=limit)}
+
+    async def health(self) -> tuple[dict, int]:
+        """``/health``: ``ok``, ``degraded`` (still serving, 200: some I/O component — routing
+        log, cache file — is failing and being retried; ``degraded`` lists them) or
+        ``draining`` (503)."""
+        from router.server import io_status
+
+        r = self.running
+        failing = list(io_status(r)["failing"])
+        if r.cluster is not None:
+            for rep in await r.cluster.gather_stats():
+                for f in rep.get("io", {}).get("failing", []):
+                    failing.append({**f, "worker": rep["worker"]})
+        status = "draining" if r.draining else ("degraded" if failing else "ok")
+        return {"status": status, "router": self.cfg.name, "degraded": failing}, \
+            503 if r.draining else 200
 
     def counters(self, agg: Aggregate) -> dict:
         r = self.running
@@ -268,6 +317,8 @@ class ManagementApi:
                "acceptors": agg.stats.by_acceptor(a.name for a in self.cfg.acceptors),
                "routers": agg.routers,
                "routing_log": {"lines_written": agg.lines_written, "lines_dropped": agg.lines_dropped}}
+        out["routing_log"]["write_errors"] = agg.log_write_errors
+        out["io"] = {"failing": agg.failing, "open_fds": agg.open_fds, "fd_limit": agg.fd_limit}
         if agg.per_worker is not None:
             out["per_worker"] = agg.per_worker
         return out
@@ -335,7 +386,18 @@ class ManagementApi:
                      (({}, agg.lines_dropped),)),
               Metric("lodestone_router_logins_total", "counter",
                      "Password logins by outcome (edge and management; see docs/security.md)",
-                     tuple(({"outcome": k}, v) for k, v in sorted(agg.logins.items())))]
+                     tuple(({"outcome": k}, v) for k, v in sorted(agg.logins.items()))),
+              Metric("lodestone_router_routing_log_write_errors_total", "counter",
+                     "Routing-log writes/rotations that failed (ENOSPC, EMFILE, EIO...; retried)",
+                     (({}, agg.log_write_errors),)),
+              Metric("lodestone_router_degraded", "gauge",
+                     "1 per I/O component currently failing (routing_log, cache_file); 0 = healthy",
+                     tuple(({"component": c}, int(any(f["component"] == c for f in agg.failing)))
+                           for c in ("routing_log", "cache_file"))),
+              Metric("lodestone_router_open_fds", "gauge", "Open file descriptors (summed over the router's processes)",
+                     (({}, agg.open_fds or 0),)),
+              Metric("lodestone_router_fd_limit", "gauge", "RLIMIT_NOFILE soft limit (per process)",
+                     (({}, agg.fd_limit or 0),))]
         ready, total, quorum, target_ready = [], [], [], []
         service_counters = []
         for name, service in r.services.items():
@@ -355,8 +417,19 @@ class ManagementApi:
                Metric("lodestone_router_pool_quorum_met", "gauge", "1 when the pool has its quorum", tuple(quorum)),
                Metric("lodestone_router_target_ready", "gauge", "1 when a target is ready", tuple(target_ready)),
                Metric("lodestone_router_routing_events_total", "counter", "Routing-core events per router",
-                      tuple(service_counters))]
+                      tuple(service_counters)),
+               Metric("lodestone_router_redis_miss_read_share", "gauge",
+                      "Share of local cache misses that read Redis (redis_reads / (redis_reads + "
+                      "redis_reads_skipped)); 1 when none was skipped",
+                      tuple(({"router": name}, _share(c.get("redis_reads", 0), c.get("redis_reads_skipped", 0)))
+                            for name, c in agg.routers.items()
+                            if getattr(r.services.get(name), "_tier", None) == "redis"
+                            and getattr(r.services.get(name), "_redis", None) is not None))]
         return ms
+
+
+def _share(done: int, skipped: int) -> float:
+    return round(done / (done + skipped), 4) if done + skipped else 1.0
 
 
 def target_json(decision: Decision) -> dict:
@@ -411,7 +484,15 @@ def openapi_document() -> dict:
         "components": {"securitySchemes": {"basic": {"type": "http", "scheme": "basic"}}},
         "security": [{"basic": []}],
         "paths": {
-            "/health": {"get": op("Liveness (503 while draining)", auth=False)},
+            "/health": {"get": op("Liveness: status ok | degraded (200; degraded lists the failing I/O "
+                                  "components: routing_log, cache_file) | draining (503)", {
+                                      "type": "object", "properties": {
+                                          "status": {"type": "string", "enum": ["ok", "degraded", "draining"]},
+                                          "router": {"type": "string"},
+                                          "degraded": {"type": "array", "items": {"type": "object", "properties": {
+                                              "component": {"type": "string"}, "error": {"type": "string"},
+                                              "router": {"type": "string"}, "worker": {"type": "integer"}}}}}},
+                                  auth=False)},
             "/openapi.json": {"get": op("This document", auth=False)},
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {
                 "description": "text exposition format 0.0.4", "content": {"text/plain": {}}}}}},
@@ -439,7 +520,22 @@ def openapi_document() -> dict:
                                 "properties": {"local_target_filter": nullable_str}})},
             "/api/v1/routers/{router}/pool": {"get": op("Targets with readiness, node ids, connection counts; "
                                                         "quorum", params=[router_param])},
-            "/api/v1/routers/{router}/cache": {"get": op("Sticky-cache entries", params=[router_param])},
+            "/api/v1/routers/{router}/cache": {"get": op(
+                "One page of sticky-cache entries in key order; follow next as after for the next page",
+                {"type": "object", "properties": {
+                    "enabled": {"type": "boolean"}, "total": {"type": "integer"},
+                    "max_entries": {"type": "integer"},
+                    "entries": {"type": "array", "items": {"type": "object", "properties": {
+                        "key": {"type": "string"}, "node_id": {"type": "string"},
+                        "idle_s": {"type": "number"}, "age_s": {"type": "number"}}}},
+                    "next": nullable_str}},
+                params=[router_param,
+                        {"name": "limit", "in": "query", "required": False,
+                         "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE_SIZE,
+                                    "default": DEFAULT_PAGE_SIZE}},
+                        {"name": "after", "in": "query", "required": False,
+                         "description": "return keys greater than this (the previous page's next)",
+                         "schema": {"type": "string"}}])},
             "/api/v1/counters": {"get": op("Edge counters (" + ", ".join(COUNTER_NAMES) + ") in total and per "
                                            "acceptor, and each router's counters")},
         },

@@ -8,11 +8,23 @@ background task (:meth:`RouteLog.run`) hands the batch to a worker thread every
 ``path.1`` → … → ``path.<backup_count>``). Nothing waits for fsync: a crash can lose at most
 one flush interval of lines, never corrupt earlier ones. Each process writes its own file (see
 :func:`worker_log_path`), so several workers never interleave writes.
+
+Bounded: a line never carries an unbounded string (the edge formats client-supplied fields with
+:func:`json_str_bounded`: at most ``max_field_chars`` characters, then a marker with the original
+length), and the buffer holds at most ``max_buffered_lines`` lines and ``max_buffered_bytes``
+characters; beyond that lines are dropped and counted.
+
+Never fatal: a failed write or rotation (ENOSPC, EMFILE, EIO, a vanished directory…) is cut back
+to the last whole line, counted (``write_errors``), reported (``error``: the management API's
+/health and /metrics show the routing log as degraded) and retried with a back-off (0.5 s
+doubling to 5 s; the file is reopened). Lines not yet written stay buffered within the bounds
+above, so a disk that fills and empties again loses only what did not fit in the buffer.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from datetime import datetime, timezone
 from json.encoder import encode_basestring as _encode_str  # what json.dumps(ensure_ascii=False) uses
@@ -22,6 +34,8 @@ from typing import Any
 import trio
 
 SCHEMA_VERSION = 1
+
+log = logging.getLogger("router.routelog")
 
 
 def worker_log_path(path: Path, worker: int, workers: int) -> Path:
@@ -86,6 +100,25 @@ def json_float(x: Any) -> str:
     return _dumps(x)
 
 
+TRUNCATION_MARKER = "...[truncated, {n} chars]"
+
+
+def truncate_field(x: str, limit: int) -> str:
+    """``x`` itself when it has at most ``limit`` characters, else its first ``limit``
+    characters followed by ``...[truncated, <original length> chars]``."""
+    if len(x) <= limit:
+        return x
+    return x[:limit] + TRUNCATION_MARKER.format(n=len(x))
+
+
+def json_str_bounded(x: Any, limit: int) -> str:
+    """:func:`json_str` for a client-supplied field: longer strings are truncated with a marker
+    (:func:`truncate_field`)."""
+    if x.__class__ is str and len(x) > limit:
+        return _encode_str(truncate_field(x, limit))
+    return json_str(x)
+
+
 def json_str_list(xs) -> str:
     """A JSON array of strings."""
     return "[" + ",".join([json_str(x) for x in xs]) + "]"
@@ -95,21 +128,36 @@ class RouteLog:
     """A buffered, size-rotated JSON-lines file. ``path`` None makes a log that drops lines
     (routing log disabled) but still counts them."""
 
+    RETRY_MIN_S = 0.5
+    RETRY_MAX_S = 5.0
+
     def __init__(self, path: Path | None, *, max_bytes: int = 50 * 1024 * 1024, backup_count: int = 5,
-                 flush_interval_s: float = 0.5, max_buffered_lines: int = 100_000):
+                 flush_interval_s: float = 0.5, max_buffered_lines: int = 100_000,
+                 max_buffered_bytes: int = 16 * 1024 * 1024, max_field_chars: int = 1024):
         self.path = Path(path) if path is not None else None
         self.max_bytes = max_bytes
         self.backup_count = backup_count
         self.flush_interval_s = flush_interval_s
         self.max_buffered_lines = max_buffered_lines
+        self.max_buffered_bytes = max_buffered_bytes
+        self.max_field_chars = max_field_chars
         self._buffer: list[str] = []
+        self._buffered = 0  # characters in _buffer
         self._lock = trio.Lock()  # one flush at a time
-        self._file = None
+        self._fd: int | None = None
         self._size = 0
         self.lines_written = 0
         self.lines_dropped = 0
+        self.write_errors = 0
+        #: the last write/rotation error while the log cannot be written, else None
+        self.error: str | None = None
+        self._retry_at = 0.0
+        self._backoff = 0.0
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:  # reported and retried like any write error
+                self.error = f"{self.path.parent}: {exc.strerror or exc}"
 
     # -- hot path ----------------------------------------------------------------------------
     def write(self, record: dict[str, Any]) -> None:
@@ -117,19 +165,17 @@ class RouteLog:
         behind (``max_buffered_lines``), the line is dropped and counted instead of growing memory."""
         if self.path is None:
             return
-        if len(self._buffer) >= self.max_buffered_lines:
-            self.lines_dropped += 1
-            return
-        self._buffer.append(_dumps(record))
+        self.write_line(_dumps(record))
 
     def write_line(self, line: str) -> None:
         """Queue one already-encoded JSON object (one line, no newline); same rules as
         :meth:`write`. The edge formats its lines itself with the ``json_*`` helpers."""
         if self.path is None:
             return
-        if len(self._buffer) >= self.max_buffered_lines:
+        if len(self._buffer) >= self.max_buffered_lines or self._buffered >= self.max_buffered_bytes:
             self.lines_dropped += 1
             return
+        self._buffered += len(line)
         self._buffer.append(line)
 
     # -- background --------------------------------------------------------------------------
@@ -140,42 +186,117 @@ class RouteLog:
             await trio.sleep(self.flush_interval_s)
             await self.flush()
 
-    async def flush(self) -> None:
-        """Write the buffered lines now (in a worker thread)."""
+    async def flush(self, *, force: bool = False) -> None:
+        """Write the buffered lines now (in a worker thread). After a failure the next attempt
+        waits for the back-off unless ``force``. Never raises for I/O errors (see the module
+        docstring)."""
         if not self._buffer or self.path is None:
             return
+        if not force and self.error is not None and trio.current_time() < self._retry_at:
+            return
         async with self._lock:
-            batch, self._buffer = self._buffer, []
-            await trio.to_thread.run_sync(self._write_batch, batch)
+            batch, self._buffer, self._buffered = self._buffer, [], 0
+            written, exc = await trio.to_thread.run_sync(self._write_batch, batch)
+            self.lines_written += written
+            if exc is None:
+                if self.error is not None:
+                    log.warning("routing log %s is writable again", self.path)
+                self.error = None
+                self._backoff = 0.0
+                return
+            # keep what was not written, in front of what came meanwhile, within the bounds
+            rest = batch[written:] + self._buffer
+            keep = rest[-self.max_buffered_lines:]
+            size = 0
+            start = len(keep)
+            while start > 0 and size + len(keep[start - 1]) <= self.max_buffered_bytes:
+                start -= 1
+                size += len(keep[start])
+            keep = keep[start:]
+            self.lines_dropped += len(rest) - len(keep)
+            self._buffer, self._buffered = keep, size
+            self.write_errors += 1
+            text = f"{self.path}: {exc.strerror or exc}"
+            if self.error is None:
+                log.error("cannot write the routing log %s; keeping up to %d lines and retrying",
+                          text, self.max_buffered_lines)
+            self.error = text
+            self._backoff = min(self.RETRY_MAX_S, max(self.RETRY_MIN_S, self._backoff * 2))
+            self._retry_at = trio.current_time() + self._backoff
 
     async def aclose(self) -> None:
         """Flush what is left and close the file. Shielded: it runs during shutdown."""
         with trio.CancelScope(shield=True):
-            await self.flush()
-            if self._file is not None:
-                await trio.to_thread.run_sync(self._file.close)
-                self._file = None
+            await self.flush(force=True)
+            if self._fd is not None:
+                fd, self._fd = self._fd, None
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
     # -- file handling (worker thread) --------------------------------------------------------
     def _open(self) -> None:
-        self._file = open(self.path, "a", encoding="utf-8")
-        self._size = self._file.tell()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        self._size = os.fstat(self._fd).st_size
 
-    def _write_batch(self, lines: list[str]) -> None:
-        if self._file is None:
-            self._open()
-        for line in lines:
-            data = line + "\n"
-            n = len(data.encode("utf-8")) if not data.isascii() else len(data)
-            if self._size and self._size + n > self.max_bytes:
-                self._rotate()
-            self._file.write(data)
-            self._size += n
-        self._file.flush()
-        self.lines_written += len(lines)
+    def _close_fd(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _write_batch(self, lines: list[str]) -> tuple[int, OSError | None]:
+        """Append ``lines`` (rotating by size). Returns (lines written, the error that stopped
+        it or None); a write cut short is truncated back to the last whole line."""
+        written = 0
+        try:
+            if self._fd is None:
+                self._open()
+            chunk: list[bytes] = []
+            chunk_lines = 0
+            size = self._size
+            for line in lines:
+                data = (line + "\n").encode("utf-8")
+                n = len(data)
+                if size and size + n > self.max_bytes:
+                    if chunk:
+                        self._append(b"".join(chunk))
+                        written += chunk_lines
+                        chunk, chunk_lines = [], 0
+                    self._rotate()
+                    size = self._size
+                chunk.append(data)
+                chunk_lines += 1
+                size += n
+            if chunk:
+                self._append(b"".join(chunk))
+                written += chunk_lines
+        except OSError as exc:
+            self._close_fd()  # reopened (and the size re-read) by the retry
+            return written, exc
+        return written, None
+
+    def _append(self, data: bytes) -> None:
+        fd = self._fd
+        start = self._size
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(fd, view):]
+        except OSError:
+            try:
+                os.ftruncate(fd, start)  # no torn line: the retry writes it whole
+            except OSError:
+                pass
+            raise
+        self._size = start + len(data)
 
     def _rotate(self) -> None:
-        self._file.close()
+        self._close_fd()
         if self.backup_count > 0:
             for i in range(self.backup_count - 1, 0, -1):
                 src = self.path.with_name(f"{self.path.name}.{i}")

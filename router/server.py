@@ -100,8 +100,40 @@ def worker_stats(running: RunningRouter) -> dict:
             "counters": [[a, n, v] for (a, n), v in st.counters.items()],
             "active": dict(st.active), "bytes_up": dict(st.bytes_up), "bytes_down": dict(st.bytes_down),
             "routers": {name: dict(svc.counters) for name, svc in running.services.items()},
-            "routing_log": [running.edge.routelog.lines_written, running.edge.routelog.lines_dropped],
+            "routing_log": [running.edge.routelog.lines_written, running.edge.routelog.lines_dropped,
+                            running.edge.routelog.write_errors, running.edge.routelog.error],
+            "io": io_status(running),
             "logins": dict(running.edge.login_gate.counters) if running.edge.login_gate else {}}
+
+
+def io_status(running: RunningRouter) -> dict:
+    """This process's I/O health: failing components, error counts, descriptor budget."""
+    rl = running.edge.routelog
+    failing = []
+    if rl.error is not None:
+        failing.append({"component": "routing_log", "error": rl.error})
+    for name, svc in running.services.items():
+        for comp, err in getattr(svc, "io_errors", {}).items():
+            failing.append({"component": comp, "router": name, "error": err})
+    return {"failing": failing, "routing_log_write_errors": rl.write_errors,
+            "open_fds": open_fd_count(), "fd_limit": fd_limit()}
+
+
+def open_fd_count() -> int | None:
+    """Descriptors this process has open (Linux /proc), or None."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # minus the one listdir holds
+    except OSError:
+        return None
+
+
+def fd_limit() -> int | None:
+    try:
+        import resource
+
+        return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return None
 
 
 def _control_handler(running_box: dict, services: dict, state_applied: trio.Event):
@@ -184,7 +216,8 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
     path = None
     if rl.enabled and rl.path is not None:
         path = worker_log_path(rl.path, worker, workers)
-    routelog = RouteLog(path, max_bytes=rl.max_bytes, backup_count=rl.backups)
+    routelog = RouteLog(path, max_bytes=rl.max_bytes, backup_count=rl.backups,
+                        max_field_chars=rl.max_field_chars)
     edge = EdgeContext(EdgeStats(), routelog, authenticator, worker=worker)
     acceptors: dict[str, Acceptor] = {}
     limits: dict[str, ConnectionLimit] = {}
@@ -203,6 +236,10 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
             for name, service in services.items():
                 await system.start(service.run)
             await system.start(routelog.run)
+            if any(acc.mode == "proxy" for acc in cfg.acceptors):
+                from router.net.proxy import SharedPoller
+
+                await system.start(SharedPoller().run)
 
             bound: dict[str, list[trio.SocketListener]] = {}
             try:
@@ -263,7 +300,8 @@ async def _serve_acceptor(acceptor: Acceptor, listeners, handlers: trio.Nursery,
                           edge: EdgeContext) -> None:
     name = acceptor.settings.name
     await serve_listeners(acceptor.handle, listeners, handler_nursery=handlers, limit=limit,
-                          on_rejected=lambda: edge.stats.inc(name, "connection_limit_rejected"))
+                          on_rejected=lambda: edge.stats.inc(name, "connection_limit_rejected"),
+                          on_fd_exhausted=lambda: edge.stats.inc(name, "fd_limit_rejected"))
 
 
 async def _wait_for_signal(accept_scope: trio.CancelScope) -> None:

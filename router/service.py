@@ -51,13 +51,14 @@ import trio
 from router.cache_embedded import EmbeddedCacheStore
 from router.config import RouterConfig, RouterProcessConfig
 from router.core.cache import StickyCache
+from router.core.cache import page as cache_page
 from router.core.decide import Decision, Outcome, Router
 from router.core.filters import compile_key_filter, compile_local_filter
 from router.core.keys import ConnectionInfo, KeyResolver
 from router.core.pins import PinTable, load_pins
 from router.core.policies import create_policy
 from router.core.pool import Pool, create_membership_source
-from router.errors import CacheBackendError, PinFileError
+from router.errors import CacheBackendError, CacheBackendTimeout, PinFileError
 from router.health import run_health_checks
 
 log = logging.getLogger("lodestone.router.service")
@@ -66,6 +67,8 @@ FLUSH_INTERVAL_S = 0.2
 REDIS_SYNC_INTERVAL_S = 0.05
 REDIS_RETRY_S = 1.0
 REDIS_MAX_PENDING = 100_000
+PERSIST_RETRY_MAX_S = 5.0
+READ_TIMEOUTS_TO_DEGRADE = 3
 SHARED_TIMEOUT_S = 1.0  # a worker's request to the supervisor's cache (same machine)
 
 COUNTERS = ("route_ok", "route_refused_unavailable", "route_refused_use_another", "cache_hit",
@@ -73,7 +76,8 @@ COUNTERS = ("route_ok", "route_refused_unavailable", "route_refused_use_another"
             "quorum_wait_timeouts", "redis_hits", "redis_misses", "redis_errors", "redis_writes",
             "redis_conflicts", "redis_writes_dropped", "shared_hits", "shared_misses",
             "shared_errors", "shared_writes", "shared_conflicts", "shared_writes_dropped",
-            "persist_writes", "persist_errors",
+            "persist_writes", "persist_errors", "persist_compactions", "cache_evictions",
+            "key_too_long", "redis_reads", "redis_reads_skipped", "redis_read_timeouts",
             "pins_reloads", "pins_errors", "pins_bad_lines", "probe_rounds",
             "management_lookups")
 
@@ -97,6 +101,8 @@ class RouterService:
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.degraded = False
         self.degraded_reason: str | None = None
+        #: I/O components failing right now (``"cache_file"``) → the error; they are retried
+        self.io_errors: dict[str, str] = {}
         self.pins_error: str | None = None
         self._pool_changed = trio.Event()
         #: called after every health-probe round (the supervisor pushes the pool to its workers)
@@ -123,7 +129,8 @@ class RouterService:
             to_owner = shared is not None and cc.backend != "redis"
             cache = StickyCache(cc.timeout_ms,
                                 track_changes=cc.backend in ("embedded", "redis") or to_owner,
-                                log_expiry=cc.backend != "redis" and not to_owner)
+                                log_expiry=cc.backend != "redis" and not to_owner,
+                                max_entries=cc.max_entries)
             if to_owner:
                 from router.control import SharedCacheTier
                 self._redis = SharedCacheTier(shared, self.name)
@@ -136,7 +143,8 @@ class RouterService:
                     from router.cache_redis import RedisCache
                     redis_cache = RedisCache(cc.redis_url, router=self.name,
                                              prefix=cc.redis_key_prefix, timeout_ms=cc.timeout_ms,
-                                             socket_timeout_s=max(0.25, cc.redis_timeout_ms / 1e3))
+                                             socket_timeout_s=max(0.25, cc.redis_timeout_ms / 1e3),
+                                             connect_timeout_s=cc.redis_connect_timeout_ms / 1e3)
                 self._redis = redis_cache
         self._redis_seen: dict[str, str] = {}
         self._claiming: dict[str, trio.Event] = {}  # shared tier: keys whose new decision is in flight
@@ -144,6 +152,7 @@ class RouterService:
         self._pending_touch: set[str] = set()
         self._pending_del: set[str] = set()
         self._last_redis_try = -1e9
+        self._read_timeouts_in_row = 0
         pins = None
         self._pins_mtime: float | None = None
         if config.pins is not None:
@@ -154,7 +163,8 @@ class RouterService:
                            pool=self._holder if pc is not None else None, cache=cache,
                            local_filter=compile_local_filter(config.local_target_filter,
                                                              from_config=True),
-                           local=self._holder.local, pins=pins)
+                           local=self._holder.local, pins=pins,
+                           max_key_length=config.max_key_length)
 
     # -- public surface -------------------------------------------------------------------------
     @property
@@ -180,10 +190,16 @@ class RouterService:
         return d
 
     def route_for_key(self, key: str) -> Decision:
-        """Management lookup: skip the key filter, populate the cache (no quorum wait)."""
+        """Management lookup: skip the key filter, populate the cache (no quorum wait).
+        A key over ``max-key-length`` is refused (the management API checks
+        :meth:`key_too_long` first and answers 400)."""
         d = self.core.decide_for_key(key, self.clock())
         self.counters["management_lookups"] += 1
         return d
+
+    def key_too_long(self, key: str) -> str | None:
+        """Why ``key`` is refused by ``max-key-length``, or None."""
+        return self.core.key_too_long(key)
 
     def set_key_filter(self, pattern: str | None) -> None:
         """Replace the key filter (None/blank clears). Raises FilterError."""
@@ -203,12 +219,23 @@ class RouterService:
         return self.core.get_local_target_filter()
 
     def cache_entries(self) -> list[dict[str, Any]]:
-        """Live local-tier entries: key, node_id, idle_s, age_s."""
+        """Live local-tier entries: key, node_id, idle_s, age_s (all of them: tests, embedders;
+        the management API pages with :meth:`cache_page`)."""
         cache = self.core.cache
         if cache is None:
             return []
         return [{"key": k, "node_id": ident, "idle_s": idle, "age_s": age}
                 for k, ident, idle, age in cache.items(self.clock())]
+
+    def cache_page(self, *, after: str | None, limit: int) -> dict[str, Any]:
+        """One page of live local-tier entries in key order: ``{total, entries, next}``."""
+        cache = self.core.cache
+        if cache is None:
+            return {"total": 0, "entries": [], "next": None}
+        rows, nxt = cache_page(cache.items(self.clock()), after=after, limit=limit)
+        return {"total": len(cache), "max_entries": cache.max_entries,
+                "entries": [{"key": k, "node_id": ident, "idle_s": idle, "age_s": age}
+                            for k, ident, idle, age in rows], "next": nxt}
 
     # -- multi-worker: owner side (supervisor) and follower side (worker) ----------------------
     def shared_get(self, key: str) -> str | None:
@@ -239,6 +266,7 @@ class RouterService:
             cache.get(key, now)
         for key in deletes:
             cache.remove(key)
+        self.counters["cache_evictions"] = cache.evictions
         return conflicts
 
     def pool_states(self) -> list[list]:
@@ -261,7 +289,8 @@ class RouterService:
                 "local_target_filter": self.get_local_target_filter(),
                 "cache_size": len(self.core.cache) if self.core.cache is not None else None,
                 "pins": len(self.core.pins) if self.core.pins is not None else None,
-                "pins_error": self.pins_error, "counters": dict(self.counters)}
+                "pins_error": self.pins_error, "io_errors": dict(self.io_errors),
+                "counters": dict(self.counters)}
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run probes, persistence / Redis sync, expiry and pin reloads until cancelled.
@@ -278,6 +307,8 @@ class RouterService:
                     nursery.start_soon(self._persist_loop)
                 if self._redis is not None:
                     nursery.start_soon(self._redis_loop)
+                    if getattr(self._redis, "reader", None) is not None and self._tier == "redis":
+                        nursery.start_soon(self._redis.reader.run)
                 if self.core.cache is not None and self.config.cache.timeout_ms:
                     nursery.start_soon(self._expiry_loop)
                 if self.config.pins is not None:
@@ -288,6 +319,10 @@ class RouterService:
             self.flush()
             if self._store is not None:
                 self._store.close()
+            reader = getattr(self._redis, "reader", None) if self._tier == "redis" else None
+            if reader is not None:
+                with trio.CancelScope(shield=True):
+                    await reader.aclose()
 
     def flush(self) -> None:
         """Write pending cache changes to the embedded file now (sync; used at shutdown)."""
@@ -296,7 +331,7 @@ class RouterService:
                 self._store.write(*self._persist_batch())
             except OSError as exc:
                 self.counters["persist_errors"] += 1
-                log.error("router %s: cannot write cache file %s: %s", self.name,
+                log.error("router %s: cannot write cache file %s at exit: %s", self.name,
                           self._store.path, exc)
 
     def close(self) -> None:
@@ -324,6 +359,11 @@ class RouterService:
             c["local_match"] += 1
         if ex.pin is not None and ex.reason.startswith("pinned"):
             c["pin_hit"] += 1
+        elif cs == "skipped" and ex.reason.startswith("key too long"):
+            c["key_too_long"] += 1
+        cache = self.core.cache
+        if cache is not None:
+            c["cache_evictions"] = cache.evictions
 
     def _on_pool_change(self, _pool: Pool) -> None:
         ev, self._pool_changed = self._pool_changed, trio.Event()
@@ -374,12 +414,16 @@ class RouterService:
         entries = self._store.load()
         now_wall = self.clock() + self._wall_offset
         timeout = cache.timeout_s
-        for key, (ident, last_wall, stored_wall) in entries.items():
-            if timeout and now_wall - last_wall >= timeout:
-                cache.changes[key] = None  # expired while we were down: delete the record
+        max_len = self.config.max_key_length
+        # least recently used first, so over max-entries the oldest are the ones evicted
+        for key, (ident, last_wall, stored_wall) in sorted(entries.items(),
+                                                           key=lambda kv: kv[1][1]):
+            if (timeout and now_wall - last_wall >= timeout) or len(key) > max_len:
+                cache.changes[key] = None  # expired while we were down / over the key limit
                 continue
             cache.restore(key, ident, last_wall - self._wall_offset,
                           stored_wall - self._wall_offset)
+        self.counters["cache_evictions"] = cache.evictions
         if self._store.skipped:
             log.warning("router %s: skipped %d damaged record(s) in %s", self.name,
                         self._store.skipped, self._store.path)
@@ -400,22 +444,43 @@ class RouterService:
         return puts, touches, deletes
 
     async def _persist_loop(self) -> None:
+        """Append the drained changes every FLUSH_INTERVAL_S; compact when the file holds
+        many more records than live entries. A failed write (ENOSPC, EMFILE, EIO…) never stops
+        the router: the batch goes back into the pending changes (newer changes win), the
+        failure is counted and reported (``io_errors["cache_file"]``, /health), and the next
+        flush retries — after a back-off that doubles up to PERSIST_RETRY_MAX_S."""
         store = self._store
+        cache = self.core.cache
+        backoff = 0.0
         while True:
-            await trio.sleep(FLUSH_INTERVAL_S)
+            await trio.sleep(FLUSH_INTERVAL_S + backoff)
             puts, touches, deletes = self._persist_batch()
             try:
                 if puts or touches or deletes:
                     await trio.to_thread.run_sync(store.write, puts, touches, deletes)
                     self.counters["persist_writes"] += 1
-                if store.needs_compaction(len(self.core.cache)):
+                if store.needs_compaction(len(cache)):
                     off = self._wall_offset
-                    snap = [(k, e[0], e[1] + off, e[2] + off)
-                            for k, e in self.core.cache.entries.items()]
+                    snap = [(k, e[0], e[1] + off, e[2] + off) for k, e in cache.entries.items()]
                     await trio.to_thread.run_sync(store.compact, snap)
+                    self.counters["persist_compactions"] += 1
             except OSError as exc:
                 self.counters["persist_errors"] += 1
-                log.error("router %s: cannot write cache file %s: %s", self.name, store.path, exc)
+                for key, *_ in puts:
+                    cache.changes.setdefault(key, cache.entries[key][0]
+                                             if key in cache.entries else None)
+                for key in deletes:
+                    cache.changes.setdefault(key, None)
+                cache.touched.update(k for k, _ in touches)
+                backoff = min(PERSIST_RETRY_MAX_S, max(FLUSH_INTERVAL_S, backoff * 2))
+                text = f"{store.path}: {exc.strerror or exc}"
+                if "cache_file" not in self.io_errors:
+                    log.error("router %s: cannot write cache file %s; retrying", self.name, text)
+                self.io_errors["cache_file"] = text
+                continue
+            backoff = 0.0
+            if self.io_errors.pop("cache_file", None) is not None:
+                log.warning("router %s: cache file %s writable again", self.name, store.path)
 
     async def _expiry_loop(self) -> None:
         cache = self.core.cache
@@ -448,7 +513,7 @@ class RouterService:
                 raise CacheBackendError(f"redis client error: {type(exc).__name__}: {exc}") \
                     from exc
         if cs.cancelled_caught:
-            raise CacheBackendError(f"{self._tier} timeout after {timeout_s * 1000:.0f} ms")
+            raise CacheBackendTimeout(f"{self._tier} timeout after {timeout_s * 1000:.0f} ms")
 
     async def _decide_with_redis(self, conn: ConnectionInfo) -> Decision:
         d, key = self.core.lookup(conn, self.clock())
@@ -460,12 +525,39 @@ class RouterService:
             return d
         from_redis = False
         tier = self._tier
-        if not self.degraded:
+        if self.degraded:
+            if tier == "redis":
+                self.counters["redis_reads_skipped"] += 1
+        else:
+            reader = getattr(self._redis, "reader", None) if tier == "redis" else None
+            if tier == "redis":
+                self.counters["redis_reads"] += 1
             try:
-                value = await self._redis_call(self._redis.get, key, timeout_s=self._read_timeout_s())
+                if reader is not None:  # its own deadline: it tells a late task from a late reply
+                    value = await reader.get(key, self._read_timeout_s())
+                else:
+                    value = await self._redis_call(self._redis.get, key,
+                                                   timeout_s=self._read_timeout_s())
             except CacheBackendError as exc:
-                self._set_degraded(exc)
+                value = None
+                if isinstance(exc, CacheBackendTimeout) and tier == "redis":
+                    # A late answer is not an outage: reads stop (degraded) only when Redis
+                    # answered nothing at all while this read waited (hung or gone), or —
+                    # threaded client — after READ_TIMEOUTS_TO_DEGRADE timeouts in a row.
+                    self.counters["redis_read_timeouts"] += 1
+                    self._read_timeouts_in_row += 1
+                    if reader is not None:
+                        dead = getattr(exc, "silent", True)
+                    else:
+                        dead = self._read_timeouts_in_row >= READ_TIMEOUTS_TO_DEGRADE
+                    if dead:
+                        self._set_degraded(exc)
+                    else:
+                        self.counters["redis_errors"] += 1
+                else:
+                    self._set_degraded(exc)
             else:
+                self._read_timeouts_in_row = 0
                 if value is None:
                     self.counters[f"{tier}_misses"] += 1
                 else:

@@ -28,13 +28,14 @@ class RouterProcess(ServerProcessMixin):
     proc: subprocess.Popen | None = None
     urls: dict[str, str] = field(default_factory=dict)
     lines: list[str] = field(default_factory=list)
+    preexec_fn: Any = None  # e.g. lower RLIMIT_NOFILE in the child
 
     STDERR_NAME = "router.stderr.log"
     TERMINATE_TIMEOUT_S = 30.0
 
     def start(self, expect: int, timeout_s: float = 30.0) -> "RouterProcess":
         self._spawn(["router", "run", str(self.config_path), *self.extra_args],
-                    lambda urls: len(urls) >= expect, timeout_s, "router")
+                    lambda urls: len(urls) >= expect, timeout_s, "router", preexec_fn=self.preexec_fn)
         return self
 
     def url(self, acceptor: str, userinfo: str | None = None) -> str:
@@ -71,14 +72,14 @@ class RouterProcess(ServerProcessMixin):
 
 
 def start_router(workdir: Path, toml_text: str, *, expect: int, auth: tuple[str, str] | None = ("admin", "admin"),
-                 extra_args: list[str] | None = None) -> RouterProcess:
+                 extra_args: list[str] | None = None, preexec_fn=None) -> RouterProcess:
     """Write ``router.toml`` in ``workdir`` and start the router; ``expect`` = number of
     ``listening`` lines (acceptors + management) to wait for."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "router.toml"
     path.write_text(toml_text)
-    return RouterProcess(workdir, path, auth, list(extra_args or [])).start(expect)
+    return RouterProcess(workdir, path, auth, list(extra_args or []), preexec_fn=preexec_fn).start(expect)
 
 
 toml_str = toml_value  # the name the router tests use

@@ -34,11 +34,11 @@ class ServerProcessMixin:
     _reader: threading.Thread | None = None
 
     def _spawn(self, module_args: list[str], ready: Callable[[dict[str, str]], bool], timeout_s: float,
-               what: str) -> None:
+               what: str, preexec_fn: Callable[[], None] | None = None) -> None:
         stderr = open(self.workdir / self.STDERR_NAME, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", *module_args], cwd=REPO, stdout=subprocess.PIPE,
                                      stderr=stderr, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=preexec_fn)
         stderr.close()
         _LIVE.add(self)
         self.urls = {}

@@ -2,10 +2,14 @@
 
 Theory of operation
 -------------------
-A plain dict of ``key -> [identity, last_access, stored_at]`` (monotonic seconds, passed in as
-``now``). ``timeout_ms == 0`` never expires. A read of a live entry refreshes ``last_access``
-in place (expire-after-access, as Caffeine ``expireAfterAccess``); an expired entry is dropped
-when read or swept by ``expire(now)``.
+An ordered dict of ``key -> [identity, last_access, stored_at]`` (monotonic seconds, passed in
+as ``now``), least recently used first. ``timeout_ms == 0`` never expires. A read of a live entry
+refreshes ``last_access`` in place and moves it to the end (expire-after-access, as Caffeine
+``expireAfterAccess``); an expired entry is dropped when read or swept by ``expire(now)``.
+
+``max_entries`` (0 = unbounded) caps the cache: a put of a new key over the cap evicts the least
+recently used entry (``evictions`` counts them). An eviction is logged in ``changes`` like an
+expiry (so the embedded file forgets it too, and a shared tier keeps its own copy).
 
 The shell persists or shares the cache (embedded file, Redis) by draining ``changes`` — the
 ``(key, identity or None)`` writes and deletions since the last drain — and ``touched`` — the
@@ -17,18 +21,27 @@ time must not delete the shared entry.
 
 from __future__ import annotations
 
-from typing import Iterator
+import heapq
+from collections import OrderedDict
+from typing import Iterable, Iterator
+
+DEFAULT_PAGE_SIZE = 100
+MAX_PAGE_SIZE = 1000
 
 
 class StickyCache:
     """In-memory sticky cache with expire-after-access."""
 
-    __slots__ = ("timeout_s", "entries", "track_changes", "log_expiry", "changes", "touched")
+    __slots__ = ("timeout_s", "entries", "track_changes", "log_expiry", "changes", "touched",
+                 "max_entries", "evictions", "_move")
 
     def __init__(self, timeout_ms: int = 0, *, track_changes: bool = False,
-                 log_expiry: bool = True) -> None:
+                 log_expiry: bool = True, max_entries: int = 0) -> None:
         self.timeout_s = timeout_ms / 1000.0
-        self.entries: dict[str, list] = {}
+        self.entries: OrderedDict[str, list] = OrderedDict()
+        self._move = self.entries.move_to_end
+        self.max_entries = max_entries
+        self.evictions = 0
         self.track_changes = track_changes
         self.log_expiry = log_expiry
         self.changes: dict[str, str | None] = {}
@@ -47,6 +60,7 @@ class StickyCache:
             self._drop(key, expired=True)
             return None
         e[1] = now
+        self._move(key)
         if self.track_changes and t:
             self.touched.add(key)
         return e
@@ -63,17 +77,31 @@ class StickyCache:
         e = self.entries.get(key)
         if e is not None and e[0] == identity:
             e[1] = now
+            self._move(key)
             if self.track_changes and self.timeout_s:
                 self.touched.add(key)
             return False
         self.entries[key] = [identity, now, now]
+        self._move(key)
         if self.track_changes:
             self.changes[key] = identity
+        if self.max_entries and len(self.entries) > self.max_entries:
+            self._evict()
         return True
 
     def restore(self, key: str, identity: str, last_access: float, stored_at: float) -> None:
-        """Load an entry from a persisted or shared tier (does not count as a change)."""
+        """Load an entry from a persisted or shared tier (does not count as a change); it
+        becomes the most recently used (over ``max_entries`` the least recently used goes)."""
         self.entries[key] = [identity, last_access, stored_at]
+        self._move(key)
+        if self.max_entries and len(self.entries) > self.max_entries:
+            self._evict()
+
+    def _evict(self) -> None:
+        while len(self.entries) > self.max_entries:
+            key = next(iter(self.entries))
+            self._drop(key, expired=True)
+            self.evictions += 1
 
     def remove(self, key: str) -> bool:
         """Forget ``key``; True if it was present."""
@@ -115,3 +143,17 @@ class StickyCache:
             if t and now - last >= t:
                 continue
             yield k, ident, now - last, now - stored
+
+
+def page(items: Iterable[tuple], *, after: str | None, limit: int) -> tuple[list[tuple], str | None]:
+    """One page of ``(key, ...)`` rows in key order: the ``limit`` smallest keys greater than
+    ``after`` (None = from the start). Returns ``(rows, next)`` where ``next`` is the cursor
+    for the following page (the last key returned), or None when nothing follows.
+
+    O(n log limit): a listing never sorts or copies the whole cache."""
+    if after is not None:
+        items = (row for row in items if row[0] > after)
+    rows = heapq.nsmallest(limit + 1, items, key=lambda row: row[0])
+    if len(rows) > limit:
+        return rows[:limit], rows[limit - 1][0]
+    return rows, None

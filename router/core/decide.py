@@ -15,6 +15,11 @@ Theory of operation
 8. policy.select_target(pool.targets(), key) — ``()`` below quorum; a target is cached and OK,
    ``None`` is REFUSED_UNAVAILABLE.
 
+Before step 2's filter runs, a raw key longer than ``max_key_length`` characters (0 = no limit)
+is refused (REFUSED_USE_ANOTHER, reason ``key too long (…)``): never hashed or truncated, which
+would break Artemis-identical placement and joins on the routing log; nothing about it is
+cached. ``key_too_long(key)`` gives the same verdict to the management lookup.
+
 ``decide_for_key(key, now)`` (management) starts at step 3 with the raw key: no key filter.
 ``lookup(conn, now)`` runs steps 1-7 only and returns ``None`` where the policy would be asked,
 so the shell can consult a remote cache tier (Redis) first without side effects.
@@ -130,8 +135,9 @@ class Router:
     def __init__(self, name: str, resolver: KeyResolver, *, policy: Policy | None = None,
                  pool: Pool | None = None, cache: StickyCache | None = None,
                  local_filter: Filter | None = None, local: TargetState | None = None,
-                 pins: PinTable | None = None) -> None:
+                 pins: PinTable | None = None, max_key_length: int = 0) -> None:
         self.name = name
+        self.max_key_length = max_key_length
         self.resolver = resolver
         self.policy = policy  # property: also picks the transform step (None = identity)
         self.pool = pool
@@ -171,17 +177,38 @@ class Router:
         return f.pattern if f is not None else None
 
     # -- decisions ----------------------------------------------------------------------------
+    def key_too_long(self, key: str | None) -> str | None:
+        """The refusal reason when ``key`` is over ``max_key_length``, else None."""
+        m = self.max_key_length
+        if m and key is not None and len(key) > m:
+            return f"key too long ({len(key)} characters; max-key-length is {m})"
+        return None
+
+    def _too_long(self, raw: str, reason: str) -> Decision:
+        # filtered/transformed keys are NULL: nothing downstream (cache, policy) sees the key;
+        # raw_key is the client's own string (the routing log truncates it)
+        return _decision(_ANOTHER, None, False,
+                         self._expl(raw, NULL_KEY, NULL_KEY, False, None, "skipped", None, None,
+                                    reason))
+
     def decide(self, conn: ConnectionInfo, now: float) -> Decision:
         """Route one connection: see the module docstring for the steps."""
         if self.resolver.artemis_keys and self.local is not None:
             cid = conn.container_id
             if cid is not None and cid.startswith(ARTEMIS_INTERNAL_CLIENT_PREFIX):
+                if self.max_key_length and len(cid) > self.max_key_length:
+                    return self._too_long(cid, self.key_too_long(cid))
                 return self._local(cid, cid, cid, False, "artemis internal client id")
         raw, filtered = self.resolver.resolve(conn)
+        if self.max_key_length and raw is not None and len(raw) > self.max_key_length:
+            return self._too_long(raw, self.key_too_long(raw))
         return self._route(raw, filtered, now, True)  # type: ignore[return-value]
 
     def decide_for_key(self, key: str, now: float) -> Decision:
         """Management lookup: route a raw key, skipping the key filter (populates the cache)."""
+        reason = self.key_too_long(key)
+        if reason is not None:
+            return self._too_long(key, reason)
         return self._route(key, key, now, True)  # type: ignore[return-value]
 
     def lookup(self, conn: ConnectionInfo, now: float) -> tuple[Decision | None, str]:
@@ -193,8 +220,12 @@ class Router:
         if self.resolver.artemis_keys and self.local is not None:
             cid = conn.container_id
             if cid is not None and cid.startswith(ARTEMIS_INTERNAL_CLIENT_PREFIX):
+                if self.max_key_length and len(cid) > self.max_key_length:
+                    return self._too_long(cid, self.key_too_long(cid)), NULL_KEY
                 return self._local(cid, cid, cid, False, "artemis internal client id"), cid
         raw, filtered = self.resolver.resolve(conn)
+        if self.max_key_length and raw is not None and len(raw) > self.max_key_length:
+            return self._too_long(raw, self.key_too_long(raw)), NULL_KEY
         d = self._route(raw, filtered, now, False)
         if isinstance(d, str):
             return None, d

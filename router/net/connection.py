@@ -38,6 +38,7 @@ Whatever happens, ``finally`` closes every stream (TLS streams with a close_noti
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import itertools
 import logging
@@ -69,6 +70,7 @@ from router.routelog import (
     json_float,
     json_int,
     json_str,
+    json_str_bounded,
     json_str_list,
     utc_timestamp,
 )
@@ -592,6 +594,9 @@ class Acceptor:
     def _refusal_text(self, decision: Decision) -> str:
         r = self.settings.router
         if decision.outcome is Outcome.REFUSED_USE_ANOTHER:
+            reason = decision.explanation.reason
+            if reason.startswith("key too long"):  # max-key-length: tell the client why
+                return f"Connection router {r} rejected this connection ({reason})"
             return f"Connection router {r} rejected this connection"
         reason = getattr(decision.explanation, "reason", "")
         return f"Connection router {r} is not ready" + (f" ({reason})" if reason else "")
@@ -672,9 +677,15 @@ class Acceptor:
                 c.upstream = None
             elif usock is not None:
                 usock.close()
+            self._log_decision(c, c.decision, c.decision_us, "upstream_failed")
+            if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+                # out of descriptors: this client is refused, established ones are unaffected
+                self._inc("upstream_fd_exhausted")
+                await self._refuse(client, f"Connection router {r} is out of file descriptors and cannot "
+                                           f"connect to broker {where}", None, c=c, scope=scope)
+                return False
             self._inc("upstream_connect_failed")
             log.info("%s: cannot reach %s: %s", s.name, where, exc)
-            self._log_decision(c, c.decision, c.decision_us, "upstream_failed")
             await self._refuse(client, f"Connection router {r} could not reach broker {where}", None,
                                c=c, scope=scope)
             return False
@@ -745,16 +756,19 @@ class Acceptor:
         s = self.settings
         e = decision.explanation
         tname, tnode, taddr = _target_json(decision.target)
+        lim = routelog.max_field_chars  # client-supplied strings are bounded (router.routelog)
         routelog.write_line(
             f'{{"v":1,"event":"route","time":"{utc_timestamp(self.edge.clock())}",'
             f'"connection_id":{json_str(c.id)},"worker":{json_int(self.edge.worker)},'
             f'"router":{json_str(s.router)},"acceptor":{json_str(s.name)},"mode":{json_str(s.mode)},'
-            f'"key_type":{json_str(e.key_type)},"key_raw":{json_str(e.raw_key)},'
-            f'"key_filtered":{json_str(e.filtered_key)},"key_transformed":{json_str(e.key)},'
-            f'"client_address":{json_str(c.host)},"client_port":{json_int(c.port)},"sni":{json_str(c.sni)},'
-            f'"user":{json_str(c.user)},"roles":{json_str_list(c.roles)},'
-            f'"sasl_mechanism":{json_str(c.mechanism)},"container_id":{json_str(c.container_id)},'
-            f'"open_hostname":{json_str(c.open_hostname)},"target_name":{tname},"target_node_id":{tnode},'
+            f'"key_type":{json_str(e.key_type)},"key_raw":{json_str_bounded(e.raw_key, lim)},'
+            f'"key_filtered":{json_str_bounded(e.filtered_key, lim)},'
+            f'"key_transformed":{json_str_bounded(e.key, lim)},'
+            f'"client_address":{json_str(c.host)},"client_port":{json_int(c.port)},'
+            f'"sni":{json_str_bounded(c.sni, lim)},'
+            f'"user":{json_str_bounded(c.user, lim)},"roles":{json_str_list(c.roles)},'
+            f'"sasl_mechanism":{json_str(c.mechanism)},"container_id":{json_str_bounded(c.container_id, lim)},'
+            f'"open_hostname":{json_str_bounded(c.open_hostname, lim)},"target_name":{tname},"target_node_id":{tnode},'
             f'"target_address":{taddr},"local":{json_bool(decision.local)},"policy":{json_str(e.policy)},'
             f'"cache":{json_str(e.cache)},"cache_hit":{json_bool(e.cache == "hit")},'
             f'"cache_tier":{json_str(e.cache_tier)},"pin":{json_str(e.pin)},'
@@ -772,17 +786,19 @@ class Acceptor:
         if routelog.path is None:
             return
         tname, tnode, taddr = _target_json(decision.target)
+        lim = routelog.max_field_chars
         routelog.write_line(
             f'{{"v":1,"event":"close","time":"{utc_timestamp(self.edge.clock())}",'
             f'"connection_id":{json_str(c.id)},"worker":{json_int(self.edge.worker)},'
             f'"router":{json_str(s.router)},"acceptor":{json_str(s.name)},"mode":{json_str(s.mode)},'
-            f'"client_address":{json_str(c.host)},"client_port":{json_int(c.port)},"user":{json_str(c.user)},'
-            f'"container_id":{json_str(c.container_id)},"target_name":{tname},"target_node_id":{tnode},'
+            f'"client_address":{json_str(c.host)},"client_port":{json_int(c.port)},'
+            f'"user":{json_str_bounded(c.user, lim)},'
+            f'"container_id":{json_str_bounded(c.container_id, lim)},"target_name":{tname},"target_node_id":{tnode},'
             f'"target_address":{taddr},"bytes_client_to_broker":{json_int(result.bytes_up)},'
             f'"bytes_broker_to_client":{json_int(result.bytes_down)},'
             f'"duration_ms":{json_float(round((trio.current_time() - c.started) * 1000, 3))},'
             f'"close_reason":{json_str(result.reason.value)},"closed_first_by":{json_str(result.first_eof)},'
-            f'"spliced":{json_bool(result.spliced)},"error":{json_str(result.error)}}}')
+            f'"spliced":{json_bool(result.spliced)},"error":{json_str_bounded(result.error, lim)}}}')
 
 
 def _target_json(t) -> tuple[str, str, str]:

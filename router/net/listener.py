@@ -11,12 +11,20 @@ accept time (over-limit connections are counted and closed at once, before any T
 trio's loop it accepts every pending connection per wakeup (bounded batches) on the stdlib
 socket and hands handlers the stdlib socket and the peer address ``accept`` returned (the edge
 wraps it in ``router.net.fastio`` streams).
+
+Out of descriptors (EMFILE/ENFILE at ``accept``): the kernel keeps the connection in the backlog
+and the listener stays readable, so simply retrying would spin and leave those clients hanging.
+The loop keeps one spare descriptor (``/dev/null``, opened at start): it closes the spare,
+accepts the waiting connection, closes it at once (the client sees the connection end — refused
+cleanly, counted by ``on_fd_exhausted``), reopens the spare, and goes on. Connections already
+established are untouched. Without a spare (it could not be reopened) it sleeps and retries.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import os
 import socket as _stdlib_socket
 from typing import Any, Awaitable, Callable
 
@@ -103,16 +111,65 @@ class ConnectionLimit:
         self.active -= 1
 
 
+class _Spare:
+    """One spare descriptor, given up to accept-and-close a client when the process is out."""
+
+    def __init__(self) -> None:
+        self.fd: int | None = None
+        self.reopen()
+
+    def reopen(self) -> None:
+        if self.fd is None:
+            try:
+                self.fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                self.fd = None
+
+    def release(self) -> bool:
+        if self.fd is None:
+            return False
+        os.close(self.fd)
+        self.fd = None
+        return True
+
+    def close(self) -> None:
+        self.release()
+
+
+class _Throttle:
+    """At most one log line per ``period_s`` for a repeating condition."""
+
+    def __init__(self, period_s: float = 10.0) -> None:
+        self.period_s = period_s
+        self.last = -1e9
+        self.suppressed = 0
+
+    def ready(self) -> bool:
+        now = trio.current_time()
+        if now - self.last >= self.period_s:
+            self.last = now
+            return True
+        self.suppressed += 1
+        return False
+
+
 async def serve_listeners(handler: Callable[[_stdlib_socket.socket, Any], Awaitable[None]],
                           listeners: list[trio.SocketListener], *, handler_nursery: trio.Nursery,
-                          limit: ConnectionLimit, on_rejected: Callable[[], None]) -> None:
+                          limit: ConnectionLimit, on_rejected: Callable[[], None],
+                          on_fd_exhausted: Callable[[], None] | None = None) -> None:
     """Accept forever on every listener; each accepted socket runs ``handler(sock, peer)`` in
     ``handler_nursery`` (``sock``: a stdlib socket, ``peer``: its address as ``accept``
-    returned it). Over the limit the socket is closed at once and ``on_rejected`` called. The
-    handler owns closing its socket."""
-    async with trio.open_nursery() as accept_nursery:
-        for listener in listeners:
-            accept_nursery.start_soon(_accept_loop, handler, listener, handler_nursery, limit, on_rejected)
+    returned it). Over the limit the socket is closed at once and ``on_rejected`` called; out
+    of descriptors a waiting client is accepted with the spare descriptor and closed at once,
+    and ``on_fd_exhausted`` called. The handler owns closing its socket."""
+    spare = _Spare()
+    try:
+        async with trio.open_nursery() as accept_nursery:
+            for listener in listeners:
+                accept_nursery.start_soon(_accept_loop, handler, listener, handler_nursery, limit, on_rejected,
+                                          spare, on_fd_exhausted or (lambda: None), _Throttle())
+    finally:
+        spare.close()
 
 
 def _stdlib_listener(listener: trio.SocketListener) -> _stdlib_socket.socket:
@@ -121,7 +178,8 @@ def _stdlib_listener(listener: trio.SocketListener) -> _stdlib_socket.socket:
 
 
 async def _accept_loop(handler, listener: trio.SocketListener, handler_nursery: trio.Nursery,
-                       limit: ConnectionLimit, on_rejected) -> None:
+                       limit: ConnectionLimit, on_rejected, spare: _Spare, on_fd_exhausted,
+                       throttle: _Throttle) -> None:
     # Accept every pending connection per wakeup (up to _ACCEPT_BATCH, then yield so handlers
     # run): one wait per burst instead of one per connection. accept() returns the peer's
     # address, so handlers need no getpeername().
@@ -136,9 +194,26 @@ async def _accept_loop(handler, listener: trio.SocketListener, handler_nursery: 
                 await trio.lowlevel.wait_readable(lsock)
                 break
             except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE) and spare.release():
+                    # refuse the waiting client cleanly instead of leaving it in the backlog
+                    try:
+                        s, _peer = accept()
+                        s.close()
+                        on_fd_exhausted()
+                    except OSError:
+                        pass
+                    spare.reopen()
+                    if throttle.ready():
+                        log.error("out of file descriptors (%s): refusing new connections "
+                                  "(established ones are unaffected)%s",
+                                  errno.errorcode.get(exc.errno, exc.errno),
+                                  f"; {throttle.suppressed} more since the last report" if throttle.suppressed else "")
+                        throttle.suppressed = 0
+                    continue
                 if exc.errno in _ACCEPT_CAPACITY_ERRNOS:
-                    log.error("accept failed (%s); retrying in %.1fs", errno.errorcode.get(exc.errno, exc.errno),
-                              _SLEEP_ON_CAPACITY_S)
+                    if throttle.ready():
+                        log.error("accept failed (%s); retrying in %.1fs", errno.errorcode.get(exc.errno, exc.errno),
+                                  _SLEEP_ON_CAPACITY_S)
                     await trio.sleep(_SLEEP_ON_CAPACITY_S)
                     break
                 if exc.errno in _ACCEPT_TRANSIENT_ERRNOS:

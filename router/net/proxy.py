@@ -2,9 +2,11 @@
 
 Theory of operation
 -------------------
-Plain-to-plain connections start in the calling task (``_pump_small``): one private epoll set
-watches both sockets; each readable side is read once (64 KiB) and written to the other side at
-once, EOFs are passed on with ``shutdown(SHUT_WR)``. Most AMQP connections (a few frames, then
+Plain-to-plain connections start in the calling task (``_pump_small``): the process's one
+shared epoll set (``SharedPoller``, run by the server as a system task; no descriptor per
+connection) watches both sockets and wakes the connection's task; each readable side is read
+once (64 KiB) and written to the other side at once, EOFs are passed on with
+``shutdown(SHUT_WR)``. Most AMQP connections (a few frames, then
 Close) end there without spawning anything. The first write that would block, or a read that
 fills the whole buffer (bulk traffic), hands the connection over — with the bytes not yet
 written — to the general pump below. TLS connections start there directly.
@@ -94,6 +96,118 @@ def _plain_socket(stream):
     return None
 
 
+class _Waiter:
+    """One connection parked on the shared poller: its task, and the fds that fired."""
+
+    __slots__ = ("task", "ready")
+
+    def __init__(self) -> None:
+        self.task = None
+        self.ready: list[int] = []
+
+
+class SharedPoller:
+    """One epoll set for every plain connection in its first pump phase.
+
+    Until issue 7 each such connection made its own ``select.epoll`` — a third descriptor per
+    proxied connection, which with a 1,024 open-files limit capped the router near 340 clients.
+    Here one epoll set serves the whole process: a connection registers its two sockets
+    (``EPOLLIN | EPOLLONESHOT``, so a socket that fired stays quiet until the connection
+    re-arms it: the dispatcher never spins on data the connection has not read yet) and parks;
+    the dispatcher task (``run``) waits for the epoll descriptor with trio's ``wait_readable``,
+    collects the fired sockets per connection and reschedules each connection's task once.
+    """
+
+    def __init__(self) -> None:
+        self._ep = select.epoll()
+        self._owners: dict[int, _Waiter] = {}
+        self.token = None
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The dispatcher; while it runs, ``pump`` uses this poller (see ``active_poller``)."""
+        global _ACTIVE
+        self.token = trio.lowlevel.current_trio_token()
+        _ACTIVE = self
+        task_status.started()
+        ep = self._ep
+        owners = self._owners
+        try:
+            while True:
+                await trio.lowlevel.wait_readable(ep)
+                for fd, _ev in ep.poll(0, 1024):
+                    w = owners.get(fd)
+                    if w is None:
+                        continue
+                    w.ready.append(fd)
+                    task = w.task
+                    if task is not None:
+                        w.task = None
+                        trio.lowlevel.reschedule(task)
+        finally:
+            self.token = None
+            if _ACTIVE is self:
+                _ACTIVE = None
+            for w in list(owners.values()):  # nobody will wake them: wake them now
+                if w.task is not None:
+                    task, w.task = w.task, None
+                    trio.lowlevel.reschedule(task)
+            owners.clear()
+            trio.lowlevel.notify_closing(ep)
+            ep.close()
+
+    def register(self, w: _Waiter, fd: int) -> None:
+        try:
+            self._ep.register(fd, select.EPOLLIN | select.EPOLLONESHOT)
+        except FileExistsError:  # a closed socket's number, reused: take it over
+            self._ep.modify(fd, select.EPOLLIN | select.EPOLLONESHOT)
+        self._owners[fd] = w
+
+    def rearm(self, fd: int) -> None:
+        self._ep.modify(fd, select.EPOLLIN | select.EPOLLONESHOT)
+
+    def unregister(self, fd: int) -> None:
+        if self._owners.pop(fd, None) is not None:
+            try:
+                self._ep.unregister(fd)
+            except (OSError, ValueError):
+                pass
+
+    async def wait(self, w: _Waiter) -> bool:
+        """Park until one of ``w``'s sockets fired (at once if one already did). False when the
+        dispatcher has stopped: the caller must go on without it."""
+        if self.token is None:
+            await trio.lowlevel.checkpoint()
+            return False
+        if w.ready:
+            await trio.lowlevel.checkpoint()
+            return True
+        w.task = trio.lowlevel.current_task()
+
+        def abort(_raise_cancel):
+            w.task = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+        return self.token is not None or bool(w.ready)
+
+
+_ACTIVE: SharedPoller | None = None
+
+
+def active_poller() -> SharedPoller | None:
+    """The shared poller running in this trio run, else None (then plain connections go
+    straight to the two-task pump)."""
+    p = _ACTIVE
+    if p is None or p.token is None:
+        return None
+    try:
+        if trio.lowlevel.current_trio_token() is not p.token:
+            return None
+    except RuntimeError:
+        return None
+    return p
+
+
 class _Broken(Exception):
     def __init__(self, side: str, detail: str = ""):
         self.side = side
@@ -133,9 +247,10 @@ async def pump(client: trio.abc.Stream, upstream: trio.abc.Stream, *, idle_timeo
             scope.deadline = trio.current_time() + idle + slack
         # (done, pending bytes, bulk) for client→upstream and upstream→client
         state = ((False, b"", False), (False, b"", False))
-        if plain:
+        poller = active_poller() if plain else None
+        if poller is not None:
             try:
-                state = await _pump_small(csock, usock, stats, refresh)
+                state = await _pump_small(poller, csock, usock, stats, refresh)
             except _Broken as exc:
                 _broken(stats, exc)
                 state = None
@@ -161,23 +276,30 @@ async def pump(client: trio.abc.Stream, upstream: trio.abc.Stream, *, idle_timeo
     return stats
 
 
-async def _pump_small(csock, usock, stats: PumpStats, refresh):
-    """The first phase of a plain-to-plain pump, in the calling task: one private epoll set
-    watches both sockets, and each readable side is read once and written to the other at once.
+async def _pump_small(poller: SharedPoller, csock, usock, stats: PumpStats, refresh):
+    """The first phase of a plain-to-plain pump, in the calling task: the shared poller watches
+    both sockets, and each readable side is read once and written to the other at once.
     Most AMQP connections (a few frames each way, then Close) end here, without a nursery and
     two tasks. Returns None when both directions reached EOF, else the state to hand over to
     the two-task pump — per direction (done, bytes still to write, bulk) — as soon as a write
     would block (back-pressure needs the per-direction tasks) or a read fills the whole buffer
     (bulk traffic: splice). Raises ``_Broken``."""
     cfd, ufd = csock.fileno(), usock.fileno()
-    ep = select.epoll(2)
+    w = _Waiter()
+    registered = []
     try:
-        ep.register(cfd, select.EPOLLIN)
-        ep.register(ufd, select.EPOLLIN)
+        poller.register(w, cfd)
+        registered.append(cfd)
+        poller.register(w, ufd)
+        registered.append(ufd)
         done = {cfd: False, ufd: False}
         while True:
-            await trio.lowlevel.wait_readable(ep)
-            for fd, _events in ep.poll(0):
+            if not await poller.wait(w):  # the dispatcher stopped: the two-task pump goes on
+                return (done[cfd], b"", False), (done[ufd], b"", False)
+            fired, w.ready = w.ready, []
+            for fd in fired:
+                if done[fd]:
+                    continue
                 if fd == cfd:
                     dfd, src_name, dst_name, dst = ufd, "client", "upstream", usock
                 else:
@@ -185,6 +307,7 @@ async def _pump_small(csock, usock, stats: PumpStats, refresh):
                 try:
                     data = os.read(fd, DEFAULT_CHUNK_BYTES)
                 except BlockingIOError:
+                    poller.rearm(fd)
                     continue
                 except OSError as exc:
                     if exc.errno in _BROKEN_ERRNOS:
@@ -194,7 +317,8 @@ async def _pump_small(csock, usock, stats: PumpStats, refresh):
                     if stats.first_eof is None:
                         stats.first_eof = src_name
                     _shutdown(dst, dst_name)
-                    ep.unregister(fd)
+                    poller.unregister(fd)
+                    registered.remove(fd)
                     done[fd] = True
                     if done[dfd]:
                         return None
@@ -216,8 +340,10 @@ async def _pump_small(csock, usock, stats: PumpStats, refresh):
                     if fd == cfd:
                         return here, (done[ufd], b"", False)
                     return (done[cfd], b"", False), here
+                poller.rearm(fd)
     finally:
-        ep.close()
+        for fd in registered:
+            poller.unregister(fd)
 
 
 def _shutdown(dst, dst_name: str) -> None:

@@ -14,6 +14,7 @@ from typing import Iterable
 COUNTER_NAMES: dict[str, str] = {
     "accepted": "TCP connections accepted",
     "connection_limit_rejected": "connections closed at once because the acceptor was at its limit",
+    "fd_limit_rejected": "connections accepted and closed at once because the process was out of file descriptors",
     "tls_handshake_ok": "TLS handshakes completed",
     "tls_handshake_timeout": "TLS handshakes that missed tls-handshake-timeout",
     "tls_handshake_failed": "TLS handshakes that failed (bad ClientHello, certificate, reset)",
@@ -34,6 +35,7 @@ COUNTER_NAMES: dict[str, str] = {
     "proxy_external_refused": "proxy-mode clients using SASL EXTERNAL (cannot be replayed upstream)",
     "upstream_connect_failed": "proxy-mode upstream connections refused/unreachable",
     "upstream_connect_timeout": "proxy-mode upstream connections that missed upstream-connect-timeout",
+    "upstream_fd_exhausted": "proxy-mode clients refused because no descriptor was left to connect to the broker",
     "upstream_auth_failed": "brokers that refused the replayed SASL credentials",
     "upstream_protocol_error": "brokers that answered the replay with something unexpected",
     "proxy_closed": "proxied connections that ended normally",

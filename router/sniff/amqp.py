@@ -81,16 +81,21 @@ class Detected:
 
 # Decoded Opens by frame body: a client reconnecting sends the same Open byte for byte, and
 # decoding it is most of the sniffer's cost. ``Open`` is frozen, so sharing one is safe; the
-# decode is a pure function of the bytes. Bounded: once full, new bodies are decoded each time.
+# decode is a pure function of the bytes. Bounded: once full, new bodies are decoded each time,
+# and only bodies up to _OPEN_CACHE_MAX_BODY bytes are kept (issue 7: with 64 KiB Opens carrying
+# 60,000-character container-ids, 4,096 kept bodies and their decoded strings held ~0.5 GiB for
+# the life of the process). A usual Open is 100-300 bytes: at most ~4 MiB in all.
 _OPEN_CACHE: dict[bytes, Open] = {}
 _OPEN_CACHE_MAX = 4096
+_OPEN_CACHE_MAX_BODY = 1024
 
 
 def _decode_first_performative(body: bytes):
-    perf = _OPEN_CACHE.get(body)
+    small = len(body) <= _OPEN_CACHE_MAX_BODY
+    perf = _OPEN_CACHE.get(body) if small else None
     if perf is None:
         perf = decode_performative(body)
-        if isinstance(perf, Open) and len(_OPEN_CACHE) < _OPEN_CACHE_MAX:
+        if small and isinstance(perf, Open) and len(_OPEN_CACHE) < _OPEN_CACHE_MAX:
             _OPEN_CACHE[body] = perf
     return perf
 
