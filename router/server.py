@@ -84,6 +84,7 @@ def acceptor_settings(acc: AcceptorConfig) -> AcceptorSettings:
         # diagnostic knob for loadtest/bench_proxy.py: LODESTONE_SPLICE=0 forces the stream pump
         use_splice=os.environ.get("LODESTONE_SPLICE", "1") != "0",
         limits=acc.limits,
+        max_connections=acc.max_connections,
     )
 
 
@@ -301,7 +302,8 @@ async def _serve_acceptor(acceptor: Acceptor, listeners, handlers: trio.Nursery,
     name = acceptor.settings.name
     await serve_listeners(acceptor.handle, listeners, handler_nursery=handlers, limit=limit,
                           on_rejected=lambda: edge.stats.inc(name, "connection_limit_rejected"),
-                          on_fd_exhausted=lambda: edge.stats.inc(name, "fd_limit_rejected"))
+                          on_fd_exhausted=lambda: edge.stats.inc(name, "fd_limit_rejected"),
+                          refuse=acceptor.refuse_over_limit)
 
 
 async def _wait_for_signal(accept_scope: trio.CancelScope) -> None:

@@ -349,8 +349,11 @@ async def _authenticate(node: "Node", acceptor: "AcceptorConfig", stream, source
                 principal, why = await _decide(node, ev, source_ip, cn)
                 if principal is None:
                     node.counters["auth_failed"] += 1
-                    log.info("authentication failed", extra={"fields": {
-                        "source": source, "mechanism": ev.mechanism, "reason": why}})
+                    # one line per source per interval: a login flood must not flood the log
+                    if node.log_once(f"auth/{source_key(source_ip)}", trio.current_time()):
+                        log.info("authentication failed (further failures from this source are "
+                                 "counted, not logged, for the log interval)", extra={"fields": {
+                                     "source": source, "mechanism": ev.mechanism, "reason": why}})
                     sasl.reject(description=why)
                 else:
                     pending_principal = principal

@@ -122,6 +122,7 @@ class AcceptorSettings:
     use_splice: bool = True
     chunk_bytes: int = proxy_mod.DEFAULT_CHUNK_BYTES
     limits: SourceLimits = SourceLimits()       # per-source limits (broker.core.limits)
+    max_connections: int = 0                    # the acceptor's limit (enforced by the listener)
 
 
 @dataclass
@@ -155,6 +156,7 @@ def format_source(sockaddr) -> tuple[str, str, int]:
 
 _TLS_CLOSE_S = 1.0
 _REFUSAL_TIMEOUT_S = 2.0   # a client over a per-source limit gets this long to hear its refusal
+_MAX_REFUSING = 256        # acceptor-wide refusals in flight (over max-connections); more: closed
 _LIMIT_TEXT = {
     "source_connections": "Connection router {r}: {src} has {lim.max_connections_per_source} connections "
                           "open (max-connections-per-source)",
@@ -282,6 +284,7 @@ class Acceptor:
         self._keys = {name: (settings.name, name) for name in COUNTER_NAMES}
         self._upstream_ctx = settings.upstream_ssl_context
         self.limiter = SourceLimiter(settings.limits)
+        self._refusing = 0          # refusals in flight for the acceptor-wide limit
 
     def _inc(self, name: str, n: int = 1) -> None:
         self._counters[self._keys[name]] += n
@@ -345,6 +348,40 @@ class Acceptor:
                 self.limiter.release(key, authenticated=c.authenticated)
             if c.upstream is not None and not _close_now(c.upstream):
                 await _close(c.upstream)
+            if c.client is None:
+                sock.close()
+            elif not _close_now(c.client):
+                await _close(c.client)
+
+    async def refuse_over_limit(self, sock: socket.socket, peer) -> None:
+        """The acceptor is at ``max-connections`` (counted by the listener as
+        ``connection_limit_rejected``): answer ``amqp:resource-limit-exceeded`` without checking
+        credentials, within 2 s — or close at once when the client's address already has
+        ``max-refusing-per-source`` refusals in flight, or the acceptor ``_MAX_REFUSING``."""
+        s = self.settings
+        host, port = peer[0], peer[1]
+        key = source_key(host)
+        if self._refusing >= _MAX_REFUSING or \
+                self.limiter.refuse(key, trio.current_time()) is Admission.DROP:
+            self._inc("refused_dropped")
+            sock.close()
+            return
+        self._refusing += 1
+        c = _Conn(self.edge.next_connection_id(), f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
+                  host, port, trio.current_time(), self.edge.clock())
+        c.refusal = (f"Connection router {s.router}: acceptor {s.name} is at its limit of "
+                     f"{s.max_connections} connections (max-connections)")
+        try:
+            with trio.CancelScope() as scope:
+                await self._serve(sock, c, scope)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        except Exception:
+            self._inc("internal_error")
+            log.exception("%s: refusing connection %s failed", s.name, c.id)
+        finally:
+            self._refusing -= 1
+            self.limiter.release_refusal(key)
             if c.client is None:
                 sock.close()
             elif not _close_now(c.client):

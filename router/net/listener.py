@@ -156,10 +156,12 @@ class _Throttle:
 async def serve_listeners(handler: Callable[[_stdlib_socket.socket, Any], Awaitable[None]],
                           listeners: list[trio.SocketListener], *, handler_nursery: trio.Nursery,
                           limit: ConnectionLimit, on_rejected: Callable[[], None],
-                          on_fd_exhausted: Callable[[], None] | None = None) -> None:
+                          on_fd_exhausted: Callable[[], None] | None = None,
+                          refuse: Callable[[_stdlib_socket.socket, Any], Awaitable[None]] | None = None) -> None:
     """Accept forever on every listener; each accepted socket runs ``handler(sock, peer)`` in
     ``handler_nursery`` (``sock``: a stdlib socket, ``peer``: its address as ``accept``
-    returned it). Over the limit the socket is closed at once and ``on_rejected`` called; out
+    returned it). Over the limit ``on_rejected`` is called and the socket goes to ``refuse``
+    (which owns it: an AMQP refusal) or, without one, is closed at once; out
     of descriptors a waiting client is accepted with the spare descriptor and closed at once,
     and ``on_fd_exhausted`` called. The handler owns closing its socket."""
     spare = _Spare()
@@ -167,7 +169,7 @@ async def serve_listeners(handler: Callable[[_stdlib_socket.socket, Any], Awaita
         async with trio.open_nursery() as accept_nursery:
             for listener in listeners:
                 accept_nursery.start_soon(_accept_loop, handler, listener, handler_nursery, limit, on_rejected,
-                                          spare, on_fd_exhausted or (lambda: None), _Throttle())
+                                          spare, on_fd_exhausted or (lambda: None), _Throttle(), refuse)
     finally:
         spare.close()
 
@@ -179,7 +181,7 @@ def _stdlib_listener(listener: trio.SocketListener) -> _stdlib_socket.socket:
 
 async def _accept_loop(handler, listener: trio.SocketListener, handler_nursery: trio.Nursery,
                        limit: ConnectionLimit, on_rejected, spare: _Spare, on_fd_exhausted,
-                       throttle: _Throttle) -> None:
+                       throttle: _Throttle, refuse=None) -> None:
     # Accept every pending connection per wakeup (up to _ACCEPT_BATCH, then yield so handlers
     # run): one wait per burst instead of one per connection. accept() returns the peer's
     # address, so handlers need no getpeername().
@@ -221,7 +223,10 @@ async def _accept_loop(handler, listener: trio.SocketListener, handler_nursery: 
                 raise
             if not limit.try_acquire():
                 on_rejected()
-                sock.close()  # a plain FIN: the client learns at once, we keep no state
+                if refuse is None:
+                    sock.close()  # a plain FIN: the client learns at once, we keep no state
+                else:
+                    start_soon(refuse, sock, peer)  # an AMQP refusal, bounded by the handler
                 continue
             start_soon(_run_handler, handler, sock, peer, limit)
         else:

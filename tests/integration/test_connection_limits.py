@@ -235,6 +235,25 @@ def test_router_per_source_limits(tmp_path, users):
         b.terminate()
 
 
+def test_router_acceptor_limit_is_answered_in_amqp(tmp_path, users):
+    b = start_broker(tmp_path, users_file=users)
+    r = _router(tmp_path, users, b, **{"max-connections": 2})
+    held = []
+    try:
+        port = r.port("proxy")
+        held += [_authenticated(port), _authenticated(port, "127.0.0.2")]
+        text = _proton_refusal(r.url("proxy"))
+        assert "amqp:resource-limit-exceeded" in text and "max-connections" in text, text
+        assert r.counters("proxy")["connection_limit_rejected"] >= 1
+        held.pop().close()
+        wait_for(lambda: _connect_ok(r.url("proxy")), timeout_s=10)   # a slot again: served
+    finally:
+        for h in held:
+            h.close()
+        r.terminate()
+        b.terminate()
+
+
 # -- equal refusal times ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

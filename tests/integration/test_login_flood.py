@@ -105,7 +105,7 @@ def _durable_ack_times(url: str, n: int) -> list[float]:
         conn.close()
 
 
-def _measure(url: str, fresh: _Fresh, *, seen: int = 9, first: int = 5, durable: int | None = 0) -> dict:
+def _measure(url: str, fresh: _Fresh, *, seen: int = 15, first: int = 5, durable: int | None = 0) -> dict:
     _connect_and_send(url, "app", "app-pw")    # this login is now known to the node
     out = {"seen": statistics.median(_connect_and_send(url, "app", "app-pw") for _ in range(seen)),
            "first": statistics.median(_connect_and_send(url, *fresh.next()) for _ in range(first))}
