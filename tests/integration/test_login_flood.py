@@ -193,6 +193,7 @@ def test_broker_login_flood_leaves_good_clients_and_acks_alone(tmp_path, users):
         assert not slow, f"{slow}; baseline {baseline}, during {during}; logins {counts}"
         assert ready_samples and all(ready_samples), \
             f"the router marked the flooded broker not ready in {ready_samples.count(False)} of {len(ready_samples)} probes"
+        _assert_no_password_logged(broker, router)
         # the flood was refused, throttled, and never verified more than the gate allows
         assert counts["login_failed"] >= 100
         assert counts["login_refused_throttled"] > 0
@@ -223,6 +224,7 @@ def test_router_login_flood_leaves_good_clients_alone(tmp_path, users):
         assert counts["login_refused_throttled"] > 0
         # the flood never reached the broker: the router refused it at its own door
         assert _broker_logins(broker).get("login_failed", 0) == 0
+        _assert_no_password_logged(broker, router)
     finally:
         router.terminate()
         broker.terminate()
@@ -242,3 +244,11 @@ def _broker_logins(broker) -> dict[str, float]:
 def _router_logins(router) -> dict[str, float]:
     status, text = http_json(router.urls["management"] + "/metrics", auth=("admin", "admin"), timeout_s=10)
     return _logins(text if isinstance(text, str) else "", "lodestone_router_logins_total")
+
+
+def _assert_no_password_logged(*servers) -> None:
+    """Neither the flood's passwords (``wrong-<hex>``) nor the good ones appear in any log."""
+    for server in servers:
+        text = server.stderr_text()
+        for secret in ("wrong-", "app-pw", "fresh-pw", "admin-pw"):
+            assert secret not in text, f"{secret!r} in {server.config_path.name}'s log"
