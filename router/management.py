@@ -432,16 +432,37 @@ def _share(done: int, skipped: int) -> float:
     return round(done / (done + skipped), 4) if done + skipped else 1.0
 
 
+NETTY_CONNECTOR_FACTORY = "org.apache.activemq.artemis.core.remoting.impl.netty.NettyConnectorFactory"
+
+
+def connector_json(t) -> dict:
+    """A remote target as Artemis's ``TransportConfiguration.toJson()`` of the netty connector
+    ``tcp://host:port[?sslEnabled=true]`` named after the target.
+
+    Artemis builds a connector from its URL with ``TCPTransportConfigurationSchema``:
+    ``BeanSupport.setData`` puts ``"host"`` and ``"port"`` as *strings* (``"" + uri.getPort()``)
+    and each allowed query key with its string value (``sslEnabled`` only when the URL has it);
+    ``extraProps`` holds the query keys a connector does not know (none here).
+    """
+    params: dict = {"host": t.host, "port": str(int(t.port))}
+    if t.tls:
+        params["sslEnabled"] = "true"
+    return {"name": t.name or f"{t.host}:{t.port}", "factoryClassName": NETTY_CONNECTOR_FACTORY,
+            "params": params, "extraProps": {}}
+
+
 def target_json(decision: Decision) -> dict:
     """Artemis ``getTargetAsJSON`` shape (``nodeID``, ``local``, ``connector``) plus Lodestone's
-    ``outcome`` and ``explanation``. A refusing decision has ``nodeID``/``connector`` null."""
+    extensions ``outcome``, ``target`` and ``explanation``.
+
+    As ``ConnectionRouterControlImpl.getTargetAsJSON``: a local target has ``"connector": null``,
+    a remote one its connector (``connector_json``). Where Artemis returns ``null`` (a refusing
+    result) we answer ``nodeID``/``connector`` null, ``local`` false, with the outcome and why.
+    """
     t = decision.target if decision.outcome is Outcome.OK else None
     connector = None
     if t is not None and not decision.local:
-        connector = {"name": t.name or f"{t.host}:{t.port}",
-                     "factoryClassName": "org.apache.activemq.artemis.core.remoting.impl.netty.NettyConnectorFactory",
-                     "params": {"host": t.host, "port": t.port, "sslEnabled": bool(t.tls)},
-                     "extraProps": {}}
+        connector = connector_json(t)
     return {"nodeID": t.node_id if t is not None else None,
             "local": bool(decision.local) if t is not None else False,
             "connector": connector,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import struct
 from dataclasses import dataclass, fields
+from dataclasses import replace as dataclasses_replace
 from typing import Any, ClassVar
 
 from broker.amqp.codec import (
@@ -48,6 +49,8 @@ __all__ = [
     "Frame", "FrameReader", "Open", "Close", "Error", "SaslMechanisms", "SaslInit",
     "SaslChallenge", "SaslResponse", "SaslOutcome", "decode_performative", "encode_frame",
     "redirect_frames", "refuse_frames", "close_frames", "CONNECTION_ESTABLISHMENT_FAILED",
+    "failed_open", "artemis_redirect_description", "artemis_rejected_description",
+    "artemis_not_ready_description", "ARTEMIS_FAILED_OPEN_CONTAINER_ID",
     "MIN_MAX_FRAME_SIZE",
 ]
 
@@ -489,18 +492,50 @@ def encode_frame(ftype: int, channel: int, performative=None, payload: bytes = b
 # Turning a connection away
 # ---------------------------------------------------------------------------------------------
 
-DEFAULT_CONTAINER_ID = "lodestone"
+# What Artemis writes when it turns an AMQP connection away (router redirect/refusal, failed
+# login): ``AMQPConnectionContext.onRemoteOpen`` calls ``connection.close()`` without ``open()``,
+# so ``setContainer`` never runs and proton-j's ``TransportImpl.processOpen`` writes
+# ``container-id = ""`` (``cid == null ? "" : cid``), no hostname, the transport's
+# ``max-frame-size`` (``AmqpSupport.MAX_FRAME_SIZE_DEFAULT`` 131072), ``channel-max``
+# (``AMQPConstants.Connection.DEFAULT_CHANNEL_MAX`` 65535), ``idle-time-out`` = half the
+# connection TTL (``ActiveMQDefaultConfiguration`` 60000 ms → 30000), and the properties set by
+# ``AMQPRoutingHandler`` / ``validateUser``: ``{amqp:connection-establishment-failed: true}``.
+ARTEMIS_FAILED_OPEN_CONTAINER_ID = ""
+ARTEMIS_MAX_FRAME_SIZE = 131072
+ARTEMIS_CHANNEL_MAX = 65535
+ARTEMIS_IDLE_TIME_OUT_MS = 30000
+DEFAULT_CONTAINER_ID = ARTEMIS_FAILED_OPEN_CONTAINER_ID
+
+
+def artemis_redirect_description(router: str, host: str, port: int) -> str:
+    """``AMQPRoutingHandler.redirect``: ``"Connection router %s redirected this connection to %s:%d"``."""
+    return f"Connection router {router} redirected this connection to {host}:{int(port)}"
+
+
+def artemis_rejected_description(router: str) -> str:
+    """``AMQPRoutingHandler.refuse``, REFUSED_USE_ANOTHER: ``"Connection router %s rejected this connection"``."""
+    return f"Connection router {router} rejected this connection"
+
+
+def artemis_not_ready_description(router: str) -> str:
+    """``AMQPRoutingHandler.refuse``, REFUSED_UNAVAILABLE: ``"Connection router %s is not ready"``."""
+    return f"Connection router {router} is not ready"
+
+
+def failed_open(container_id: str = ARTEMIS_FAILED_OPEN_CONTAINER_ID) -> Open:
+    """The Open performative Artemis sends before the Close that turns a connection away."""
+    return Open(container_id=container_id, max_frame_size=ARTEMIS_MAX_FRAME_SIZE,
+                channel_max=ARTEMIS_CHANNEL_MAX, idle_time_out=ARTEMIS_IDLE_TIME_OUT_MS,
+                properties={CONNECTION_ESTABLISHMENT_FAILED: True})
 
 
 def _failed_open(container_id: str, hostname: str | None = None) -> bytes:
     # Artemis marks an Open that is immediately followed by a Close with this property so the
     # client reports the Close's error rather than "connection opened then dropped".
-    return encode_frame(
-        FRAME_AMQP,
-        0,
-        Open(container_id=container_id, hostname=hostname,
-             properties={CONNECTION_ESTABLISHMENT_FAILED: True}),
-    )
+    op = failed_open(container_id)
+    if hostname is not None:
+        op = dataclasses_replace(op, hostname=hostname)
+    return encode_frame(FRAME_AMQP, 0, op)
 
 
 def redirect_frames(

@@ -51,7 +51,8 @@ from typing import Any, Callable, Protocol
 
 import trio
 
-from broker.amqp.frames import redirect_frames, refuse_frames
+from broker.amqp.frames import (artemis_not_ready_description, artemis_redirect_description,
+                                 artemis_rejected_description, redirect_frames, refuse_frames)
 from broker.amqp.sasl import SaslClientReplay, UpstreamAuthFailed, UpstreamAuthOk, parse_plain
 from broker.auth import LoginGate
 from broker.core.limits import Admission, OncePer, SourceLimiter, SourceLimits, source_key
@@ -448,8 +449,7 @@ class Acceptor:
             return False
         if s.mode == "redirect":
             self._log_decision(c, decision, decision_us, "redirected")
-            text = (f"Connection router {s.router} redirected this connection to "
-                    f"{target.host}:{target.port}")
+            text = artemis_redirect_description(s.router, target.host, target.port)
             self._inc("redirected")  # before the linger, whose deadline may end this scope
             await self._send_and_linger(client, redirect_frames(target.host, target.port, text), c=c, scope=scope)
             return False
@@ -633,10 +633,9 @@ class Acceptor:
         if decision.outcome is Outcome.REFUSED_USE_ANOTHER:
             reason = decision.explanation.reason
             if reason.startswith("key too long"):  # max-key-length: tell the client why
-                return f"Connection router {r} rejected this connection ({reason})"
-            return f"Connection router {r} rejected this connection"
-        reason = getattr(decision.explanation, "reason", "")
-        return f"Connection router {r} is not ready" + (f" ({reason})" if reason else "")
+                return f"{artemis_rejected_description(r)} ({reason})"
+            return artemis_rejected_description(r)
+        return artemis_not_ready_description(r)
 
     async def _refuse(self, client: trio.abc.Stream, description: str, counter: str | None,
                       condition: str = "amqp:connection:forced", *, c: _Conn | None = None,

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from broker.amqp.frames import (
     AMQP_HEADER,
+    DEFAULT_CONTAINER_ID,
     FRAME_AMQP,
     NEED_DATA,
     SASL_HEADER,
@@ -114,7 +115,7 @@ class HandshakeSniffer:
         *,
         mechanisms=None,
         allow_no_sasl: bool | None = None,
-        container_id: str = "lodestone",
+        container_id: str = DEFAULT_CONTAINER_ID,
     ):
         if mechanisms is None:
             mechanisms = ("PLAIN",) if authenticator_needed else ("PLAIN", "ANONYMOUS")

@@ -418,7 +418,9 @@ def test_redirect_frames_structure_and_proton_reads_them():
     r.receive_data(raw[8:])
     op = decode_performative(r.next_event().body)
     cl = decode_performative(r.next_event().body)
-    assert op == Open("router-1", properties={CONNECTION_ESTABLISHMENT_FAILED: True})
+    # Artemis's failed-establishment Open (see frames.failed_open), with our container id here
+    assert op == Open("router-1", max_frame_size=131072, channel_max=65535, idle_time_out=30000,
+                      properties={CONNECTION_ESTABLISHMENT_FAILED: True})
     assert cl.error.condition == "amqp:connection:redirect"
     assert cl.error.info == {Symbol("network-host"): "10.1.2.3", Symbol("port"): 5673,
                              Symbol("hostname"): "vh1"}
