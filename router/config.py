@@ -173,9 +173,9 @@ def load_router_config(path: str | Path) -> RouterProcessConfig:
     routers: dict[str, RouterConfig] = {}
     for rname, t in root.tables("routers").items():
         routers[rname] = _router(rname, t)
-    xml = root.path_value("import-artemis-xml", None)
+    xml, xml_kw = _import_artemis_xml_settings(root)
     if xml is not None:
-        for rname, rc in import_artemis_xml(xml).items():
+        for rname, rc in import_artemis_xml(xml, **xml_kw).items():
             if rname in routers:
                 raise root.error("import-artemis-xml",
                                  f"router {rname!r} from {xml} is also defined in [routers]")
@@ -201,6 +201,34 @@ def load_router_config(path: str | Path) -> RouterProcessConfig:
     root.done()
     return RouterProcessConfig(name, users_file, management, routing_log, tuple(acceptors),
                                workers, routers, file)
+
+
+def _import_artemis_xml_settings(root: Table) -> tuple[Path | None, dict[str, Any]]:
+    """``import-artemis-xml = "broker.xml"`` or the table form, which adds what broker.xml does
+    not say: ``[import-artemis-xml.local-target]`` (the broker this router stands for, as
+    ``[routers.<r>.local-target]``; needed by ``local-target-filter`` / ``local-target-enabled``)
+    and ``[import-artemis-xml.connectors.<connector name>]`` with ``node-id`` and
+    ``management-url`` for that connector's target."""
+    if not root.has("import-artemis-xml"):
+        return None, {}
+    if not isinstance(root.data["import-artemis-xml"], dict):
+        return root.path_value("import-artemis-xml"), {}
+    t = root.table("import-artemis-xml")
+    xml = t.path_value("file")
+    local = _target(t.table("local-target"), "local") if t.has("local-target") else None
+    node_ids: dict[str, str] = {}
+    urls: dict[str, str] = {}
+    for cname, ct in t.tables("connectors").items():
+        nid = ct.str("node-id", None)
+        url = _mgmt_url(ct, "management-url")
+        ct.done()
+        if nid is not None:
+            node_ids[cname] = nid
+        if url is not None:
+            urls[cname] = url
+    t.done()
+    return xml, {"local_target": local, "node_ids": node_ids, "management_urls": urls,
+                 "settings_where": (root.file, "import-artemis-xml")}
 
 
 def _management(t: Table) -> ManagementConfig:
@@ -420,7 +448,8 @@ def parse_connector_url(url: str) -> tuple[str, int, bool]:
 
 def import_artemis_xml(path: str | Path, *, local_target: TargetConfig | None = None,
                        management_urls: Mapping[str, str] | None = None,
-                       node_ids: Mapping[str, str] | None = None) -> dict[str, RouterConfig]:
+                       node_ids: Mapping[str, str] | None = None,
+                       settings_where: tuple[Path | None, str] | None = None) -> dict[str, RouterConfig]:
     """Import the ``<connection-routers>`` of an Artemis ``broker.xml`` as ``RouterConfig`` objects.
 
     Static pools become targets from ``<connectors>`` (named after the connector); since
@@ -457,6 +486,13 @@ def import_artemis_xml(path: str | Path, *, local_target: TargetConfig | None = 
         except ValueError as exc:
             raise ConfigError(p, f"connectors.{cname}", f"{(c.text or '').strip()!r}: {exc}") \
                 from None
+    for what, given in (("node-id", node_ids), ("management-url", management_urls)):
+        for cname in given or {}:
+            if cname not in connectors:
+                file, where = settings_where or (p, "import_artemis_xml")
+                raise ConfigError(file, f"{where}.connectors.{cname}.{what}",
+                                  f"{cname!r} is not a <connector> in {p} "
+                                  f"(connectors: {', '.join(connectors) or 'none'})")
     groups: dict[str, dict[str, str]] = {}
     dgs = _child(core, "discovery-groups")
     for g in _children(dgs, "discovery-group") if dgs is not None else []:
@@ -561,10 +597,11 @@ def import_artemis_xml(path: str | Path, *, local_target: TargetConfig | None = 
                               _text(po, "password"), tuple(targets), source, options)
             if lte and local_target is None:
                 raise err("pool.local-target-enabled",
-                          "true needs a local target (pass local_target=...)")
+                          "true needs a local target ([import-artemis-xml.local-target] or local_target=...)")
         if local_filter is not None and local_target is None:
             raise err("local-target-filter",
-                      f"{local_filter!r} needs a local target (pass local_target=...)")
+                      f"{local_filter!r} needs a local target ([import-artemis-xml.local-target] "
+                      "or local_target=...)")
         out[name] = RouterConfig(name, key_type, key_filter, local_filter, True, policy, cache,
                                  pool, local_target, None, p)
     return out
