@@ -265,6 +265,8 @@ class ManagementApi:
             "policy": (rc.policy.name if rc is not None and rc.policy is not None else None),
             "policy_properties": dict(rc.policy.properties) if rc is not None and rc.policy is not None else {},
             "degraded": bool(getattr(service, "degraded", False)),
+            # bounded load (CONSISTENT_HASH + LOAD_FACTOR): live assignments per target slot
+            "live_assignments": getattr(service, "live_assignments", None),
         }
         out.update({"pool": self.pool_view(name)})
         return out

@@ -189,6 +189,19 @@ class RouterService:
         self._count(d)
         return d
 
+    @property
+    def live_assignments(self) -> dict[str, int] | None:
+        """Bounded load: live assignments per target slot (None for other policies)."""
+        p = self.core.policy
+        if p is None or not p.tracks_assignments:
+            return None
+        return dict(sorted(p.loads.items()))
+
+    def connection_closed(self, decision: Decision) -> None:
+        """The connection routed by ``decision`` closed (bounded load: its live assignment ends
+        when there is no cache to hold it)."""
+        self.core.release(decision)
+
     def route_for_key(self, key: str) -> Decision:
         """Management lookup: skip the key filter, populate the cache (no quorum wait).
         A key over ``max-key-length`` is refused (the management API checks

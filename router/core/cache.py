@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
@@ -33,7 +33,7 @@ class StickyCache:
     """In-memory sticky cache with expire-after-access."""
 
     __slots__ = ("timeout_s", "entries", "track_changes", "log_expiry", "changes", "touched",
-                 "max_entries", "evictions", "_move")
+                 "max_entries", "evictions", "_move", "on_drop")
 
     def __init__(self, timeout_ms: int = 0, *, track_changes: bool = False,
                  log_expiry: bool = True, max_entries: int = 0) -> None:
@@ -46,6 +46,9 @@ class StickyCache:
         self.log_expiry = log_expiry
         self.changes: dict[str, str | None] = {}
         self.touched: set[str] = set()
+        #: called with the key whenever an entry goes (expired, evicted, removed, cleared) or is
+        #: re-pointed to another identity: the router releases the key's live assignment
+        self.on_drop: Callable[[str], None] | None = None
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -81,6 +84,8 @@ class StickyCache:
             if self.track_changes and self.timeout_s:
                 self.touched.add(key)
             return False
+        if e is not None and self.on_drop is not None:
+            self.on_drop(key)
         self.entries[key] = [identity, now, now]
         self._move(key)
         if self.track_changes:
@@ -92,6 +97,9 @@ class StickyCache:
     def restore(self, key: str, identity: str, last_access: float, stored_at: float) -> None:
         """Load an entry from a persisted or shared tier (does not count as a change); it
         becomes the most recently used (over ``max_entries`` the least recently used goes)."""
+        e = self.entries.get(key)
+        if e is not None and e[0] != identity and self.on_drop is not None:
+            self.on_drop(key)
         self.entries[key] = [identity, last_access, stored_at]
         self._move(key)
         if self.max_entries and len(self.entries) > self.max_entries:
@@ -112,6 +120,8 @@ class StickyCache:
 
     def _drop(self, key: str, expired: bool = False) -> None:
         del self.entries[key]
+        if self.on_drop is not None:
+            self.on_drop(key)
         self.touched.discard(key)
         if self.track_changes and (self.log_expiry or not expired):
             self.changes[key] = None

@@ -89,6 +89,9 @@ class Decision:
     target: Target | None
     local: bool
     explanation: Explanation
+    #: the target slot of a live assignment this connection holds (bounded load, no cache):
+    #: ``Router.release(decision)`` ends it when the connection closes
+    hold: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -121,7 +124,7 @@ def _decision(outcome: Outcome, target: Target | None, local: bool, ex: dict) ->
     _setattr(e, "__dict__", ex)
     d = _new(Decision)
     _setattr(d, "__dict__", {"outcome": outcome, "target": target, "local": local,
-                             "explanation": e})
+                             "explanation": e, "hold": None})
     return d
 
 
@@ -147,6 +150,24 @@ class Router:
         self.pins = pins
         if pool is not None and policy is not None:
             pool.observers.append(policy.observe)
+        #: bounded load with a cache: key → slot of the live assignment its cache entry holds
+        self.assigned: dict[str, str] = {}
+        if cache is not None and policy is not None and policy.tracks_assignments:
+            cache.on_drop = self._cache_dropped
+
+    # -- bounded load: live assignments ---------------------------------------------------------
+    def _cache_dropped(self, key: str) -> None:
+        slot = self.assigned.pop(key, None)
+        if slot is not None:
+            self._policy.release(slot)
+
+    def release(self, decision: Decision) -> None:
+        """The connection that got ``decision`` closed: end the assignment it holds (bounded
+        load without a cache; with a cache the entry holds it until it goes). Idempotent."""
+        slot = decision.__dict__.get("hold")
+        if slot is not None and self._policy is not None:
+            decision.__dict__["hold"] = None
+            self._policy.release(slot)
 
     @property
     def policy(self) -> Policy | None:
@@ -209,7 +230,7 @@ class Router:
         reason = self.key_too_long(key)
         if reason is not None:
             return self._too_long(key, reason)
-        return self._route(key, key, now, True)  # type: ignore[return-value]
+        return self._route(key, key, now, True, count=False)  # type: ignore[return-value]
 
     def lookup(self, conn: ConnectionInfo, now: float) -> tuple[Decision | None, str]:
         """Steps 1-7 without side effects beyond the cache access time.
@@ -266,7 +287,7 @@ class Router:
                         self._expl(raw, filtered, key, local_match, None, "skipped", None, None,
                                    reason))
 
-    def _route(self, raw: str | None, filtered: str, now: float, commit: bool):
+    def _route(self, raw: str | None, filtered: str, now: float, commit: bool, count: bool = True):
         policy = self._policy
         key = filtered
         transform = self._transform
@@ -305,6 +326,13 @@ class Router:
             if e is not None:
                 target = pool.ready_target(e[0])
                 if target is not None:
+                    if commit and count and policy.tracks_assignments \
+                            and self.assigned.get(key) != target.slot:
+                        # an entry no connection was counted for yet (a management lookup's,
+                        # or loaded from a persisted/shared tier): this connection makes it live
+                        self._cache_dropped(key)
+                        policy.acquire(target.slot)
+                        self.assigned[key] = target.slot
                     lc = self.local
                     return _decision(_OK, target, lc is not None and target is lc.target,
                                     self._expl(raw, filtered, key, False, pin_note, "hit", "local",
@@ -315,7 +343,11 @@ class Router:
         if not commit:
             return key
         targets = pool.targets()
-        target = policy.select_target(targets, key)
+        counting = policy.tracks_assignments
+        if counting and not count:
+            target = policy.choose_target(targets, key)  # a management lookup assigns nothing
+        else:
+            target = policy.select_target(targets, key)
         if target is None:
             if not pool.quorum_met:
                 reason = (f"below quorum ({pool.ready_count} of {pool.quorum_size} "
@@ -328,8 +360,13 @@ class Router:
                             self._expl(raw, filtered, key, False, pin_note, cache_state, None,
                                        None, reason))
         if cache is not None:
-            cache.put(key, target.identity, now)
+            cache.put(key, target.identity, now)  # a re-pointed entry releases its old slot
+            if counting and count:
+                self.assigned[key] = target.slot
         lc = self.local
-        return _decision(_OK, target, lc is not None and target is lc.target,
-                        self._expl(raw, filtered, key, False, pin_note, cache_state, None, None,
-                                   f"selected by {policy.name}"))
+        d = _decision(_OK, target, lc is not None and target is lc.target,
+                      self._expl(raw, filtered, key, False, pin_note, cache_state, None, None,
+                                 f"selected by {policy.name}"))
+        if counting and count and cache is None:
+            d.__dict__["hold"] = target.slot
+        return d

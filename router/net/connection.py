@@ -343,6 +343,8 @@ class Acceptor:
             log.exception("%s: connection %s failed", s.name, c.id)
         finally:
             active[s.name] -= 1
+            if c.decision is not None:
+                self.service.connection_closed(c.decision)
             if c.refusal is not None:
                 self.limiter.release_refusal(key)
             else:

@@ -123,6 +123,21 @@ class Policy:
                               f"one of {', '.join(choices)}")
         return raw
 
+    #: True when the policy counts live assignments (CONSISTENT_HASH with LOAD_FACTOR): the
+    #: router then calls ``choose_target`` for management lookups and ``release`` when an
+    #: assignment ends (its cache entry goes, or without a cache its connection closes).
+    tracks_assignments = False
+
+    def choose_target(self, targets: Sequence[Target], key: str) -> Target | None:
+        """The target ``select_target`` would pick, without counting it as an assignment."""
+        return self.select_target(targets, key)
+
+    def acquire(self, slot: str) -> None:
+        """Count one live assignment to the target in ``slot`` (no-op unless tracking)."""
+
+    def release(self, slot: str) -> None:
+        """One live assignment to the target in ``slot`` ended (no-op unless tracking)."""
+
     def describe(self) -> dict[str, Any]:
         """Name and properties, for explanations and the management API."""
         return {"name": self.name, "properties": dict(self.properties)}

@@ -15,9 +15,12 @@ and one bisect.
   largest point — a true ring, so the load evens out and a removed target only moves its own keys.
 * ``LOAD_FACTOR = c`` (optional, >= 1.0): consistent hashing with bounded loads (Mirrokni,
   Thorup, Zadimoghaddam 2018). No target takes more than ``ceil(c * (assigned + 1) / n)`` of the
-  keys this policy has assigned (computed exactly); a full target passes the key on along the
-  ring, and a target with no ring point of its own (equal hashes) is still used below the cap. The choice then
-  depends on history, so stickiness comes from the sticky cache.
+  keys this policy has assigned and that are still live (computed exactly); a full target passes
+  the key on along the ring, and a target with no ring point of its own (equal hashes) is still
+  used below the cap. The choice then depends on history, so stickiness comes from the sticky
+  cache. ``select_target`` counts the assignment; the router ``release``s it when it ends (the
+  key's cache entry expires, is evicted or re-pointed; without a cache, the connection closes).
+  ``choose_target`` (management lookups) picks the same way without counting.
 * More than one target and no hashing is needed for exactly one target (Artemis returns it).
 """
 
@@ -55,6 +58,7 @@ class ConsistentHashPolicy(Policy):
             exact = Fraction(self.properties["LOAD_FACTOR"].strip())
             self._lf_num, self._lf_den = exact.numerator, exact.denominator
         self.key_deterministic = self.load_factor is None
+        self.tracks_assignments = self.load_factor is not None
         self.artemis_ring = self.virtual_nodes == 1
         self.loads: dict[str, int] = {}
         self._seen: object = None
@@ -96,16 +100,25 @@ class ConsistentHashPolicy(Policy):
 
     # -- policy -------------------------------------------------------------------------------
     def select_target(self, targets: Sequence[Target], key: str) -> Target | None:
+        """Pick a target; with LOAD_FACTOR the pick counts as one live assignment."""
+        t = self.choose_target(targets, key)
+        if t is not None and self.load_factor is not None:
+            self.acquire(t.slot)
+        return t
+
+    def choose_target(self, targets: Sequence[Target], key: str) -> Target | None:
+        """The pick, not counted (management lookups)."""
         n = len(targets)
         if n <= 1:
-            if n and self.load_factor is not None:
-                slot = targets[0].slot
-                self.loads[slot] = self.loads.get(slot, 0) + 1
             return targets[0] if n else None
         i = self.ring_index(targets, key)
         if self.load_factor is None:
             return targets[self._owners[i]]
         return self._bounded(targets, i)
+
+    def acquire(self, slot: str) -> None:
+        if self.load_factor is not None:
+            self.loads[slot] = self.loads.get(slot, 0) + 1
 
     def _bounded(self, targets: Sequence[Target], i: int) -> Target:
         loads = self.loads
@@ -122,7 +135,6 @@ class ConsistentHashPolicy(Policy):
                 continue
             t = targets[o]
             if loads.get(t.slot, 0) < cap:
-                loads[t.slot] = loads.get(t.slot, 0) + 1
                 return t
             tried.add(o)
             if len(tried) == len(targets):
@@ -131,21 +143,22 @@ class ConsistentHashPolicy(Policy):
         # later target wins) is not on the ring; it may be the one below the cap.
         for o, t in enumerate(targets):
             if o not in tried and loads.get(t.slot, 0) < cap:
-                loads[t.slot] = loads.get(t.slot, 0) + 1
                 return t
         # Unreachable for c >= 1 (some target is below the mean); keep the ring owner anyway.
-        t = targets[owners[i]]
-        loads[t.slot] = loads.get(t.slot, 0) + 1
-        return t
+        return targets[owners[i]]
 
-    def release(self, target: Target) -> None:
-        """Bounded load: one key assigned to ``target`` went away (expired or moved)."""
-        slot = target.slot
-        if self.loads.get(slot, 0) > 0:
-            self.loads[slot] -= 1
+    def release(self, slot: str) -> None:
+        """Bounded load: one live assignment to the target in ``slot`` ended."""
+        n = self.loads.get(slot, 0)
+        if n > 1:
+            self.loads[slot] = n - 1
+        elif n == 1:
+            del self.loads[slot]
 
     def describe(self):
         d = super().describe()
         d.update(hash=self.hash_name, virtual_nodes=self.virtual_nodes,
                  load_factor=self.load_factor)
+        if self.load_factor is not None:
+            d["live_assignments"] = dict(sorted(self.loads.items()))
         return d

@@ -1,0 +1,102 @@
+"""Bounded load (CONSISTENT_HASH + LOAD_FACTOR) counts live assignments only (issue 8, item 5).
+
+An assignment is live while the key's cache entry lives (with a cache) or while the connection
+that got it is open (without one); management lookups never count. Pure core, ``now`` given.
+"""
+
+from __future__ import annotations
+
+from router.core.cache import StickyCache
+from router.core.decide import Outcome, Router
+from router.core.keys import ConnectionInfo, KeyResolver, KeyType
+from router.core.pool import Pool
+from router.policies import Target, create_policy
+
+
+def router(*, cache: StickyCache | None, factor: str = "1.0", n: int = 3) -> Router:
+    pool = Pool([Target(f"node-{i}", "h", 5672 + i, name=f"t{i}") for i in range(n)])
+    for i in range(n):
+        pool.set_ready(f"t{i}", True)
+    return Router("r", KeyResolver(KeyType.CLIENT_ID),
+                  policy=create_policy("CONSISTENT_HASH", {"LOAD_FACTOR": factor}), pool=pool, cache=cache)
+
+
+def conn(cid: str) -> ConnectionInfo:
+    return ConnectionInfo(source="10.0.0.1:1", container_id=cid)
+
+
+def live(r: Router) -> int:
+    return sum(r.policy.loads.values())
+
+
+def test_management_lookups_do_not_count():
+    for cache in (None, StickyCache(0)):
+        r = router(cache=cache)
+        for i in range(50):
+            assert r.decide_for_key(f"k{i}", 1.0).outcome is Outcome.OK
+        assert live(r) == 0
+        d = r.decide(conn("c1"), 2.0)
+        assert d.ok and live(r) == 1
+
+
+def test_without_cache_an_assignment_lives_as_long_as_its_connection():
+    r = router(cache=None)
+    ds = [r.decide(conn(f"c{i}"), 1.0) for i in range(9)]
+    assert live(r) == 9 and max(r.policy.loads.values()) <= 3  # cap ceil(1.0 * 9 / 3)
+    for d in ds[:6]:
+        r.release(d)
+        r.release(d)  # idempotent
+    assert live(r) == 3
+    for d in ds[6:]:
+        r.release(d)
+    assert live(r) == 0 and r.policy.loads == {}
+    # released capacity is reusable: the cap follows live load, not history
+    again = [r.decide(conn(f"c{i}"), 2.0) for i in range(3)]
+    assert sorted(d.target.name for d in again) == ["t0", "t1", "t2"]
+
+
+def test_with_cache_the_entry_holds_the_assignment_until_it_expires():
+    cache = StickyCache(1000)
+    r = router(cache=cache)
+    ds = [r.decide(conn(f"c{i}"), 1.0) for i in range(6)]
+    assert all(d.ok and d.hold is None for d in ds)
+    for d in ds:
+        r.release(d)  # connections closing: the cache entries still hold the keys
+    assert live(r) == 6
+    # a reconnect hits the cache: the same assignment, not a second one
+    assert r.decide(conn("c0"), 1.5).explanation.cache == "hit"
+    assert live(r) == 6
+    cache.expire(2.2)  # c1..c5 idle 1.2 s > 1 s; c0 was touched at 1.5
+    assert live(r) == 1
+    cache.expire(3.0)
+    assert live(r) == 0 and r.policy.loads == {}
+
+
+def test_a_management_entry_becomes_live_when_a_connection_uses_it():
+    cache = StickyCache(0)
+    r = router(cache=cache)
+    r.decide_for_key("k", 1.0)
+    assert "k" in cache.entries and live(r) == 0
+    d = r.decide(conn("k"), 2.0)
+    assert d.explanation.cache == "hit" and live(r) == 1
+    r.decide(conn("k"), 3.0)
+    assert live(r) == 1
+    cache.remove("k")
+    assert live(r) == 0
+
+
+def test_eviction_and_repointing_release():
+    cache = StickyCache(0, max_entries=2)
+    r = router(cache=cache)
+    for i in range(5):
+        r.decide(conn(f"c{i}"), float(i))
+    assert len(cache) == 2 and live(r) == 2
+    # the cached node goes away: the key is re-decided, its old assignment released
+    key = next(iter(cache.entries))
+    old = cache.entries[key][0]
+    old_slot = "t" + old.split("-")[1]
+    r.pool.set_ready(old_slot, False)
+    d = r.decide(conn(key), 10.0)
+    assert d.ok and d.target.identity != old and live(r) == 2
+    still_old = sum(1 for e in cache.entries.values() if e[0] == old)
+    assert r.policy.loads.get(old_slot, 0) == still_old
