@@ -1,6 +1,8 @@
 """Health probes feeding a pool's readiness (run by ``RouterService.run``).
 
-Every ``check-period`` ms each target is probed, the first round at once (initial delay 0):
+Each target is probed by its own task: at once (initial delay 0), then ``check-period`` ms after
+its previous probe finished (fixed delay, as Artemis's ``TargetMonitor``), each probe with its own
+timeout, so a slow target never holds back the others:
 
 * with a ``management_url``: HTTP/1.1 ``GET <management_url>/api/v1/broker`` with Basic auth
   (the pool's username/password), JSON body ``{"node_id", "active", "connection_count", ...}``.
@@ -12,8 +14,8 @@ Any error (refused, timeout, TLS, bad status, bad JSON) makes the target not rea
 error text is kept for the management API. The HTTP client is ``broker.http``'s (h11 over
 ``trio.open_tcp_stream``, TLS via ``trio.SSLStream`` for https URLs).
 
-With ``workers = N`` only the supervisor probes (``router.workers``): it pushes each round's
-results to every worker, so brokers see one probe per target per check-period, not N.
+With ``workers = N`` only the supervisor probes (``router.workers``): it pushes each probe's
+result to every worker, so brokers see one probe per target per check-period, not N.
 """
 
 from __future__ import annotations
@@ -116,28 +118,74 @@ async def run_health_checks(pool: Pool, *, check_period_ms: int, username: str |
                             on_round: Callable[[], None] | None = None,
                             credentials: dict[str, tuple[str | None, str | None]] | None = None,
                             task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Probe every target of ``pool`` each ``check_period_ms`` (first round at once); never returns.
+    """Probe every target of ``pool``, each in its own task; never returns.
 
+    As Artemis's ``TargetMonitor`` (one ``ActiveMQScheduledComponent`` per target, initial delay
+    0, ``scheduleWithFixedDelay(check-period)``): each target is probed at once, then
+    ``check_period_ms`` after its previous probe *finished*, with its own timeout
+    (``min(check-period, 2 s)``), so a slow or hung target delays only itself. ``on_round`` is
+    called after each probe result (the supervisor then pushes the pool to its workers).
+    ``started()`` is reported once every target present at start has a first result.
+    Targets that join or leave the pool (discovery) get or lose their task within a period.
     ``credentials`` maps a target's name to its own (username, password), overriding the pool's.
     """
     period = check_period_ms / 1000.0
     timeout = min(period, 2.0)
 
-    async def one(target: Target) -> None:
-        user, pw = (credentials or {}).get(target.name, (username, password))
-        res = await probe_target(target, username=user, password=pw,
-                                 timeout_s=timeout, ssl_context=ssl_context)
-        pool.report_probe(target.slot, res.ok, res.node_id, res.connection_count, clock(),
-                          error=res.error)
+    def state(slot: str):
+        for st in pool.all_states():
+            if st.target.slot == slot:
+                return st
+        return None
 
-    started = False
-    while True:
-        async with trio.open_nursery() as nursery:
-            for st in pool.all_states():
-                nursery.start_soon(one, st.target)
-        if on_round is not None:
-            on_round()
-        if not started:
-            started = True
-            task_status.started()
-        await trio.sleep(period)
+    async def probe_forever(slot: str, first_done: Callable[[], None]) -> None:
+        while True:
+            st = state(slot)
+            if st is None:  # left the pool
+                first_done()
+                return
+            target = st.target
+            user, pw = (credentials or {}).get(target.name, (username, password))
+            res = await probe_target(target, username=user, password=pw,
+                                     timeout_s=timeout, ssl_context=ssl_context)
+            pool.report_probe(slot, res.ok, res.node_id, res.connection_count, clock(),
+                              error=res.error)
+            first_done()
+            if on_round is not None:
+                on_round()
+            await trio.sleep(period)
+
+    async with trio.open_nursery() as nursery:
+        tasks: dict[str, trio.CancelScope] = {}
+        pending = {st.target.slot for st in pool.all_states()}
+        all_first = trio.Event()
+        if not pending:
+            all_first.set()
+
+        def first_done_for(slot: str) -> Callable[[], None]:
+            def done() -> None:
+                pending.discard(slot)
+                if not pending:
+                    all_first.set()
+            return done
+
+        async def run_one(slot: str, scope: trio.CancelScope) -> None:
+            with scope:
+                await probe_forever(slot, first_done_for(slot))
+            if tasks.get(slot) is scope:
+                del tasks[slot]
+
+        def reconcile() -> None:
+            slots = {st.target.slot for st in pool.all_states()}
+            for slot in slots - tasks.keys():
+                scope = tasks[slot] = trio.CancelScope()
+                nursery.start_soon(run_one, slot, scope)
+            for slot in set(tasks) - slots:
+                tasks.pop(slot).cancel()
+
+        reconcile()
+        await all_first.wait()
+        task_status.started()
+        while True:
+            await trio.sleep(period)
+            reconcile()

@@ -27,7 +27,7 @@ Theory of operation
   loses the claim adopts the owner's value. So a client reconnecting lands on the same target
   whichever worker accepts it. The owner side is ``shared_get`` / ``shared_write``. Such a worker
   runs no health probes: the supervisor's single prober pushes each round
-  (``apply_pool_states``; the owner's ``round_listeners`` fire after every round).
+  (``apply_pool_states``; the owner's ``round_listeners`` fire after every probe result).
 * **Quorum waits.** A REFUSED_UNAVAILABLE below quorum with ``quorum-timeout > 0`` parks only
   that connection on a ``trio.Event`` that the pool's change listener sets; it re-decides on
   every pool change until the deadline (Artemis blocks a thread and polls; we do neither).

@@ -150,6 +150,8 @@ class Router:
         self.pins = pins
         if pool is not None and policy is not None:
             pool.observers.append(policy.observe)
+            if policy.needs_connection_count:
+                pool.require_connection_count = True
         #: bounded load with a cache: key → slot of the live assignment its cache entry holds
         self.assigned: dict[str, str] = {}
         if cache is not None and policy is not None and policy.tracks_assignments:

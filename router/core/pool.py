@@ -45,7 +45,8 @@ class TargetState:
         return {"name": t.name, "node_id": t.node_id, "host": t.host, "port": t.port,
                 "tls": t.tls, "management_url": t.management_url, "local": self.local,
                 "ready": self.ready, "connection_count": self.connection_count,
-                "last_error": self.last_error, "last_probe_at": self.last_probe_at}
+                "last_error": self.last_error, "last_probe_at": self.last_probe_at,
+                "probes": self.probes}
 
 
 class Pool:
@@ -61,6 +62,9 @@ class Pool:
         if self.local is not None and local_target_enabled:
             self.members.append(self.local)
         self.version = 0
+        #: LEAST_CONNECTIONS: a probe that gives no connection count fails (Artemis's
+        #: UPDATE_CONNECTION_COUNT_PROBE throws on a missing ConnectionCount → not ready)
+        self.require_connection_count = False
         self.listeners: list[Callable[["Pool"], None]] = []
         self.observers: list[Callable[[Target, int | None], None]] = []
         self._ready: tuple[Target, ...] = ()
@@ -106,7 +110,7 @@ class Pool:
     # -- probes -------------------------------------------------------------------------------
     def report_probe(self, target_name: str, ok: bool, node_id: str | None = None,
                      connection_count: int | None = None, now: float | None = None,
-                     error: str | None = None) -> None:
+                     error: str | None = None, *, check_count: bool = True) -> None:
         """Record one probe result for the target slot ``target_name`` (name or host:port).
 
         A failed probe makes the target not ready at once and keeps ``error`` for the management
@@ -118,6 +122,8 @@ class Pool:
         st.probes += 1
         st.last_probe_at = now
         changed = False
+        if ok and connection_count is None and self.require_connection_count and check_count:
+            ok, error = False, "probe gave no connection count (LEAST_CONNECTIONS needs one)"
         if ok:
             if node_id and node_id != st.target.node_id:
                 st.target = dataclasses.replace(st.target, node_id=node_id)
@@ -138,7 +144,7 @@ class Pool:
     def set_ready(self, target_name: str, ready: bool, node_id: str | None = None) -> None:
         """Shortcut for tests and embedders: mark a target ready/not ready."""
         self.report_probe(target_name, ready, node_id=node_id,
-                          error=None if ready else "marked not ready")
+                          error=None if ready else "marked not ready", check_count=False)
 
     # -- reads (hot path) ---------------------------------------------------------------------
     def _changed(self) -> None:

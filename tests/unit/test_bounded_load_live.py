@@ -100,3 +100,18 @@ def test_eviction_and_repointing_release():
     assert d.ok and d.target.identity != old and live(r) == 2
     still_old = sum(1 for e in cache.entries.values() if e[0] == old)
     assert r.policy.loads.get(old_slot, 0) == still_old
+
+
+# -- LEAST_CONNECTIONS: no count, not ready (Artemis UPDATE_CONNECTION_COUNT_PROBE) ------------
+def test_least_connections_makes_a_probe_without_count_fail():
+    pool = Pool([Target(None, "h", 1, name="a"), Target(None, "h", 2, name="b")])
+    Router("r", KeyResolver(KeyType.CLIENT_ID), policy=create_policy("LEAST_CONNECTIONS", {}), pool=pool)
+    pool.report_probe("a", True, "node-a", 3, 1.0)
+    pool.report_probe("b", True, "node-b", None, 1.0)
+    assert [t.name for t in pool.targets()] == ["a"]
+    assert pool.snapshot()["targets"][1]["last_error"] == \
+        "probe gave no connection count (LEAST_CONNECTIONS needs one)"
+    other = Pool([Target(None, "h", 2, name="b")])
+    Router("r", KeyResolver(KeyType.CLIENT_ID), policy=create_policy("FIRST_ELEMENT", {}), pool=other)
+    other.report_probe("b", True, "node-b", None, 1.0)
+    assert [t.name for t in other.targets()] == ["b"]

@@ -127,6 +127,9 @@ class Policy:
     #: router then calls ``choose_target`` for management lookups and ``release`` when an
     #: assignment ends (its cache entry goes, or without a cache its connection closes).
     tracks_assignments = False
+    #: True when the policy needs each target's connection count (LEAST_CONNECTIONS): a probe
+    #: without one makes the target not ready, as Artemis's policy probe fails then
+    needs_connection_count = False
 
     def choose_target(self, targets: Sequence[Target], key: str) -> Target | None:
         """The target ``select_target`` would pick, without counting it as an assignment."""

@@ -1,6 +1,9 @@
 """LEAST_CONNECTIONS: the ready target with the fewest connections (Artemis §2.6).
 
 Counts come from the health probes (``observe``), so they are as fresh as ``check-period``.
+As in Artemis (``LeastConnectionsPolicy``'s ``UPDATE_CONNECTION_COUNT_PROBE``, which fails when
+``broker.ConnectionCount`` cannot be read), a probe that gives no count makes the target not
+ready (``Pool.require_connection_count``, set by the router for this policy).
 A count below ``CONNECTION_COUNT_THRESHOLD`` counts as 0 (so small differences do not matter);
 a target never counted ranks last; ties go round-robin over the tied targets, sharing one counter.
 """
@@ -20,6 +23,7 @@ class LeastConnectionsPolicy(RoundRobinPolicy):
 
     name = "LEAST_CONNECTIONS"
     PROPERTIES = frozenset({"CONNECTION_COUNT_THRESHOLD"})
+    needs_connection_count = True
 
     def __init__(self, properties=None, rng=None) -> None:
         super().__init__(properties, rng)
