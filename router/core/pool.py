@@ -122,7 +122,10 @@ class Pool:
         st.probes += 1
         st.last_probe_at = now
         changed = False
-        if ok and connection_count is None and self.require_connection_count and check_count:
+        # (a pool member only: Artemis adds the policy's probe to the pool, so a local target
+        # outside it — local-target-filter only — does not need a count)
+        if ok and connection_count is None and self.require_connection_count and check_count \
+                and (not st.local or self.local_target_enabled):
             ok, error = False, "probe gave no connection count (LEAST_CONNECTIONS needs one)"
         if ok:
             if node_id and node_id != st.target.node_id:

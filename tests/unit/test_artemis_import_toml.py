@@ -169,3 +169,23 @@ def test_imported_modulo_shards_as_artemis(tmp_path, r):
     assert d.outcome is Outcome[r["result_status"]]
     if d.outcome is Outcome.OK:
         assert d.local and d.target.node_id == r["result_node_id"]
+
+
+MOD2 = [r for r in HASH if r["policy"] == "CONSISTENT_HASH_MODULO" and r["param"] == "2"]
+
+
+def test_imported_modulo_transforms_every_vector_key_as_artemis(tmp_path):
+    """Every CONSISTENT_HASH_MODULO vector with MODULO=2: the imported router's transformed key
+    is Artemis's ``transformKey`` output, and shard "0" (and only it) is the local target."""
+    svc = _service(tmp_path, "names", "shard0")
+    checked = 0
+    for r in MOD2:
+        key = json.loads(r["key_json"])
+        if key in ("", "NULL") or key.startswith("$.artemis.internal.router.client.") \
+                or len(key) > svc.config.max_key_length:
+            continue  # resolved before the policy / Lodestone's max-key-length
+        d = trio.run(svc.route, ConnectionInfo(source="10.0.0.1:1", container_id=key))
+        assert d.explanation.key == r["expected"], r
+        assert (d.outcome is Outcome.OK and d.local) == (r["expected"] == "0"), r
+        checked += 1
+    assert checked >= 30

@@ -115,3 +115,15 @@ def test_least_connections_makes_a_probe_without_count_fail():
     Router("r", KeyResolver(KeyType.CLIENT_ID), policy=create_policy("FIRST_ELEMENT", {}), pool=other)
     other.report_probe("b", True, "node-b", None, 1.0)
     assert [t.name for t in other.targets()] == ["b"]
+
+
+def test_least_connections_count_rule_skips_a_local_target_outside_the_pool():
+    local = Target("self", "h", 9, name="self")
+    pool = Pool([Target(None, "h", 1, name="a")], local_target=local)
+    Router("r", KeyResolver(KeyType.CLIENT_ID), policy=create_policy("LEAST_CONNECTIONS", {}), pool=pool)
+    pool.report_probe("self", True, None, None, 1.0)  # a TCP probe: no count
+    assert pool.local.ready
+    inside = Pool([Target(None, "h", 1, name="a")], local_target=local, local_target_enabled=True)
+    Router("r", KeyResolver(KeyType.CLIENT_ID), policy=create_policy("LEAST_CONNECTIONS", {}), pool=inside)
+    inside.report_probe("self", True, None, None, 1.0)
+    assert not inside.local.ready
