@@ -20,7 +20,7 @@ from proton.utils import BlockingConnection
 from broker.amqp.frames import FOLLOWS_REDIRECT
 from router.client import (RedirectLoop, RedirectingContainer, RouterRefused, RouterRefusedClosed, TargetLookup,
                            TooManyRedirects, connect, connect_following_redirects, connect_via_management)
-from clients_env import MGMT, USERS, Env
+from clients_env import MGMT, USERS
 
 pytestmark = pytest.mark.slow
 
@@ -28,12 +28,8 @@ APP = {"user": "app", "password": USERS["app"][0], "allowed_mechs": "PLAIN"}
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    e = Env(tmp_path_factory.mktemp("clients"))
-    try:
-        yield e
-    finally:
-        assert e.close() == 0, e.router.stderr_text()
+def env(clients_env):
+    return clients_env
 
 
 def drain(broker, address: str, timeout_s: float = 3.0) -> list[str]:
