@@ -115,8 +115,7 @@ class RedirectFollower:
                 connector.virtual_host = decision.virtual_host
                 conn.hostname = decision.virtual_host
         else:
-            log.info("router not ready; trying %s again in %.2fs (attempt %d)", decision.url, delay,
-                     self.plan.refusals + 1)
+            log.info("trying the front door %s again in %.2fs", decision.url, delay)
             connector.virtual_host = self.plan.virtual_host
         # the next connect of proton's reconnect loop goes there; after it, the front door as usual
         front = Urls([self.plan.front_door])

@@ -18,9 +18,10 @@ from proton.reactor import Container
 from proton.utils import BlockingConnection
 
 from broker.amqp.frames import FOLLOWS_REDIRECT
+from router.client.lookup import Answer
 from router.client import (RedirectLoop, RedirectingContainer, RouterRefused, RouterRefusedClosed, TargetLookup,
                            TooManyRedirects, connect, connect_following_redirects, connect_via_management)
-from clients_env import MGMT, USERS
+from clients_env import MGMT, USERS, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -375,3 +376,25 @@ def test_event_driven_lookup_connects_directly(env):
     assert app.conn.lodestone_hops == [f"amqp://127.0.0.1:{target.port}"]
     assert env.router.counters("redir")["accepted"] == before
     assert len(drain(target, address)) == 4
+
+
+def test_management_lookup_falls_back_when_the_named_broker_does_not_answer(env):
+    """A cached answer names a broker that is gone (nothing listens on its port): the helpers
+    forget the answer and go through the front door (redirect followed)."""
+    k = key()
+    target = env.broker_for(k)
+    for event_driven in (False, True):
+        lookup = TargetLookup(env.router.management_url, "main", auth=MGMT, ttl_s=60)
+        lookup.cache.put(k, Answer("127.0.0.1", free_port(), False, "gone", "OK"), lookup.clock())
+        before = env.redirected()
+        if event_driven:
+            app = run(App(env.front_door(), "mg.gone", send=1, container_id=k, lookup=lookup))
+            assert app.errors == [] and app.accepted == 1 and app.opened_nodes == [target.node_id]
+            assert app.events.count("opened") == 1 and app.conn.lodestone_hops[0] == env.front_door()
+        else:
+            conn = connect_via_management(lookup, env.front_door(), key=k, timeout=10, container_id=k, **APP)
+            assert conn.lodestone_route == "front-door" and conn.conn.remote_properties["node-id"] == target.node_id
+            conn.close()
+        assert env.redirected() == before + 1
+        assert lookup.requests == 0 and lookup.cache.get(k, lookup.clock()) is None
+    drain(target, "mg.gone")
