@@ -65,6 +65,8 @@ class RedirectFollower:
         self.direct = None  # (lookup, key) while trying the broker the management API named
         self.between = False  # inside the router's failed connection / on the way to the next hop
         self.connection = None
+        self.reconnect = None  # the application's reconnect policy (None: proton's default)
+        self.router_transport_open = False  # a router's transport we ended has not closed yet
 
     # proton calls on_<event>(event); everything goes through here
     def on_unhandled(self, method: str, event) -> None:
@@ -77,6 +79,8 @@ class RedirectFollower:
             self.direct = None
             self.plan.established()
             self._back_to_front_door(event.connection)
+            if self.reconnect is False:
+                event.connection._overrides.reconnect = False  # as the application asked, from now on
         elif method == "on_connection_remote_close" and self.between:
             cond = event.connection.remote_condition
             decision = self.plan.on_close(cond.name if cond else None, cond.description if cond else None,
@@ -100,6 +104,13 @@ class RedirectFollower:
                 self.between = True
                 self._go(event, Retry(self.plan.front_door, 0), close=False)
             return
+        elif method == "on_transport_closed" and self.between:
+            if self.router_transport_open:
+                self.router_transport_open = False  # the router's transport, which we ended
+                return
+            if self.reconnect is not False:
+                return  # proton tries again (the front door), as the application's policy says
+            self.between = False  # a hop failed and the application wants no reconnect: say so
         elif self.between:
             return
         event.dispatch(self.app)
@@ -117,15 +128,22 @@ class RedirectFollower:
         else:
             log.info("trying the front door %s again in %.2fs", decision.url, delay)
             connector.virtual_host = self.plan.virtual_host
-        # the next connect of proton's reconnect loop goes there; after it, the front door as usual
-        front = Urls([self.plan.front_door])
-        connector._connect_sequence = itertools.chain(
-            [(delay, url)], ((d, u) for d in _delays() for u in front))
+        # the next connect of proton's reconnect loop goes there; if that fails, the front door
+        # as the application's reconnect policy says, each time a new journey
+        connector._connect_sequence = itertools.chain([(delay, url)], self._afterwards())
         # the router waits for our Close to end its side; we keep the Connection open (it is
         # re-bound to the next transport), so end the router's transport from our side instead
         if close and event.transport is not None:
+            self.router_transport_open = True
             event.transport.close_tail()
             event.transport.close_head()
+
+    def _afterwards(self):
+        policy = self.reconnect
+        delays = _delays() if policy is None else iter([] if policy is False else policy)
+        for d in delays:
+            self.plan.restart()
+            yield d, Url(self.plan.front_door)
 
     def _give_up(self, event, error: Exception) -> None:
         conn = event.connection
@@ -193,6 +211,11 @@ def connect(container: Container, url: str, *, handler=None, max_hops: int = 5,
     if first != url:
         plan.hops = [first]
         follower.direct = (lookup, k)
+    follower.reconnect = kwargs.get("reconnect")
+    if follower.reconnect is False:
+        # proton's connector ignores its connect sequence when reconnect is False, so until the
+        # broker's Open the connection runs with one try per hop; False again once open
+        kwargs["reconnect"] = [0]
     conn = Container.connect(container, first, handler=follower, **with_capability(kwargs))
     follower.connection = conn
     return conn

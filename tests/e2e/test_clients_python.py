@@ -398,3 +398,13 @@ def test_management_lookup_falls_back_when_the_named_broker_does_not_answer(env)
         assert env.redirected() == before + 1
         assert lookup.requests == 0 and lookup.cache.get(k, lookup.clock()) is None
     drain(target, "mg.gone")
+
+
+def test_event_driven_follows_redirects_even_with_reconnect_disabled(env):
+    """``reconnect=False`` (the application wants no reconnects) still follows the redirect."""
+    k, address = key(), f"ev.norc.{uuid.uuid4().hex[:6]}"
+    target = env.broker_for(k)
+    app = run(App(env.front_door(), address, send=2, container_id=k, reconnect=False))
+    assert app.errors == [] and app.accepted == 2 and app.opened_nodes == [target.node_id]
+    assert app.conn._overrides.reconnect is False  # as asked, once on the broker
+    assert len(drain(target, address)) == 2
