@@ -63,6 +63,7 @@ class RedirectFollower:
         self.app = app
         self.plan = plan
         self.direct = None  # (lookup, key) while trying the broker the management API named
+        self.lookup = None  # (lookup, key): asked again when the router is not ready
         self.between = False  # inside the router's failed connection / on the way to the next hop
         self.connection = None
         self.reconnect = None  # the application's reconnect policy (None: proton's default)
@@ -85,6 +86,8 @@ class RedirectFollower:
             cond = event.connection.remote_condition
             decision = self.plan.on_close(cond.name if cond else None, cond.description if cond else None,
                                           cond.info if cond else None)
+            if isinstance(decision, Retry) and self.lookup is not None:
+                decision = self._ask_management(decision)
             if isinstance(decision, (Follow, Retry)):
                 self._go(event, decision)
                 return
@@ -93,9 +96,14 @@ class RedirectFollower:
                 self._give_up(event, decision.error)
                 return
             # not a router answer we know: the application sees the peer's error as it is
-        elif method.startswith("on_transport_") and self.direct is not None:
-            # the broker the management API named is unreachable: forget it, use the front door
-            if method == "on_transport_closed":
+        elif method.startswith("on_transport_") and (self.between or self.direct is not None):
+            if method != "on_transport_closed":
+                return
+            if self.router_transport_open:
+                self.router_transport_open = False  # the router's transport, which we ended
+                return
+            if self.direct is not None:
+                # the broker the management API named is unreachable: forget it, use the front door
                 lookup, key = self.direct
                 self.direct = None
                 lookup.invalidate(key)
@@ -103,10 +111,6 @@ class RedirectFollower:
                 self.plan.restart()
                 self.between = True
                 self._go(event, Retry(self.plan.front_door, 0), close=False)
-            return
-        elif method == "on_transport_closed" and self.between:
-            if self.router_transport_open:
-                self.router_transport_open = False  # the router's transport, which we ended
                 return
             if self.reconnect is not False:
                 return  # proton tries again (the front door), as the application's policy says
@@ -137,6 +141,19 @@ class RedirectFollower:
             self.router_transport_open = True
             event.transport.close_tail()
             event.transport.close_head()
+
+    def _ask_management(self, retry: Retry) -> Retry:
+        """The router is not ready: Artemis' other way in — ask the management API (afresh)
+        where the key goes, and go there directly after the same back-off."""
+        lookup, key = self.lookup
+        lookup.invalidate(key)
+        direct = lookup.url_for(key, self.plan.front_door)
+        if direct is None:
+            return retry
+        log.info("router not ready; the management API names %s", direct)
+        self.direct = (lookup, key)
+        self.plan.hops = [direct]
+        return Retry(direct, retry.delay_s)
 
     def _afterwards(self):
         policy = self.reconnect
@@ -199,7 +216,7 @@ def connect(container: Container, url: str, *, handler=None, max_hops: int = 5,
     Returns the ``Connection`` (``lodestone_hops`` lists the URLs of the last journey once it
     is open; ``lodestone_error`` is set if the helper gave up).
     """
-    first = url
+    first, k = url, None
     if lookup is not None:
         k = key if key is not None else kwargs.get("container_id", getattr(container, "container_id", None))
         direct = lookup.url_for(k, url) if k is not None else None
@@ -211,6 +228,8 @@ def connect(container: Container, url: str, *, handler=None, max_hops: int = 5,
     if first != url:
         plan.hops = [first]
         follower.direct = (lookup, k)
+    if lookup is not None and k is not None:
+        follower.lookup = (lookup, k)
     follower.reconnect = kwargs.get("reconnect")
     if follower.reconnect is False:
         # proton's connector ignores its connect sequence when reconnect is False, so until the

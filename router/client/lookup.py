@@ -158,8 +158,9 @@ def connect_via_management(lookup: TargetLookup, front_door: str, *, key: str | 
     """A ``BlockingConnection`` straight to the broker the management API names for ``key``
     (default: the ``container_id`` keyword); when the API cannot help, or that broker does not
     take the connection, through ``front_door`` with redirect following
-    (:func:`~router.client.blocking.connect_following_redirects`). The connection's
-    ``lodestone_route`` is ``"direct"`` or ``"front-door"``."""
+    (:func:`~router.client.blocking.connect_following_redirects`); when the front door stays
+    "not ready", the API is asked once more. The connection's ``lodestone_route`` is
+    ``"direct"`` or ``"front-door"``."""
     from router.client.blocking import connect_following_redirects
 
     key = key if key is not None else kwargs.get("container_id")
@@ -174,6 +175,20 @@ def connect_via_management(lookup: TargetLookup, front_door: str, *, key: str | 
         except ProtonException as exc:
             lookup.invalidate(key)
             log.info("direct connection to %s failed (%s); using the front door", direct, exc)
-    conn = connect_following_redirects(front_door, **kwargs)
+    from router.client.blocking import RouterRefusedClosed
+
+    try:
+        conn = connect_following_redirects(front_door, **kwargs)
+    except RouterRefusedClosed as refused:
+        if not refused.transient:
+            raise
+        # not ready after the retries: Artemis' other way in — ask the API once more
+        lookup.invalidate(key)
+        direct = lookup.url_for(key, front_door)
+        if direct is None:
+            raise
+        conn = connect_following_redirects(direct, **kwargs)
+        conn.lodestone_route = "direct"
+        return conn
     conn.lodestone_route = "front-door"
     return conn

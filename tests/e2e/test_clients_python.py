@@ -408,3 +408,35 @@ def test_event_driven_follows_redirects_even_with_reconnect_disabled(env):
     assert app.errors == [] and app.accepted == 2 and app.opened_nodes == [target.node_id]
     assert app.conn._overrides.reconnect is False  # as asked, once on the broker
     assert len(drain(target, address)) == 2
+
+
+def test_event_driven_asks_the_management_api_when_the_router_is_not_ready(env):
+    """Artemis' advice for a router that is not ready: the front door again after a back-off, or
+    the management API. With a lookup the helper asks the API afresh after the refusal (here the
+    lookup's cached answer said "refused", so the first try went to the not-ready front door)."""
+    k, address = key(), f"ev.qm.{uuid.uuid4().hex[:6]}"
+    target = env.broker_for(k)
+    lookup = TargetLookup(env.router.management_url, "main", auth=MGMT, ttl_s=60)
+    lookup.cache.put(k, Answer(None, None, False, None, "REFUSED_UNAVAILABLE"), lookup.clock())
+    before = env.router.counters("q-redir")["refused"]
+    app = run(App(env.front_door("q-redir"), address, send=3, container_id=k, lookup=lookup,
+                  refusal_backoff_s=(0.05,)))
+    assert app.errors == [] and app.accepted == 3 and app.opened_nodes == [target.node_id]
+    assert app.events.count("opened") == 1 and lookup.requests == 1
+    assert app.conn.lodestone_hops == [f"amqp://127.0.0.1:{target.port}"]
+    assert env.router.counters("q-redir")["refused"] == before + 1
+    assert len(drain(target, address)) == 3
+
+
+def test_blocking_lookup_asks_again_when_the_front_door_stays_not_ready(env):
+    k = key()
+    target = env.broker_for(k)
+    lookup = TargetLookup(env.router.management_url, "main", auth=MGMT, ttl_s=60)
+    lookup.cache.put(k, Answer(None, None, False, None, "REFUSED_UNAVAILABLE"), lookup.clock())
+    conn = connect_via_management(lookup, env.front_door("q-redir"), key=k, timeout=10, container_id=k,
+                                  refusal_backoff_s=(0.05,), **APP)
+    try:
+        assert conn.lodestone_route == "direct" and conn.conn.remote_properties["node-id"] == target.node_id
+        assert lookup.requests == 1
+    finally:
+        conn.close()
