@@ -109,8 +109,9 @@ def connect_following_redirects(url: str, *, max_hops: int = 5,
     ``kwargs`` go to ``BlockingConnection`` (``ssl_domain``, ``timeout``, ``user``, ``password``,
     ``allowed_mechs``, ``container_id`` (the CLIENT_ID key), ``container`` (a proton
     ``Container``: its ``container_id`` is used; each attempt runs on a container of its own,
-    since ``BlockingConnection`` releases its container when an attempt fails), ``sni``, …). On a redirect with a ``hostname`` the next hop
-    uses it as ``virtual_host`` (the Open hostname and the TLS SNI). The returned connection has
+    since ``BlockingConnection`` releases its container when an attempt fails), ``sni``, …).
+    On a redirect with a ``hostname`` the next hop uses it as ``virtual_host`` (the Open
+    hostname and the TLS SNI). The returned connection has
     ``lodestone_hops``: the URLs visited, in order.
 
     Raises :class:`TooManyRedirects`, :class:`RedirectLoop`, :class:`RedirectError` (a redirect

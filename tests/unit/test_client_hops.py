@@ -108,7 +108,8 @@ def test_other_closes_are_not_ours(cond):
      Answer(None, None, False, "n1", "MALFORMED")),
     ("not json object", Answer(None, None, False, None, "MALFORMED")),
     # Artemis' own getTargetAsJSON has no outcome: a connector means OK
-    ({"nodeID": "n2", "local": False, "connector": {"params": {"host": "a", "port": 1}}}, Answer("a", 1, False, "n2", "OK")),
+    ({"nodeID": "n2", "local": False, "connector": {"params": {"host": "a", "port": 1}}},
+     Answer("a", 1, False, "n2", "OK")),
 ])
 def test_management_answers(body, answer):
     assert parse_answer(body) == answer
