@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Make ./.venv with Lodestone and its Python dependencies (idempotent; quick when already done).
 # Sourced by etc/run-local.sh and etc/run-tests.sh; `extras` selects optional dependency groups.
+# With `test` it also installs the Node client tests' npm packages (rhea, pinned by
+# clients/node/package-lock.json) with `npm ci`, when npm is on PATH (etc/run-tests.sh puts it there).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 extras="${1:-}"
@@ -16,4 +18,12 @@ stamp="$repo/.venv/.lodestone-installed${extras:+-$extras}"
 if [ ! -f "$stamp" ] || [ "$repo/pyproject.toml" -nt "$stamp" ]; then
     "$repo/.venv/bin/pip" install --quiet --disable-pip-version-check -e "$repo${extras:+[$extras]}"
     touch "$stamp"
+fi
+if [ "$extras" = test ] && command -v npm >/dev/null 2>&1; then
+    node_dir="$repo/clients/node"
+    node_stamp="$node_dir/node_modules/.lodestone-installed"
+    if [ ! -f "$node_stamp" ] || [ "$node_dir/package-lock.json" -nt "$node_stamp" ]; then
+        (cd "$node_dir" && npm ci --no-audit --no-fund --loglevel=error >/dev/null)
+        touch "$node_stamp"
+    fi
 fi

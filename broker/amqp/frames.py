@@ -51,7 +51,7 @@ __all__ = [
     "redirect_frames", "refuse_frames", "close_frames", "CONNECTION_ESTABLISHMENT_FAILED",
     "failed_open", "artemis_redirect_description", "artemis_rejected_description",
     "artemis_not_ready_description", "ARTEMIS_FAILED_OPEN_CONTAINER_ID",
-    "MIN_MAX_FRAME_SIZE",
+    "MIN_MAX_FRAME_SIZE", "FOLLOWS_REDIRECT",
 ]
 
 #: §2.2 protocol headers: "AMQP" + protocol-id + major + minor + revision.
@@ -536,6 +536,13 @@ def _failed_open(container_id: str, hostname: str | None = None) -> bytes:
     if hostname is not None:
         op = dataclasses_replace(op, hostname=hostname)
     return encode_frame(FRAME_AMQP, 0, op)
+
+
+#: Desired capability (Open ``desired-capabilities``, §2.7.1) a client sends to say it follows
+#: ``amqp:connection:redirect`` (Lodestone's client helpers do: ``router.client``,
+#: ``clients/node/lodestone-redirect.js``). An ``auto`` acceptor may redirect such clients and
+#: proxy the rest. A plain string: write it as an AMQP symbol.
+FOLLOWS_REDIRECT = "lodestone:follows-redirect"
 
 
 def redirect_frames(

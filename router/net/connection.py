@@ -158,6 +158,7 @@ def format_source(sockaddr) -> tuple[str, str, int]:
 _TLS_CLOSE_S = 1.0
 _REFUSAL_TIMEOUT_S = 2.0   # a client over a per-source limit gets this long to hear its refusal
 _MAX_REFUSING = 256        # acceptor-wide refusals in flight (over max-connections); more: closed
+_OVER_LIMIT_REFUSAL_S = 0.25   # ... and how long each may take (a silent client is simply closed)
 _LIMIT_TEXT = {
     "source_connections": "Connection router {r}: {src} has {lim.max_connections_per_source} connections "
                           "open (max-connections-per-source)",
@@ -258,6 +259,7 @@ class _Conn:
     phase: int = _PH_TLS
     refusal: str | None = None  # over a per-source limit: the refusal text (no auth is checked)
     authenticated: bool = False
+    refusal_timeout_s: float = _REFUSAL_TIMEOUT_S  # how long a refused client gets to hear why
     client: Any = None          # FastSocketStream | FastTLSStream once wrapped
     upstream: Any = None
     decision: Decision | None = None
@@ -374,6 +376,8 @@ class Acceptor:
                   host, port, trio.current_time(), self.edge.clock())
         c.refusal = (f"Connection router {s.router}: acceptor {s.name} is at its limit of "
                      f"{s.max_connections} connections (max-connections)")
+        # at capacity: hold nothing for long — a client that is not already speaking is closed
+        c.refusal_timeout_s = _OVER_LIMIT_REFUSAL_S
         try:
             with trio.CancelScope() as scope:
                 await self._serve(sock, c, scope)
@@ -402,7 +406,7 @@ class Acceptor:
         # 1. TLS
         refusing = c.refusal is not None
         if s.ssl_context is not None:
-            scope.deadline = trio.current_time() + (_REFUSAL_TIMEOUT_S if refusing else s.tls_handshake_timeout_s)
+            scope.deadline = trio.current_time() + (c.refusal_timeout_s if refusing else s.tls_handshake_timeout_s)
             try:
                 client = c.client = fastio.FastTLSStream(sock, s.ssl_context, server_side=True)
             except OSError as exc:  # the socket broke before the handshake began
@@ -424,7 +428,7 @@ class Acceptor:
 
         # 2. SASL + Open
         c.phase = _PH_HANDSHAKE
-        scope.deadline = trio.current_time() + (_REFUSAL_TIMEOUT_S if refusing else s.handshake_timeout_s)
+        scope.deadline = trio.current_time() + (c.refusal_timeout_s if refusing else s.handshake_timeout_s)
         detected = await self._sniff(client, c)
         if detected is None:
             return False

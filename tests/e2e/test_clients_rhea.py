@@ -1,0 +1,150 @@
+"""Unmodified rhea 3 applications (real ``node``) through a real router in ``redirect`` mode.
+
+The application is ``clients/node/test/app.js`` (an ordinary rhea program); with ``helper`` it
+connects with ``clients/node/lodestone-redirect.js`` (one line), without it with rhea's own
+``container.connect``. rhea comes from npm (``clients/node/package-lock.json``), installed by
+``etc/run-tests.sh`` (or here, by ``npm ci``, when ``node_modules`` is missing). Without ``node``
+the module is skipped, and says so loudly.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from proton import Message
+from proton.utils import BlockingConnection
+
+from clients_env import USERS
+
+pytestmark = pytest.mark.slow
+
+NODE_DIR = Path(__file__).resolve().parents[2] / "clients" / "node"
+
+
+@pytest.fixture(scope="module")
+def node():
+    exe = shutil.which("node")
+    if exe is None:
+        msg = ("NODE IS NOT INSTALLED: the rhea client tests are SKIPPED. Run `bash etc/run-tests.sh` "
+               "(it installs nodejs and npm) or install them yourself.")
+        print("\n" + "!" * 20 + " " + msg + " " + "!" * 20, file=sys.stderr)
+        pytest.skip(msg)
+    if not (NODE_DIR / "node_modules" / "rhea").is_dir():
+        npm = shutil.which("npm")
+        assert npm is not None, "node is installed but npm is not: cannot install rhea"
+        subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=NODE_DIR, check=True, timeout=300)
+    return exe
+
+
+@pytest.fixture(scope="module")
+def env(clients_env):
+    return clients_env
+
+
+def run_app(node, env, acceptor: str = "redir", **cfg) -> dict:
+    host, port = env.front_door(acceptor).split("://", 1)[1].rsplit(":", 1)
+    cfg = {"host": host, "port": int(port), "username": "app", "password": USERS["app"][0],
+           "helper": True, "deadline_ms": 20000, **cfg}
+    t0 = time.monotonic()
+    proc = subprocess.run([node, str(NODE_DIR / "test" / "app.js"), json.dumps(cfg)], cwd=NODE_DIR,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+    assert len(lines) == 1, (proc.stdout, proc.stderr)
+    out = json.loads(lines[0])
+    out["took_s"] = time.monotonic() - t0
+    out["stderr"] = proc.stderr
+    return out
+
+
+def drain(broker, address: str, timeout_s: float = 3.0) -> list[str]:
+    conn = BlockingConnection(broker.amqp_url, timeout=10, user="admin", password=USERS["admin"][0],
+                              allowed_mechs="PLAIN")
+    try:
+        rcv = conn.create_receiver(address, credit=100)
+        got = []
+        while True:
+            try:
+                m = rcv.receive(timeout=timeout_s)
+            except Exception:  # proton's Timeout: nothing more
+                break
+            got.append(m.body)
+            rcv.accept()
+            timeout_s = 1.0
+        return got
+    finally:
+        conn.close()
+
+
+def key() -> str:
+    return f"rhea-{uuid.uuid4().hex[:8]}"
+
+
+def test_rhea_sender_follows_the_redirect_to_the_broker_management_names(node, env):
+    k, address = key(), f"rh.send.{uuid.uuid4().hex[:6]}"
+    target = env.broker_for(k)
+    before = env.redirected()
+    out = run_app(node, env, container_id=k, address=address, send=10)
+    assert out["errors"] == [] and out["accepted"] == 10, out
+    assert out["events"].count("opened") == 1 and out["opened_nodes"] == [target.node_id]
+    assert out["hops"] == [env.front_door().split("://", 1)[1], f"127.0.0.1:{target.port}"]
+    assert out["link_same"] and "lodestone:follows-redirect" in out["desired_capabilities"]
+    assert env.redirected() == before + 1
+    assert sorted(drain(target, address)) == sorted(f"n{i}" for i in range(10))
+
+
+def test_rhea_receiver_is_recreated_on_the_broker(node, env):
+    k, address = key(), f"rh.recv.{uuid.uuid4().hex[:6]}"
+    target = env.broker_for(k)
+    conn = BlockingConnection(target.amqp_url, timeout=10, user="admin", password=USERS["admin"][0],
+                              allowed_mechs="PLAIN")
+    snd = conn.create_sender(address)
+    for i in range(5):
+        snd.send(Message(body=f"p{i}"))
+    conn.close()
+    out = run_app(node, env, container_id=k, address=address, receive=5)
+    assert out["errors"] == [] and sorted(out["received"]) == [f"p{i}" for i in range(5)], out
+    assert out["opened_nodes"] == [target.node_id] and out["link_same"]
+
+
+def test_rhea_redirect_loop_and_too_many_hops_are_clear_errors(node, env):
+    ping, pong = env.loop_ports
+    out = run_app(node, env, "ping", container_id=key(), address="rh.loop", send=1)
+    assert out["events"] == ["error"] and out["sent"] == 0, out
+    (err,) = out["errors"]
+    assert err["condition"] == "amqp:connection:redirect" and "redirect loop" in err["description"]
+    assert err["lodestone"]["name"] == "RedirectLoop"
+    assert err["lodestone"]["hops"] == [f"127.0.0.1:{ping}", f"127.0.0.1:{pong}", f"127.0.0.1:{ping}"]
+    out = run_app(node, env, "ping", container_id=key(), address="rh.hops", send=1, max_hops=1)
+    assert out["events"] == ["error"], out
+    assert out["errors"][0]["lodestone"]["name"] == "TooManyRedirects"
+    assert "more than 1 redirects" in out["errors"][0]["description"]
+
+
+def test_rhea_not_ready_router_is_retried_then_reported(node, env):
+    before = env.router.counters("q-redir")["refused"]
+    out = run_app(node, env, "q-redir", container_id=key(), address="rh.q", send=1, refusal_backoff_ms=[100, 200])
+    assert out["events"] == ["error"] and out["sent"] == 0, out
+    (err,) = out["errors"]
+    assert err["condition"] == "amqp:connection:forced" and "is not ready" in err["description"]
+    assert "gave up after 3 attempts" in err["description"] and err["lodestone"]["name"] == "RouterRefused"
+    assert env.router.counters("q-redir")["refused"] == before + 3
+
+
+def test_plain_rhea_without_the_helper_does_not_get_through(node, env):
+    """Documents the problem: rhea reports the router's failed connection as opened, then treats
+    the redirect as fatal; the message reaches no broker."""
+    address = f"rh.plain.{uuid.uuid4().hex[:6]}"
+    out = run_app(node, env, container_id=key(), address=address, send=1, helper=False, deadline_ms=5000)
+    assert out["sent"] == 0 and out["accepted"] == 0, out
+    assert out["opened_nodes"] == [None]  # "opened" — the router's failed-establishment Open
+    assert [e["condition"] for e in out["errors"]] == ["amqp:connection:redirect"]
+    for b in env.brokers:
+        assert drain(b, address, timeout_s=0.5) == []
