@@ -561,7 +561,10 @@ def redirect_frames(
     ``amqp:connection:redirect``, ``description`` and info ``{network-host: host, port: port}``
     (plus ``hostname`` — the virtual host the client should put in its Open — only when given).
     """
-    info: dict = {Symbol("network-host"): str(host), Symbol("port"): Int(port)}
+    # Key order as Artemis puts them on the wire: AMQPRoutingHandler fills a java.util.HashMap,
+    # whose iteration order (bucket = String.hashCode spread, 16 buckets) is "port" (5) then
+    # "network-host" (7); proton-j encodes the map in that order.
+    info: dict = {Symbol("port"): Int(port), Symbol("network-host"): str(host)}
     if hostname is not None:
         info[Symbol("hostname")] = str(hostname)
     err = Error(Symbol("amqp:connection:redirect"), description, info)

@@ -13,6 +13,7 @@ Artemis sources: ``AMQPRoutingHandler`` (descriptions, info map), ``AMQPConnecti
 from __future__ import annotations
 
 import socket
+import struct
 
 import pytest
 
@@ -99,6 +100,67 @@ def _turned_away(router, acceptor: str, container_id: str) -> tuple[bytes, list]
             break
         out.append(decode_performative(ev.body))
     return amqp, out
+
+
+# -- what proton-j writes, encoded here by hand from its codec rules -----------------------------
+# (codec/ListType, MapType, StringType, SymbolType, UnsignedIntegerType, IntegerType, BooleanType:
+# the short forms list8 0xc0 / map8 0xc1 / str8 0xa1 / sym8 0xa3 / smallint 0x54 when they fit)
+def _str(v: str) -> bytes:
+    b = v.encode()
+    return b"\xa1" + bytes([len(b)]) + b
+
+
+def _sym(v: str) -> bytes:
+    return b"\xa3" + bytes([len(v)]) + v.encode()
+
+
+def _int(v: int) -> bytes:
+    return b"\x54" + struct.pack(">b", v) if -128 <= v <= 127 else b"\x71" + struct.pack(">i", v)
+
+
+def _list8(items: list[bytes]) -> bytes:
+    body = b"".join(items)
+    return b"\xc0" + bytes([len(body) + 1, len(items)]) + body
+
+
+def _map8(pairs: list[tuple[bytes, bytes]]) -> bytes:
+    body = b"".join(k + v for k, v in pairs)
+    return b"\xc1" + bytes([len(body) + 1, 2 * len(pairs)]) + body
+
+
+def _frame(descriptor: int, fields: list[bytes]) -> bytes:
+    body = b"\x00\x53" + bytes([descriptor]) + _list8(fields)
+    return struct.pack(">IBBH", 8 + len(body), 2, 0, 0) + body
+
+
+NULL = b"\x40"
+ARTEMIS_FAILED_OPEN_FRAME = _frame(0x10, [
+    _str(""), NULL, b"\x70" + struct.pack(">I", 131072), b"\x60\xff\xff", b"\x70" + struct.pack(">I", 30000),
+    NULL, NULL, NULL, NULL, _map8([(_sym("amqp:connection-establishment-failed"), b"\x41")])])
+
+
+def _close_frame(condition: str, description: str, info: list[tuple[bytes, bytes]] | None) -> bytes:
+    err = [_sym(condition), _str(description)] + ([_map8(info)] if info is not None else [])
+    return _frame(0x18, [b"\x00\x53\x1d" + _list8(err)])
+
+
+def test_redirect_frames_equal_what_artemis_writes(env):
+    router, broker = env
+    amqp, _ = _turned_away(router, "first", "c1")
+    desc = f"Connection router first redirected this connection to 127.0.0.1:{broker.port}"
+    # info: java.util.HashMap order, "port" before "network-host"
+    info = [(_sym("port"), _int(broker.port)), (_sym("network-host"), _str("127.0.0.1"))]
+    assert amqp == AMQP_HEADER + ARTEMIS_FAILED_OPEN_FRAME + _close_frame("amqp:connection:redirect", desc, info)
+
+
+def test_refusal_frames_equal_what_artemis_writes(env):
+    router, _ = env
+    amqp, _ = _turned_away(router, "quorum", "c1")
+    assert amqp == AMQP_HEADER + ARTEMIS_FAILED_OPEN_FRAME + _close_frame(
+        "amqp:connection:forced", "Connection router quorum is not ready", None)
+    amqp, _ = _turned_away(router, "loc", "other")
+    assert amqp == AMQP_HEADER + ARTEMIS_FAILED_OPEN_FRAME + _close_frame(
+        "amqp:connection:forced", "Connection router loc rejected this connection", None)
 
 
 def test_redirect_is_artemis_byte_for_byte(env):
