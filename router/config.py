@@ -90,6 +90,10 @@ class TargetConfig:
     node_id: str | None = None
     username: str | None = None             # management API credentials of this target,
     password: str | None = None             # overriding the pool's
+    #: imported from a broker.xml <connector>: Artemis's TransportConfiguration params and
+    #: extraProps for it (management getTargetAsJSON shows them); None for TOML targets
+    connector_params: tuple[tuple[str, str], ...] | None = None
+    connector_extra: tuple[tuple[str, str], ...] | None = None
 
     def to_target(self) -> Target:
         return Target(self.node_id, self.host, self.port, self.tls, self.management_url, self.name)
@@ -435,6 +439,44 @@ def _text(el, name: str, default: str | None = None) -> str | None:
     return c.text.strip()
 
 
+#: ``TransportConstants.ALLOWABLE_CONNECTOR_KEYS`` (Artemis, netty connector): a connector URL's
+#: query keys in this set are ``params``, the others ``extraProps``.
+ARTEMIS_CONNECTOR_KEYS = frozenset({
+    "activemqServerName", "sslEnabled", "httpEnabled", "httpClientIdleTime",
+    "httpClientIdleScanPeriod", "httpRequiresSessionId", "httpUpgradeEnabled",
+    "httpUpgradeEndpoint", "useServlet", "servletPath", "useNio", "useNioGlobalWorkerPool",
+    "useEpoll", "useKQueue", "useGlobalWorkerPool", "host", "port", "localAddress", "localPort",
+    "keyStoreProvider", "keyStoreType", "keyStorePath", "keyStorePassword", "keyStoreAlias",
+    "trustStoreProvider", "trustStoreType", "trustStorePath", "trustStorePassword",
+    "enabledCipherSuites", "enabledProtocols", "verifyHost", "trustAll", "forceSSLParameters",
+    "sniHost", "tcpNoDelay", "tcpSendBufferSize", "tcpReceiveBufferSize",
+    "writeBufferHighWaterMark", "writeBufferLowWaterMark", "nioRemotingThreads",
+    "remotingThreads", "batchDelay", "socksEnabled", "socksHost", "socksPort", "socksVersion",
+    "socksUsername", "socksPassword", "socksRemoteDNS", "connect-timeout-millis",
+    "useDefaultSslContext", "sslProvider", "trustManagerFactoryPlugin", "handshake-timeout",
+    "crlPath", "activemq.usemaskedpassword", "activemq.passwordcodec",
+})
+
+
+def artemis_connector_params(url: str) -> tuple[dict[str, str], dict[str, str]]:
+    """(params, extraProps) of the TransportConfiguration Artemis builds from a connector URL
+    (``TCPTransportConfigurationSchema`` → ``BeanSupport.setData``): ``"host"`` and ``"port"``
+    from the URI as strings (``"" + uri.getPort()``, so ``"-1"`` without a port), then every
+    query key — an allowable connector key into params (overriding host/port), others into
+    extraProps."""
+    head, _, query = url.strip().partition("?")
+    parts = urlsplit(head)
+    host = parts.hostname
+    if host is not None and ":" in host:
+        host = f"[{host}]"  # java.net.URI.getHost keeps an IPv6 literal's brackets
+    params = {"host": "null" if host is None else host,
+              "port": str(parts.port if parts.port is not None else -1)}
+    extra: dict[str, str] = {}
+    for k, v in parse_qsl(query.replace(";", "&"), keep_blank_values=True):
+        (params if k in ARTEMIS_CONNECTOR_KEYS else extra)[k] = v
+    return params, extra
+
+
 def parse_connector_url(url: str) -> tuple[str, int, bool]:
     """``tcp://host:port?sslEnabled=true;...`` → (host, port, tls); Artemis defaults localhost:61616."""
     head, _, query = url.strip().partition("?")
@@ -478,11 +520,13 @@ def import_artemis_xml(path: str | Path, *, local_target: TargetConfig | None = 
     if core is None:
         raise ConfigError(p, "core", "missing <core> element")
     connectors: dict[str, tuple[str, int, bool]] = {}
+    connector_params: dict[str, tuple[dict[str, str], dict[str, str]]] = {}
     cons = _child(core, "connectors")
     for c in _children(cons, "connector") if cons is not None else []:
         cname = c.get("name")
         try:
             connectors[cname] = parse_connector_url(c.text or "")
+            connector_params[cname] = artemis_connector_params(c.text or "")
         except ValueError as exc:
             raise ConfigError(p, f"connectors.{cname}", f"{(c.text or '').strip()!r}: {exc}") \
                 from None
@@ -585,9 +629,12 @@ def import_artemis_xml(path: str | Path, *, local_target: TargetConfig | None = 
                     raise err("pool.static-connectors", f"connector-ref {cname!r} is not a "
                                                         "<connector>")
                 host, port, tls = connectors[cname]
+                cparams, cextra = connector_params[cname]
                 targets.append(TargetConfig(cname, host, port, tls,
                                             (management_urls or {}).get(cname),
-                                            (node_ids or {}).get(cname)))
+                                            (node_ids or {}).get(cname),
+                                            connector_params=tuple(cparams.items()),
+                                            connector_extra=tuple(cextra.items())))
             lte = (_text(po, "local-target-enabled", "false") or "").lower() == "true"
             if source == "static" and not targets:
                 raise err("pool", "Pool configuration not valid (no static-connectors)")

@@ -330,7 +330,11 @@ class ManagementApi:
         decision = service.route_for_key(key)
         if inspect.isawaitable(decision):
             decision = await decision
-        return target_json(decision)
+        rc = self.cfg.routers.get(name)
+        imported = {tc.name: (tc.connector_params, tc.connector_extra)
+                    for tc in (rc.pool.targets if rc is not None and rc.pool is not None else ())
+                    if tc.connector_params is not None}
+        return target_json(decision, imported)
 
     # -- filters ---------------------------------------------------------------------------------
     @staticmethod
@@ -437,7 +441,12 @@ def _share(done: int, skipped: int) -> float:
 NETTY_CONNECTOR_FACTORY = "org.apache.activemq.artemis.core.remoting.impl.netty.NettyConnectorFactory"
 
 
-def connector_json(t) -> dict:
+def _masked(params: dict) -> dict:
+    # Deliberately unlike Artemis (whose toJson shows them): no secret leaves through the API
+    return {k: ("***" if k.endswith("Password") else v) for k, v in params.items()}
+
+
+def connector_json(t, imported: tuple | None = None) -> dict:
     """A remote target as Artemis's ``TransportConfiguration.toJson()`` of the netty connector
     ``tcp://host:port[?sslEnabled=true]`` named after the target.
 
@@ -446,14 +455,17 @@ def connector_json(t) -> dict:
     and each allowed query key with its string value (``sslEnabled`` only when the URL has it);
     ``extraProps`` holds the query keys a connector does not know (none here).
     """
-    params: dict = {"host": t.host, "port": str(int(t.port))}
-    if t.tls:
-        params["sslEnabled"] = "true"
+    if imported is not None:  # a broker.xml connector: the params Artemis built from its URL
+        params, extra = dict(imported[0]), dict(imported[1])
+    else:
+        params, extra = {"host": t.host, "port": str(int(t.port))}, {}
+        if t.tls:
+            params["sslEnabled"] = "true"
     return {"name": t.name or f"{t.host}:{t.port}", "factoryClassName": NETTY_CONNECTOR_FACTORY,
-            "params": params, "extraProps": {}}
+            "params": _masked(params), "extraProps": _masked(extra)}
 
 
-def target_json(decision: Decision) -> dict:
+def target_json(decision: Decision, connectors: dict | None = None) -> dict:
     """Artemis ``getTargetAsJSON`` shape (``nodeID``, ``local``, ``connector``) plus Lodestone's
     extensions ``outcome``, ``target`` and ``explanation``.
 
@@ -464,7 +476,7 @@ def target_json(decision: Decision) -> dict:
     t = decision.target if decision.outcome is Outcome.OK else None
     connector = None
     if t is not None and not decision.local:
-        connector = connector_json(t)
+        connector = connector_json(t, (connectors or {}).get(t.name))
     return {"nodeID": t.node_id if t is not None else None,
             "local": bool(decision.local) if t is not None else False,
             "connector": connector,

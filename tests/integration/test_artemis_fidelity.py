@@ -228,3 +228,30 @@ def test_get_target_as_json_local_and_refused(env):
     assert _explanation_free(refused) == {"nodeID": None, "local": False, "connector": None,
                                           "outcome": "REFUSED_USE_ANOTHER", "target": None}
     assert _explanation_free(router.target_for("quorum", "k"))["outcome"] == "REFUSED_UNAVAILABLE"
+
+
+def test_get_target_as_json_of_an_imported_connector_has_artemis_params(env, tmp_path):
+    """A broker.xml connector's URL becomes Artemis's TransportConfiguration: host/port strings
+    from the URI, allowable query keys as params, the rest as extraProps (passwords masked)."""
+    _, broker = env
+    (tmp_path / "broker.xml").write_text(f"""<configuration xmlns="urn:activemq"><core xmlns="urn:activemq:core">
+      <connectors><connector name="node1">tcp://127.0.0.1:{broker.port}?sslEnabled=true;trustStorePath=t.jks;trustStorePassword=secret;tcpNoDelay=false;foo=bar</connector></connectors>
+      <connection-routers><connection-router name="imp"><key-type>CLIENT_ID</key-type>
+        <policy name="FIRST_ELEMENT"/>
+        <pool><check-period>200</check-period><static-connectors><connector-ref>node1</connector-ref></static-connectors></pool>
+      </connection-router></connection-routers></core></configuration>""")
+    text = "\n".join(['import-artemis-xml = "../broker.xml"', "[management]", "port = 0",
+                      "[routing-log]", "enabled = false",
+                      "[[acceptors]]", 'name = "imp"', "port = 0", 'router = "imp"']) + "\n"
+    router = start_router(tmp_path / "r", text, expect=2, auth=None)
+    try:
+        wait_for(lambda: router.get("/api/v1/routers/imp/pool")[1]["ready"] == 1, 15)
+        body = router.target_for("imp", "k")
+        assert body["nodeID"] is None and body["local"] is False  # TCP probe: no node id
+        assert body["connector"] == {
+            "name": "node1", "factoryClassName": NETTY,
+            "params": {"host": "127.0.0.1", "port": str(broker.port), "sslEnabled": "true",
+                       "trustStorePath": "t.jks", "trustStorePassword": "***", "tcpNoDelay": "false"},
+            "extraProps": {"foo": "bar"}}
+    finally:
+        assert router.terminate() == 0, router.stderr_text()
