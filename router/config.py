@@ -167,6 +167,8 @@ def load_router_config(path: str | Path) -> RouterProcessConfig:
     file = root.file
     name = root.str("name", "router")
     users_file = root.path_value("users-file", None)
+    if users_file is not None and not users_file.is_file():
+        raise ConfigError(file, "users-file", f"{str(users_file)!r}: no such file")
     workers = root.int("workers", 1, min=0)
     management = _management(root.table("management"))
     routing_log = _routing_log(root.table("routing-log"))
