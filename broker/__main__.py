@@ -74,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"lodestone-broker: {leaf}", file=sys.stderr)
             return 2
         if isinstance(leaf, (DataDirError, JournalCorrupt, OSError)):  # lock held, port in use
-            print(f"lodestone-broker: {leaf}", file=sys.stderr)
+            # the listener's message names what and where; "[Errno 98] " adds nothing to it
+            text = leaf.strerror if isinstance(leaf, OSError) and leaf.errno and leaf.filename is None \
+                and leaf.strerror and "cannot listen on" in leaf.strerror else str(leaf)
+            print(f"lodestone-broker: {text}", file=sys.stderr)
             return 1
         if isinstance(leaf, KeyboardInterrupt):
             return 0

@@ -57,6 +57,8 @@ def test_router_port_in_use_names_the_address(tmp_path, busy_port, which):
     line = _last_line(out.stderr)
     assert f"127.0.0.1:{busy_port}" in line and "in use" in line, out.stderr
     assert ("management" if which == "management" else "acceptors.front") in line
+    assert line.startswith(f"lodestone-router: {'management' if which == 'management' else 'acceptors.front'}: "
+                           f"cannot listen on 127.0.0.1:{busy_port}: Address already in use")
 
 
 @pytest.mark.parametrize("which", ["management", "acceptor"])
@@ -66,6 +68,8 @@ def test_broker_port_in_use_names_the_address(tmp_path, busy_port, which):
     assert out.returncode == 1, out.stderr
     line = _last_line(out.stderr)
     assert f"127.0.0.1:{busy_port}" in line and "in use" in line, out.stderr
+    assert line == (f"lodestone-broker: {'management' if which == 'management' else 'acceptor amqp'}: "
+                    f"cannot listen on 127.0.0.1:{busy_port}: Address already in use")
 
 
 @pytest.mark.parametrize("command", ["run", "check"])
