@@ -113,7 +113,8 @@ def keys_from_routing_log(lines: Iterable[str]) -> list[str]:
 
     The router's routing log (``router.net.connection``, schema in docs/router.md) writes one
     ``"event": "route"`` object per decision with the filtered key in ``key_filtered``; ``close``
-    lines carry no key and are skipped. For older hand-made files an explanation nested under
+    lines carry no key and are skipped, and so are connections refused for a key over
+    ``max-key-length`` (never routed). For older hand-made files an explanation nested under
     ``"explanation"`` and the names ``filtered_key`` / ``key`` are accepted too. Lines that are
     not JSON objects are skipped.
     """
@@ -128,6 +129,8 @@ def keys_from_routing_log(lines: Iterable[str]) -> list[str]:
             continue
         if not isinstance(rec, dict):
             continue
+        if isinstance(rec.get("reason"), str) and rec["reason"].startswith("key too long"):
+            continue  # refused before routing (max-key-length): its key_filtered is "NULL"
         ex = rec.get("explanation")
         src = ex if isinstance(ex, dict) else rec
         key = src.get("key_filtered", src.get("filtered_key", src.get("key")))

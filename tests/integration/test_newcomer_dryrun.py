@@ -58,7 +58,7 @@ def routed(tmp_path):
             b.kill()
 
 
-def _dry_run(*args: str, input_=None) -> subprocess.CompletedProcess:
+def _dry_run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "router", "dry-run", *args], capture_output=True,
                           text=True, timeout=60, cwd=REPO)
 

@@ -44,3 +44,4 @@ def test_return_replaces_an_entry_whose_target_left_the_pool():
     r.cache.put("k", "gone-node", 0.0)
     assert r.decide(c, 1.0).node_id == "n0"
     assert r.cache.peek("k", 1.0)[0] == "n0"
+
