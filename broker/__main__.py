@@ -1,6 +1,7 @@
 """``lodestone-broker`` / ``python -m broker``: run a broker node, or hash a password.
 
     lodestone-broker run etc/broker.toml [--amqp-port N] [--management-port N] [--data-dir DIR] [--name NAME]
+    lodestone-broker check etc/broker.toml   (validate the config and its users file; exit 0/2)
     lodestone-broker hash-password [...]     (see broker.core.security.hash_password_main)
 
 A bad config prints one line naming file, key and value and exits with status 2; a data
@@ -30,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="override the management port (0 = OS-chosen)")
     run.add_argument("--data-dir", type=Path, default=None, help="override [node] data-dir")
     run.add_argument("--name", default=None, help="override [node] name")
+    chk = sub.add_parser("check", help="validate a broker config (and its users file) and exit")
+    chk.add_argument("config", type=Path, help="broker config file, e.g. etc/broker.toml")
     hp = sub.add_parser("hash-password", help="print an scrypt hash for the users file", add_help=False)
     hp.add_argument("args", nargs=argparse.REMAINDER)
     return p
@@ -44,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     from broker.config import ConfigError, apply_overrides, load_config
     from broker.store.errors import DataDirError, JournalCorrupt
 
+    if args.command == "check":
+        return _check(args.config)
     try:
         cfg = load_config(args.config)
         for opt, value in (("--amqp-port", args.amqp_port), ("--management-port", args.management_port)):
@@ -69,11 +74,35 @@ def main(argv: list[str] | None = None) -> int:
             print(f"lodestone-broker: {leaf}", file=sys.stderr)
             return 2
         if isinstance(leaf, (DataDirError, JournalCorrupt, OSError)):  # lock held, port in use
-            print(f"lodestone-broker: {leaf}", file=sys.stderr)
+            # the listener's message names what and where; "[Errno 98] " adds nothing to it
+            text = leaf.strerror if isinstance(leaf, OSError) and leaf.errno and leaf.filename is None \
+                and leaf.strerror and "cannot listen on" in leaf.strerror else str(leaf)
+            print(f"lodestone-broker: {text}", file=sys.stderr)
             return 1
         if isinstance(leaf, KeyboardInterrupt):
             return 0
         raise
+    return 0
+
+
+def _check(path: Path) -> int:
+    """``check``: what ``run`` validates before it touches the data directory or a port."""
+    from broker.config import ConfigError, check_anonymous, load_config
+    from broker.core.security import load_users
+
+    try:
+        cfg = load_config(path)
+        security = load_users(cfg.users_file)
+        check_anonymous(cfg, security.anonymous_enabled)
+    except ConfigError as exc:
+        print(f"lodestone-broker: {exc}", file=sys.stderr)
+        return 2
+    m = cfg.management
+    mgmt = f"management {m.host}:{m.port}" if m.enabled else "management off"
+    print(f"{path}: ok (node {cfg.name}, {len(cfg.acceptors)} acceptor(s), {mgmt}, "
+          f"{len(security.users)} user(s) in {cfg.users_file})")
+    for w in security.warnings():
+        print(f"lodestone-broker: warning: {w}", file=sys.stderr)
     return 0
 
 

@@ -284,11 +284,13 @@ def openapi_document() -> dict:
         "durable": s_bool, "depth": s_int, "consumers": s_int, "enqueued": s_int, "acked": s_int,
         "dead_lettered": s_int}}
     conn = {"type": "object", "properties": {
-        "id": s_str, "container_id": s_str, "user": {"type": "string", "nullable": True},
+        "id": s_str, "container_id": {"type": "string", "nullable": True}, "user": {"type": "string", "nullable": True},
         "source": s_str, "tls": s_bool, "opened_at": {"type": "string", "format": "date-time"}}}
     health = {"type": "object", "properties": {"status": {"enum": ["ok", "starting"]}, "active": s_bool,
                                                "node_id": s_str}}
     secured = [{"basic": []}]
+    # a templated path must declare its parameter (OpenAPI 3.0 §4.7.12, "Path Templating")
+    name_param = {"name": "name", "in": "path", "required": True, "schema": s_str}
     no_content = {"204": {"description": "deleted"}, "404": {"description": "not found"},
                   "409": {"description": "in use (has consumers)"}, "403": {"description": "deleteAddress denied"}}
     return {
@@ -303,11 +305,11 @@ def openapi_document() -> dict:
                                        "responses": ok(broker)}},
             "/api/v1/addresses": {"get": {"summary": "addresses", "security": secured,
                                           "responses": ok({"type": "array", "items": address})}},
-            "/api/v1/addresses/{name}": {"delete": {"summary": "delete an address without consumers",
+            "/api/v1/addresses/{name}": {"parameters": [name_param], "delete": {"summary": "delete an address without consumers",
                                                     "security": secured, "responses": no_content}},
             "/api/v1/queues": {"get": {"summary": "queues", "security": secured,
                                        "responses": ok({"type": "array", "items": queue})}},
-            "/api/v1/queues/{name}": {"delete": {"summary": "delete a queue without consumers",
+            "/api/v1/queues/{name}": {"parameters": [name_param], "delete": {"summary": "delete a queue without consumers",
                                                  "security": secured, "responses": no_content}},
             "/api/v1/connections": {"get": {"summary": "open AMQP connections", "security": secured,
                                             "responses": ok({"type": "array", "items": conn})}},

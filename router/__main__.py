@@ -169,7 +169,10 @@ def _guard(run) -> int:
             print(f"lodestone-router: {leaf}", file=sys.stderr)
             return 2
         if isinstance(leaf, OSError):  # port in use, address not available
-            print(f"lodestone-router: {leaf}", file=sys.stderr)
+            # the listener's message names what and where; "[Errno 98] " adds nothing to it
+            text = leaf.strerror if leaf.errno and leaf.filename is None and leaf.strerror \
+                and "cannot listen on" in leaf.strerror else str(leaf)
+            print(f"lodestone-router: {text}", file=sys.stderr)
             return 1
         if isinstance(leaf, KeyboardInterrupt):
             return 0

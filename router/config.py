@@ -129,6 +129,7 @@ class CacheConfig:
     redis_timeout_ms: int = 50
     max_entries: int = 100_000              # least recently used evicted beyond this
     redis_connect_timeout_ms: int = 1000
+    fail_back: str = "stay"                 # "stay" (Artemis) | "return": see docs/configuration.md
 
 
 @dataclass(frozen=True)
@@ -171,6 +172,8 @@ def load_router_config(path: str | Path) -> RouterProcessConfig:
     file = root.file
     name = root.str("name", "router")
     users_file = root.path_value("users-file", None)
+    if users_file is not None and not users_file.is_file():
+        raise ConfigError(file, "users-file", f"{str(users_file)!r}: no such file")
     workers = root.int("workers", 1, min=0)
     management = _management(root.table("management"))
     routing_log = _routing_log(root.table("routing-log"))
@@ -358,7 +361,8 @@ def _cache(t: Table, router: str) -> CacheConfig:
     c = CacheConfig(timeout, persisted, backend, path, redis_url,
                     t.str("redis-key-prefix", "lodestone:"), t.int("redis-timeout-ms", 50, min=1),
                     t.int("max-entries", 100_000, min=1),
-                    t.int("redis-connect-timeout-ms", 1000, min=1))
+                    t.int("redis-connect-timeout-ms", 1000, min=1),
+                    t.choice("fail-back", ("stay", "return"), "stay"))
     t.done()
     return c
 

@@ -2,9 +2,18 @@
 
 It starts ``python -m broker run etc/broker-{1,2,3}.toml`` and then ``python -m router run
 etc/router.toml`` as child processes, waits for every ``listening ...`` line, prints where to
-connect, and stays up until Ctrl-C or SIGTERM, which it forwards to every child (router first,
-so it drains, then the brokers). If any child dies, the others are stopped and the exit status
-is non-zero. Children's logs go to ``var/local/logs/<name>.log`` (``--logs``).
+connect (with each process's pid), and stays up until Ctrl-C or SIGTERM, which it forwards to
+every child (router first, so it drains, then the brokers). Children's logs go to
+``var/local/logs/<name>.log`` (``--logs``).
+
+A broker that exits (crash, ``kill -9``) does not stop the deployment: the router keeps serving
+with the others (its health probe marks the broker not ready within one check-period), and
+``lodestone-local`` prints which broker exited and its exit status, then starts it again on the
+same config and data directory after a back-off — 1 s, doubling up to 30 s while restarts keep
+failing, back to 1 s once a restarted broker has stayed up for 60 s — and prints
+``broker-N is back (pid P)`` once it listens again. ``--no-restart`` leaves it down (restart it
+by hand with ``lodestone-broker run etc/broker-N.toml``). If the router exits, everything is
+stopped and the exit status is non-zero.
 """
 
 from __future__ import annotations
@@ -28,24 +37,33 @@ class Child:
     proc: subprocess.Popen | None = None
     listening: dict[str, str] = field(default_factory=dict)
     ready: threading.Event = field(default_factory=threading.Event)
+    started_at: float = 0.0
+    restarts: int = 0
+    backoff_s: float = 0.0
+    restart_at: float | None = None   # monotonic time of the next restart, while it is down
+    announced: bool = True            # "is back" printed for the current process
 
     def start(self, env: dict[str, str]) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=log, env=env,
-                                     start_new_session=True, preexec_fn=_die_with_parent)
-        threading.Thread(target=self._read_stdout, daemon=True).start()
+        self.listening = {}
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=log, env=env,
+                                         start_new_session=True, preexec_fn=_die_with_parent)
+        self.started_at = time.monotonic()
+        proc = self.proc
+        threading.Thread(target=self._read_stdout, args=(proc,), daemon=True).start()
 
-    def _read_stdout(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for raw in self.proc.stdout:
+    def _read_stdout(self, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
             line = raw.decode("utf-8", "replace").rstrip()
             parts = line.split()
-            if len(parts) == 3 and parts[0] == "listening":
+            if len(parts) == 3 and parts[0] == "listening" and proc is self.proc:
                 self.listening[parts[1]] = parts[2]
             elif line == "ready" or line.startswith("ready "):
                 self.ready.set()
         self.ready.set()  # EOF: the child is gone; the waiter checks poll()
+        proc.stdout.close()
 
     def wait_listening(self, names: int, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -65,6 +83,21 @@ class Child:
                 pass
 
 
+RESTART_BACKOFF_S = (1.0, 30.0)   # first delay, cap (doubling while restarts keep failing)
+STABLE_AFTER_S = 60.0             # a broker up this long starts the back-off afresh
+CLIENT_HELP = "docs/clients.md"
+
+
+def describe_exit(code: int) -> str:
+    """``status 3`` / ``signal 9 (SIGKILL)`` for a Popen return code."""
+    if code < 0:
+        try:
+            return f"signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"signal {-code}"
+    return f"status {code}"
+
+
 def _die_with_parent() -> None:
     """In the child: get SIGTERM if the supervisor dies, even by SIGKILL (Linux prctl)."""
     try:
@@ -81,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--brokers", type=int, default=3, help="how many broker nodes (1-3)")
     parser.add_argument("--logs", default="var/local/logs", help="where children's logs go")
     parser.add_argument("--start-timeout", type=float, default=60.0)
+    parser.add_argument("--no-restart", action="store_true",
+                        help="leave a broker that exits down instead of restarting it")
     args = parser.parse_args(argv)
 
     etc = Path(args.etc)
@@ -90,7 +125,6 @@ def main(argv: list[str] | None = None) -> int:
                      logs / f"broker-{i}.log") for i in range(1, args.brokers + 1)]
     router = Child("router", [sys.executable, "-m", "router", "run", str(etc / "router.toml")],
                    logs / "router.log")
-    children = brokers + [router]
 
     stopping = threading.Event()
 
@@ -124,20 +158,51 @@ def main(argv: list[str] | None = None) -> int:
 
     print("Lodestone local deployment is up.")
     for b in brokers:
-        print(f"  {b.name:9} amqp {b.listening.get('amqp', '?'):28} management {b.listening.get('management', '?')}")
+        print(f"  {b.name:9} amqp {b.listening.get('amqp', '?'):28} management {b.listening.get('management', '?'):24} "
+              f"pid {b.proc.pid}")
     for what, url in router.listening.items():
         print(f"  router    {what:10} {url}")
+    print(f"  router    pid {router.proc.pid}   (lodestone-local pid {os.getpid()})")
     print("  users: admin/admin (every role), app/app (send, consume) - loopback only")
     print(f"  logs: {logs}/   (routing log: see etc/router.toml [routing-log])")
+    print("  clients: the redirect acceptor answers amqp:connection:redirect; follow it with")
+    print(f"           router.client.connect_following_redirects (see {CLIENT_HELP})")
+    print("  a broker that exits is restarted" + (" - disabled (--no-restart)" if args.no_restart else
+                                                  " after a back-off (1 s, doubling to 30 s)"))
     print("Ctrl-C stops everything.", flush=True)
 
     while not stopping.is_set():
-        for child in children:
-            if child.proc is not None and child.proc.poll() is not None:
-                print(f"lodestone-local: {child.name} exited with status {child.proc.returncode}; "
-                      f"see {child.log_path}", file=sys.stderr)
-                return shutdown(1)
-        stopping.wait(0.5)
+        now = time.monotonic()
+        if router.proc is not None and router.proc.poll() is not None:
+            print(f"lodestone-local: router (pid {router.proc.pid}) exited with "
+                  f"{describe_exit(router.proc.returncode)}; stopping; see {router.log_path}",
+                  file=sys.stderr, flush=True)
+            return shutdown(1)
+        for b in brokers:
+            if b.restart_at is None and b.proc is not None and b.proc.poll() is not None:
+                up_s = now - b.started_at
+                b.backoff_s = (RESTART_BACKOFF_S[0] if up_s >= STABLE_AFTER_S or not b.backoff_s
+                               else min(b.backoff_s * 2, RESTART_BACKOFF_S[1]))
+                what = (f"lodestone-local: {b.name} (pid {b.proc.pid}) exited with "
+                        f"{describe_exit(b.proc.returncode)}; see {b.log_path}; ")
+                if args.no_restart:
+                    print(what + f"not restarting (--no-restart): lodestone-broker run {b.argv[-1]}",
+                          file=sys.stderr, flush=True)
+                    b.restart_at = float("inf")
+                else:
+                    print(what + f"the router serves with the others; restarting it in {b.backoff_s:g} s",
+                          file=sys.stderr, flush=True)
+                    b.restart_at = now + b.backoff_s
+            elif b.restart_at is not None and now >= b.restart_at:
+                b.restart_at = None
+                b.restarts += 1
+                b.announced = False
+                b.start(env)
+            elif not b.announced and len(b.listening) >= 2:
+                b.announced = True
+                print(f"lodestone-local: {b.name} is back (pid {b.proc.pid}, restart {b.restarts})",
+                      flush=True)
+        stopping.wait(0.2)
     print("stopping...", flush=True)
     return shutdown(0)
 

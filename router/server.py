@@ -246,7 +246,11 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
             try:
                 for acc in cfg.acceptors:
                     port = (ports or {}).get(acc.name, acc.port)
-                    bound[acc.name] = await open_listeners(acc.host, port, reuse_port=workers > 1)
+                    try:
+                        bound[acc.name] = await open_listeners(acc.host, port, reuse_port=workers > 1)
+                    except OSError as exc:  # name the address: "Address already in use" alone tells nothing
+                        raise OSError(exc.errno, f"acceptors.{acc.name}: cannot listen on "
+                                                 f"{acc.host}:{port}: {exc.strerror}") from None
                     running.ports[acc.name] = listener_port(bound[acc.name])
                 if primary:
                     from router.management import serve_management

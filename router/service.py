@@ -164,7 +164,8 @@ class RouterService:
                            local_filter=compile_local_filter(config.local_target_filter,
                                                              from_config=True),
                            local=self._holder.local, pins=pins,
-                           max_key_length=config.max_key_length)
+                           max_key_length=config.max_key_length,
+                           fail_back=cc.fail_back if cc is not None else "stay")
 
     # -- public surface -------------------------------------------------------------------------
     @property
@@ -576,7 +577,10 @@ class RouterService:
                 else:
                     self.counters[f"{tier}_hits"] += 1
                     self._redis_seen[key] = value
-                    if self._holder.ready_target(value) is not None:
+                    if (self._holder.ready_target(value) is not None
+                            or self.config.cache.fail_back == "return"):
+                        # fail-back = return: a not-ready entry is restored too, so the core
+                        # sees it stale and keeps it instead of replacing it
                         now = self.clock()
                         self.core.cache.restore(key, value, now, now)
                         from_redis = True

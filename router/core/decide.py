@@ -138,8 +138,13 @@ class Router:
     def __init__(self, name: str, resolver: KeyResolver, *, policy: Policy | None = None,
                  pool: Pool | None = None, cache: StickyCache | None = None,
                  local_filter: Filter | None = None, local: TargetState | None = None,
-                 pins: PinTable | None = None, max_key_length: int = 0) -> None:
+                 pins: PinTable | None = None, max_key_length: int = 0,
+                 fail_back: str = "stay") -> None:
         self.name = name
+        #: what a key whose cached target is not ready does once that target returns (see
+        #: ``_keep_stale``): ``stay`` where the policy sent it meanwhile (Artemis: the new choice
+        #: overwrites the entry), or ``return`` to the cached target
+        self.fail_back = fail_back
         self.max_key_length = max_key_length
         self.resolver = resolver
         self.policy = policy  # property: also picks the transform step (None = identity)
@@ -361,14 +366,29 @@ class Router:
             return _decision(_UNAVAIL, None, False,
                             self._expl(raw, filtered, key, False, pin_note, cache_state, None,
                                        None, reason))
+        reason = f"selected by {policy.name}"
         if cache is not None:
-            cache.put(key, target.identity, now)  # a re-pointed entry releases its old slot
-            if counting and count:
-                self.assigned[key] = target.slot
+            if cache_state == "stale" and self._keep_stale(e[0], pool):
+                reason += f" (fail-back = return: the cache keeps {e[0]})"
+            else:
+                cache.put(key, target.identity, now)  # a re-pointed entry releases its old slot
+                if counting and count:
+                    self.assigned[key] = target.slot
+                    counting = False  # the cache entry holds this assignment
         lc = self.local
         d = _decision(_OK, target, lc is not None and target is lc.target,
                       self._expl(raw, filtered, key, False, pin_note, cache_state, None, None,
-                                 f"selected by {policy.name}"))
-        if counting and count and cache is None:
+                                 reason))
+        if counting and count:
+            # no cache entry holds it (no cache, or fail-back = return kept the old entry):
+            # the connection does, until it closes
             d.__dict__["hold"] = target.slot
         return d
+
+    def _keep_stale(self, identity: str, pool: Pool) -> bool:
+        """``fail-back = return``: leave a stale entry in place while its target is a pool member
+        (down for now, expected back), so the key's next connection after the target returns
+        goes back to it. A target that left the pool is replaced as under ``stay``."""
+        if self.fail_back != "return":
+            return False
+        return any(st.target.identity == identity for st in pool.all_states())

@@ -2,7 +2,7 @@
 
 Pure: give the policy (name + properties), the keys (a key list or the keys of a routing log),
 the ready targets before and after the change; fresh policy instances route every key both ways.
-Keys are *filtered* keys (what the routing log calls ``filtered_key``); the policy's
+Keys are *filtered* keys (the routing log's ``key_filtered``); the policy's
 ``transform_key`` is applied as the router would (never to ``NULL``).
 
 Only key-deterministic policies (CONSISTENT_HASH without LOAD_FACTOR, FIRST_ELEMENT,
@@ -27,6 +27,8 @@ class KeyMove:
     key: str
     before: str | None   # target identity before the change (None = refused)
     after: str | None
+    before_name: str | None = None  # the target's config name (``Target.slot``)
+    after_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,8 @@ class DryRunReport:
     moved: tuple[KeyMove, ...]
     before_targets: tuple[str, ...]
     after_targets: tuple[str, ...]
+    before_names: tuple[str, ...] = ()
+    after_names: tuple[str, ...] = ()
 
     @property
     def moved_count(self) -> int:
@@ -54,7 +58,10 @@ class DryRunReport:
                 "moved_fraction": self.moved_fraction,
                 "before_targets": list(self.before_targets),
                 "after_targets": list(self.after_targets),
-                "moved": [{"key": m.key, "before": m.before, "after": m.after}
+                "before_target_names": list(self.before_names),
+                "after_target_names": list(self.after_names),
+                "moved": [{"key": m.key, "before": m.before, "after": m.after,
+                           "before_name": m.before_name, "after_name": m.after_name}
                           for m in self.moved]}
 
 
@@ -89,9 +96,11 @@ def dry_run(policy_name: str, properties: Mapping[str, str] | None, keys: Iterab
         i1 = t1.identity if t1 is not None else None
         i2 = t2.identity if t2 is not None else None
         if i1 != i2:
-            moved.append(KeyMove(key, i1, i2))
+            moved.append(KeyMove(key, i1, i2, t1.slot if t1 is not None else None,
+                                 t2.slot if t2 is not None else None))
     return DryRunReport(policy_name, deterministic, total, tuple(moved),
-                        tuple(t.identity for t in before_t), tuple(t.identity for t in after_t))
+                        tuple(t.identity for t in before_t), tuple(t.identity for t in after_t),
+                        tuple(t.slot for t in before_t), tuple(t.slot for t in after_t))
 
 
 def keys_from_key_list(text: str) -> list[str]:
@@ -102,9 +111,12 @@ def keys_from_key_list(text: str) -> list[str]:
 def keys_from_routing_log(lines: Iterable[str]) -> list[str]:
     """Distinct filtered keys of a routing log (JSON Lines), in first-seen order.
 
-    Each line is a JSON object holding the decision's explanation either nested under
-    ``"explanation"`` or at top level; ``filtered_key`` is used (falling back to ``key``).
-    Lines that are not JSON objects are skipped.
+    The router's routing log (``router.net.connection``, schema in docs/router.md) writes one
+    ``"event": "route"`` object per decision with the filtered key in ``key_filtered``; ``close``
+    lines carry no key and are skipped, and so are connections refused for a key over
+    ``max-key-length`` (never routed). For older hand-made files an explanation nested under
+    ``"explanation"`` and the names ``filtered_key`` / ``key`` are accepted too. Lines that are
+    not JSON objects are skipped.
     """
     out: dict[str, None] = {}
     for line in lines:
@@ -117,9 +129,11 @@ def keys_from_routing_log(lines: Iterable[str]) -> list[str]:
             continue
         if not isinstance(rec, dict):
             continue
+        if isinstance(rec.get("reason"), str) and rec["reason"].startswith("key too long"):
+            continue  # refused before routing (max-key-length): its key_filtered is "NULL"
         ex = rec.get("explanation")
         src = ex if isinstance(ex, dict) else rec
-        key = src.get("filtered_key", src.get("key"))
+        key = src.get("key_filtered", src.get("filtered_key", src.get("key")))
         if isinstance(key, str):
             out.setdefault(key, None)
     return list(out)

@@ -1,0 +1,107 @@
+"""The local deployment survives a broker's death: kill -9 one broker, the deployment stays up,
+reports which broker exited and how, the router marks it not ready, and the broker comes back
+(restarted with back-off). Real processes; every wait is on observable state."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.integration.test_local_deployment import FIXED_PORTS, REPO, _free_ports
+from tests.serverproc import http_json
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def local_deployment(tmp_path):
+    """As tests/integration/test_local_deployment.py's fixture (a private copy of etc/ on free
+    ports), with the router probing every 200 ms so its view of a dead broker is observable
+    before the 1 s restart back-off ends."""
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    mapping = dict(zip(FIXED_PORTS, _free_ports(len(FIXED_PORTS))))
+    for f in (REPO / "etc").glob("*.toml"):
+        text = f.read_text()
+        for old, new in mapping.items():
+            text = re.sub(rf"(?<![0-9]){old}(?![0-9])", str(new), text)
+        if f.name == "router.toml":
+            text, n = re.subn(r"(?m)^check-period = 2000", "check-period = 200", text)
+            assert n == 1
+        (etc / f.name).write_text(text)
+    proc = subprocess.Popen([sys.executable, "-m", "router.local", "--etc", str(etc), "--logs", str(tmp_path / "logs")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    lines = []
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("Ctrl-C"):
+            break
+    assert lines and lines[-1].startswith("Ctrl-C"), "".join(lines)
+    yield proc, "".join(lines), tmp_path, mapping
+    try:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=60) == 0
+    finally:
+        proc.stdout.close()
+
+
+def _wait(pred, timeout_s=60.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {pred}")
+
+
+def test_banner_shows_pids_and_client_helpers(local_deployment):
+    proc, banner, tmp_path, ports = local_deployment
+    pids = [int(p) for p in re.findall(r"pid (\d+)", banner)]
+    children = {int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                               text=True).stdout.split()}
+    assert children <= set(pids) and len(children) == 4 and proc.pid in pids
+    assert "docs/clients.md" in banner
+    assert "connect_following_redirects" in banner
+
+
+def test_a_killed_broker_is_reported_and_restarted(local_deployment):
+    proc, banner, tmp_path, ports = local_deployment
+    out: list[str] = []
+    threading.Thread(target=lambda: out.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    m = re.search(r"broker-2 .* pid (\d+)", banner)
+    assert m, banner
+    old_pid = int(m.group(1))
+    mgmt = f"http://127.0.0.1:{ports[8160]}"
+
+    def pool_ready():
+        status, body = http_json(mgmt + "/api/v1/routers/main/pool", auth=("admin", "admin"))
+        assert status == 200, body
+        return {t["name"]: t["ready"] for t in body["targets"]}
+
+    _wait(lambda: pool_ready() == {"broker-1": True, "broker-2": True, "broker-3": True})
+    os.kill(old_pid, signal.SIGKILL)
+    text = lambda: "".join(out)  # noqa: E731
+    _wait(lambda: f"broker-2 (pid {old_pid}) exited with signal 9 (SIGKILL)" in text())
+    assert "restarting it in 1 s" in text()
+    assert proc.poll() is None  # the deployment stays up
+    # the router notices within a check-period (200 ms here), before the 1 s back-off ends
+    back = re.compile(r"broker-2 is back \(pid (\d+), restart 1\)")
+    _wait(lambda: pool_ready()["broker-2"] is False)
+    assert not back.search(text())
+    new_pid = int(_wait(lambda: back.search(text())).group(1))
+    assert new_pid != old_pid and os.path.exists(f"/proc/{new_pid}")
+    _wait(lambda: pool_ready() == {"broker-1": True, "broker-2": True, "broker-3": True})
+    assert proc.poll() is None
