@@ -127,3 +127,21 @@ def test_least_connections_count_rule_skips_a_local_target_outside_the_pool():
     Router("r", KeyResolver(KeyType.CLIENT_ID), policy=create_policy("LEAST_CONNECTIONS", {}), pool=inside)
     inside.report_probe("self", True, None, None, 1.0)
     assert not inside.local.ready
+
+
+def test_fail_back_return_keeps_the_entry_and_the_connection_holds_the_detour():
+    cache = StickyCache(0)
+    pool = Pool([Target(f"node-{i}", "h", 5672 + i, name=f"t{i}") for i in range(3)])
+    for i in range(3):
+        pool.set_ready(f"t{i}", True)
+    r = Router("r", KeyResolver(KeyType.CLIENT_ID), pool=pool, cache=cache, fail_back="return",
+               policy=create_policy("CONSISTENT_HASH", {"LOAD_FACTOR": "1.0"}))
+    first = r.decide(conn("k"), 1.0)
+    assert live(r) == 1 and first.hold is None  # the cache entry holds it
+    pool.set_ready(first.target.name, False)
+    detour = r.decide(conn("k"), 2.0)
+    assert detour.ok and detour.target.name != first.target.name
+    assert cache.entries["k"][0] == first.target.identity  # kept for the return
+    assert detour.hold == detour.target.slot and live(r) == 2
+    r.release(detour)
+    assert live(r) == 1 and r.policy.loads == {first.target.slot: 1}
