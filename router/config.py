@@ -63,7 +63,7 @@ class AcceptorConfig:
     host: str
     port: int
     router: str
-    mode: str = "redirect"                 # "redirect" | "proxy"
+    mode: str = "redirect"                 # "redirect" | "proxy" | "auto" (redirect if the client follows redirects)
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = None
@@ -232,7 +232,7 @@ def _acceptor(t: Table) -> AcceptorConfig:
     acc = AcceptorConfig(
         name=t.str("name"), host=t.str("host", "127.0.0.1"),
         port=t.int("port", min=0, max=65535), router=t.str("router"),
-        mode=t.choice("mode", ("redirect", "proxy"), "redirect"),
+        mode=t.choice("mode", ("redirect", "proxy", "auto"), "redirect"),
         tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=t.path_value("tls-client-ca", None),
         upstream_tls=t.bool("upstream-tls", False), upstream_ca=t.path_value("upstream-ca", None),
         max_connections=t.int("max-connections", 10000, min=0),
@@ -242,8 +242,9 @@ def _acceptor(t: Table) -> AcceptorConfig:
         sasl_mechanisms=tuple(mechs), anonymous=t.bool("anonymous", False), limits=source_limits_from(t),
         upstream_proxy_protocol=t.bool("upstream-proxy-protocol", False))
     t.done()
-    if acc.upstream_proxy_protocol and acc.mode != "proxy":
-        raise t.error("upstream-proxy-protocol", "true needs mode = \"proxy\" (a redirect opens no upstream)")
+    if acc.upstream_proxy_protocol and acc.mode == "redirect":
+        raise t.error("upstream-proxy-protocol",
+                      "true needs mode = \"proxy\" or \"auto\" (a redirect opens no upstream)")
     return acc
 
 

@@ -30,7 +30,7 @@ import trio
 
 from broker.logsetup import print_listening
 from router.config import AcceptorConfig, RouterProcessConfig
-from router.net.connection import Acceptor, AcceptorSettings, EdgeContext
+from router.net.edge import Acceptor, AcceptorSettings, EdgeContext
 from router.net.listener import ConnectionLimit, listener_port, open_listeners, serve_listeners
 from router.net.stats import EdgeStats
 from router.net.tls import client_context, server_context
@@ -70,7 +70,7 @@ def acceptor_settings(acc: AcceptorConfig) -> AcceptorSettings:
     if ssl_ctx is None or acc.tls_client_ca is None:
         mechs = [m for m in mechs if m != "EXTERNAL"]  # EXTERNAL needs a verified client certificate
     upstream_ctx = None
-    if acc.mode == "proxy":
+    if acc.mode != "redirect":  # proxy, auto
         upstream_ctx = client_context(ca=acc.upstream_ca) if acc.upstream_ca is not None else client_context()
     return AcceptorSettings(
         name=acc.name, mode=acc.mode, router=acc.router, ssl_context=ssl_ctx, mechanisms=tuple(mechs) or ("PLAIN",),
@@ -237,7 +237,7 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
             for name, service in services.items():
                 await system.start(service.run)
             await system.start(routelog.run)
-            if any(acc.mode == "proxy" for acc in cfg.acceptors):
+            if any(acc.mode != "redirect" for acc in cfg.acceptors):
                 from router.net.proxy import SharedPoller
 
                 await system.start(SharedPoller().run)

@@ -306,7 +306,7 @@ class Supervisor:
         """Run until signalled (exit status 0) or a fatal worker failure (1, or 2)."""
         from broker.logsetup import print_listening
         from router.management import serve_management
-        from router.net.connection import EdgeContext
+        from router.net.edge import EdgeContext
         from router.net.stats import EdgeStats
         from router.routelog import RouteLog
         from router.server import RunningRouter, _url

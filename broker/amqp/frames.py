@@ -48,7 +48,7 @@ __all__ = [
     "Frame", "FrameReader", "Open", "Close", "Error", "SaslMechanisms", "SaslInit",
     "SaslChallenge", "SaslResponse", "SaslOutcome", "decode_performative", "encode_frame",
     "redirect_frames", "refuse_frames", "close_frames", "CONNECTION_ESTABLISHMENT_FAILED",
-    "MIN_MAX_FRAME_SIZE",
+    "MIN_MAX_FRAME_SIZE", "FOLLOWS_REDIRECT",
 ]
 
 #: §2.2 protocol headers: "AMQP" + protocol-id + major + minor + revision.
@@ -501,6 +501,11 @@ def _failed_open(container_id: str, hostname: str | None = None) -> bytes:
         Open(container_id=container_id, hostname=hostname,
              properties={CONNECTION_ESTABLISHMENT_FAILED: True}),
     )
+
+
+#: Open desired-capability a client announces when it follows ``amqp:connection:redirect``: an
+#: ``auto`` acceptor of the router redirects such clients and proxies every other one.
+FOLLOWS_REDIRECT = "lodestone:follows-redirect"
 
 
 def redirect_frames(
