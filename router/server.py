@@ -56,7 +56,7 @@ class RunningRouter:
     workers: int = 1
     draining: bool = False
     #: the supervisor of a multi-worker router (``router.workers.Supervisor``), else None
-    cluster: Any = None
+    supervisor: Any = None
 
 
 def acceptor_settings(acc: AcceptorConfig) -> AcceptorSettings:
@@ -290,11 +290,9 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
             system.cancel_scope.cancel()
     finally:
         await routelog.aclose()
-        for service in services.values():
-            close = getattr(service, "aclose", None)
-            if close is not None:
-                with trio.CancelScope(shield=True):
-                    await close()
+        with trio.CancelScope(shield=True):
+            for service in services.values():
+                await service.aclose()  # cache file flushed and closed, Redis client released
 
 
 async def _serve_acceptor(acceptor: Acceptor, listeners, handlers: trio.Nursery, limit: ConnectionLimit,

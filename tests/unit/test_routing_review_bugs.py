@@ -47,11 +47,11 @@ async def test_embedded_torn_tail_through_the_service(tmp_path):
     a = RouterService(cfg)
     a.pool.report_probe("t0", True, node_id="n0")
     assert (await a.route(ConnectionInfo("1:1", container_id="k"))).explanation.cache == "miss"
-    a.close()
+    await a.aclose()
     b = RouterService(cfg)
     b.pool.report_probe("t0", True, node_id="n0")
     assert (await b.route(ConnectionInfo("1:1", container_id="k"))).explanation.cache == "hit"
-    b.close()
+    await b.aclose()
 
 
 # -- pins -----------------------------------------------------------------------------------

@@ -362,7 +362,7 @@ async def test_realistic_broker_xml_imports_with_artemis_exact_hashing(tmp_path)
             assert d.ok and d.target.node_id == artemis_select(ids, key), key
         assert svc.route_for_key("admin").local  # local-target-filter
     finally:
-        svc.close()
+        await svc.aclose()
     sh = RouterService(routers["sharded"])
     sh.pool.report_probe("local", True)
     for cid in ("AAA", "BBB", "client-7", None):
