@@ -228,6 +228,7 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
     running = RunningRouter(cfg, services, acceptors, limits, edge, worker=worker, workers=workers)
     running_box["running"] = running
     primary = link is None
+    bound: dict[str, list[trio.SocketListener]] = {}
 
     try:
         async with trio.open_nursery() as system:
@@ -242,7 +243,6 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
 
                 await system.start(SharedPoller().run)
 
-            bound: dict[str, list[trio.SocketListener]] = {}
             try:
                 for acc in cfg.acceptors:
                     port = (ports or {}).get(acc.name, acc.port)
@@ -289,6 +289,9 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
                 log.info("drain deadline reached; remaining connections were closed")
             system.cancel_scope.cancel()
     finally:
+        for ls in bound.values():  # already closed when draining; not when cancelled
+            for listener in ls:
+                listener.socket.close()
         await routelog.aclose()
         with trio.CancelScope(shield=True):
             for service in services.values():

@@ -285,3 +285,21 @@ def test_murmur3_policies_survive_a_lone_surrogate_key():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
     assert res.returncode == 0 and res.stdout.strip() == "ok", (res.returncode, res.stderr)
+
+
+async def test_redis_client_is_closed_when_the_service_stops(nursery):
+    """``RouterService.close`` was never called: the Redis client's connections stayed open
+    until the process exited. ``run`` ends with ``aclose`` (and the server calls it again at
+    shutdown: idempotent)."""
+    fake = FakeRedis()
+    closed = []
+    fake.close = lambda: closed.append(True)
+    svc = redis_service(fake)
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as n:
+            await n.start(svc.run)
+            assert (await svc.route(ConnectionInfo("1:1", container_id="k"))).ok
+            scope.cancel()
+    assert closed == [True]
+    await svc.aclose()
+    assert closed == [True]
