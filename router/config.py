@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Mapping
 from urllib.parse import parse_qsl, urlsplit
 
 from broker.core.limits import SourceLimits, source_limits_from
@@ -569,23 +569,3 @@ def import_artemis_xml(path: str | Path, *, local_target: TargetConfig | None = 
         out[name] = RouterConfig(name, key_type, key_filter, local_filter, True, policy, cache,
                                  pool, local_target, None, p)
     return out
-
-
-def router_config_dict(rc: RouterConfig) -> dict[str, Any]:
-    """A JSON-friendly view of a router's config (management API); passwords are masked."""
-    from dataclasses import asdict
-
-    def clean(v: Any, key: str = "") -> Any:
-        if isinstance(v, dict):
-            return {k: clean(x, k) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return [clean(x) for x in v]
-        if isinstance(v, Path):
-            return str(v)
-        if isinstance(v, KeyType):
-            return v.value
-        if key == "password" and v is not None:
-            return "***"
-        return v
-
-    return clean(asdict(rc))

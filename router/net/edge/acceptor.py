@@ -59,7 +59,7 @@ class Acceptor:
 
     def _new_conn(self, host: str, port: int, now: float) -> ConnState:
         return ConnState(self.edge.next_connection_id(), f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
-                         host, port, now, self.edge.clock())
+                         host, port, now)
 
     # -- the one place that owns every deadline ------------------------------------------------
     async def handle(self, sock: socket.socket, peer) -> None:

@@ -103,7 +103,6 @@ class ConnState:
     host: str
     port: int
     started: float
-    wall_started: float
     sni: str | None = None
     cert_cn: str | None = None
     user: str | None = None
