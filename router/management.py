@@ -423,8 +423,7 @@ class ManagementApi:
                       "redis_reads_skipped)); 1 when none was skipped",
                       tuple(({"router": name}, _share(c.get("redis_reads", 0), c.get("redis_reads_skipped", 0)))
                             for name, c in agg.routers.items()
-                            if getattr(r.services.get(name), "_tier", None) == "redis"
-                            and getattr(r.services.get(name), "_redis", None) is not None))]
+                            if getattr(r.services.get(name), "remote_tier", None) == "redis"))]
         return ms
 
 

@@ -174,6 +174,12 @@ class RouterService:
     def policy(self):
         return self.core.policy
 
+    @property
+    def remote_tier(self) -> str | None:
+        """The remote cache tier in use: ``"redis"``, ``"shared"`` (a worker of a multi-worker
+        router), or None (local tier only)."""
+        return self._remote.name if self._remote is not None else None
+
     async def route(self, conn: ConnectionInfo) -> Decision:
         """Route one client connection (waits for quorum up to quorum-timeout, alone). The key
         is resolved once: the remote-tier read, the claim and every re-decision of a quorum
