@@ -6,7 +6,10 @@ Theory of operation
 one place that owns its deadlines. The socket comes straight from ``accept``
 (``router.net.listener``) and is wrapped in the lean streams of ``router.net.fastio`` (no trio
 stream layers on the hot path). One cancel scope carries the deadline of each phase in turn
-(``ConnState.phase`` tells which one fired); the phase modules never set a deadline:
+(``ConnState.phase`` tells which one fired); the phase modules never set a deadline (the
+others live in ``acceptor.py`` too: the linger after our last frames and the small deadline of
+a handshake's last reply; the pump's idle deadline is ``router.net.proxy``'s; a TLS
+close_notify is bounded in ``context.close``):
 
 0. **Limits** (``limits.py``): per-source admission and the acceptor's ``max-connections``; a
    client over a limit completes SASL unchecked and gets ``amqp:resource-limit-exceeded``

@@ -182,7 +182,9 @@ class Acceptor:
         scope.deadline = trio.current_time() + (limits_mod.REFUSAL_TIMEOUT_S if refusing
                                                 else s.handshake_timeout_s)
         detected = await self._handshake.run(client, c)
-        if detected is None:
+        if detected.__class__ is bytes:  # ended (counted): the handshake's last reply, if any
+            if detected:
+                await self._send_quietly(client, detected)
             return False
         try:
             if refusing:
@@ -236,6 +238,15 @@ class Acceptor:
         if err.action is not None and c.decision is not None:
             self._log_decision(c, err.action)
         await self._answer(c, reply_frames(err), scope)
+
+    async def _send_quietly(self, client, data: bytes) -> None:
+        """A handshake's last reply (SASL outcome, protocol header, Close): written if the client
+        still reads it within ``close_linger_s``, then the connection closes."""
+        try:
+            with trio.move_on_after(self.settings.close_linger_s):
+                await client.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
 
     async def _answer(self, c: ConnState, data: bytes, scope: trio.CancelScope | None) -> None:
         """Write our last frames, half-close, and give the client ``close_linger_s`` to answer

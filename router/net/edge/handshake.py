@@ -5,8 +5,8 @@ exchange, set by ``Acceptor``, so a slow-drip client cannot stretch it). The rou
 authenticates the client itself: PLAIN against the users file (through the ``LoginGate``),
 ANONYMOUS when the users file allows it, EXTERNAL from the verified certificate; bad credentials
 get a SASL ``auth`` outcome. Garbage, a wrong protocol header, malformed or oversized frames are
-the codec's ``RemoteProtocolError``s: they carry their own reply bytes, written here, and each
-case has its own counter. A client over a per-source limit (``c.refusal``) completes SASL
+the codec's ``RemoteProtocolError``s: they carry their own reply bytes, which ``run`` returns
+for ``Acceptor`` to write under its deadline, and each case has its own counter. A client over a per-source limit (``c.refusal``) completes SASL
 without a credential check: only its refusal follows.
 """
 
@@ -36,8 +36,10 @@ class Handshake:
         self.limiter = limiter
         self._inc = inc
 
-    async def run(self, client: trio.abc.Stream, c: ConnState) -> Detected | None:
-        """Read the client's handshake up to its Open. None when it ended (counted, answered)."""
+    async def run(self, client: trio.abc.Stream, c: ConnState) -> Detected | bytes:
+        """Read the client's handshake up to its Open. When it ends otherwise (counted here):
+        the last bytes to write to the client before closing (may be empty); ``Acceptor``
+        writes them under its own small deadline."""
         s = self.settings
         sniffer = HandshakeSniffer(True, s.max_handshake_bytes, mechanisms=self._mechanisms_for(c),
                                    allow_no_sasl=self._anonymous_allowed())
@@ -51,7 +53,7 @@ class Handshake:
                     data = await client.receive_some(RECEIVE_BYTES)
                     if not data:
                         self._inc("handshake_eof")
-                        return None
+                        return b""
                     sniffer.receive_data(data)
                 elif isinstance(ev, AuthRequested) and c.refusal is not None:
                     sniffer.accept(None)  # over a limit: no credentials checked, only the refusal follows
@@ -69,8 +71,7 @@ class Handshake:
                         self.limiter.authenticated(source_key(c.host))
                 elif isinstance(ev, AuthFailed):
                     self._inc("auth_failed")
-                    await send_quietly(client, sniffer.data_to_send(), s.close_linger_s)
-                    return None
+                    return sniffer.data_to_send()
                 elif isinstance(ev, Detected):
                     out = sniffer.data_to_send()
                     if out:
@@ -79,7 +80,7 @@ class Handshake:
                         # No SASL at all: anonymous (allowed only when the users file allows it)
                         principal = self._anonymous()
                         if principal is None:  # pragma: no cover - the sniffer refuses first
-                            return None
+                            return b""
                         c.user, c.roles, c.mechanism = None, tuple(principal.roles), None
                         c.authenticated = True
                         self.limiter.authenticated(source_key(c.host))
@@ -90,17 +91,15 @@ class Handshake:
             # The client left (reset, or TLS broken) while we read or wrote its handshake: our
             # SASL header/mechanisms/outcome may meet a reset as well as our next read does.
             self._inc("handshake_eof")
-            return None
+            return b""
         except NotThisProtocol as exc:
             self._inc("protocol_header_rejected")
-            await send_quietly(client, sniffer.data_to_send() + (exc.reply or b""), s.close_linger_s)
-            return None
+            return sniffer.data_to_send() + (exc.reply or b"")
         except RemoteProtocolError as exc:
             self._inc("handshake_oversized" if sniffer._received > s.max_handshake_bytes else
                       "handshake_decode_error" if isinstance(exc, DecodeError) else "protocol_error")
             log.debug("%s: %s: handshake error %s", s.name, c.source, exc)
-            await send_quietly(client, sniffer.data_to_send() + (exc.reply or b""), s.close_linger_s)
-            return None
+            return sniffer.data_to_send() + (exc.reply or b"")
 
     def _anonymous_allowed(self) -> bool:
         return "ANONYMOUS" in self.settings.mechanisms and self._anonymous() is not None
@@ -145,14 +144,3 @@ class Handshake:
             return None
         return None
 
-
-async def send_quietly(client: trio.abc.Stream, data: bytes, timeout_s: float) -> None:
-    """Write a last reply if the client still reads it within ``timeout_s``; never raises for
-    a client that left. (Its own small deadline: the reply of a connection being closed.)"""
-    if not data:
-        return
-    try:
-        with trio.move_on_after(timeout_s):
-            await client.send_all(data)
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        pass
