@@ -63,7 +63,7 @@ class AcceptorConfig:
     host: str
     port: int
     router: str
-    mode: str = "redirect"                 # "redirect" | "proxy" | "auto" (redirect if the client follows redirects)
+    mode: str = "redirect"                 # "redirect" | "proxy" | "auto"
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = None

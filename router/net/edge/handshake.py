@@ -6,8 +6,9 @@ authenticates the client itself: PLAIN against the users file (through the ``Log
 ANONYMOUS when the users file allows it, EXTERNAL from the verified certificate; bad credentials
 get a SASL ``auth`` outcome. Garbage, a wrong protocol header, malformed or oversized frames are
 the codec's ``RemoteProtocolError``s: they carry their own reply bytes, which ``run`` returns
-for ``Acceptor`` to write under its deadline, and each case has its own counter. A client over a per-source limit (``c.refusal``) completes SASL
-without a credential check: only its refusal follows.
+for ``Acceptor`` to write under its deadline, and each case has its own counter. A client over
+a per-source limit (``c.refusal``) completes SASL without a credential check: only its refusal
+follows.
 """
 
 from __future__ import annotations
