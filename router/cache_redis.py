@@ -164,8 +164,6 @@ class PipelinedRedisReader:
     ``rediss://`` is not handled here (the caller keeps the threaded client for it).
     """
 
-    SEND_LIMIT_S = 1.0
-
     def __init__(self, url: str, *, prefix: str, timeout_ms: int, connect_timeout_s: float) -> None:
         from redis.connection import SSLConnection, parse_url
 
@@ -181,7 +179,6 @@ class PipelinedRedisReader:
         self.prefix = prefix
         self.timeout_ms = timeout_ms
         self.connect_timeout_s = connect_timeout_s
-        self.connects = 0
         #: trio time of the last reply (or connect): tells a slow Redis from a silent one
         self.last_reply_at = 0.0
         self._sock: socket.socket | None = None
@@ -242,7 +239,6 @@ class PipelinedRedisReader:
                 raise CacheBackendError(f"redis connect failed: {exc}") from exc
             self._sock = sock
             self._parser = RespParser()
-            self.connects += 1
             self.last_reply_at = trio.current_time()
             self._connected.set()
             return sock

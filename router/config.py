@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Mapping
 from urllib.parse import parse_qsl, urlsplit
 
 from broker.core.limits import SourceLimits, source_limits_from
@@ -63,7 +63,7 @@ class AcceptorConfig:
     host: str
     port: int
     router: str
-    mode: str = "redirect"                 # "redirect" | "proxy"
+    mode: str = "redirect"                 # "redirect" | "proxy" | "auto"
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = None
@@ -267,7 +267,7 @@ def _acceptor(t: Table) -> AcceptorConfig:
     acc = AcceptorConfig(
         name=t.str("name"), host=t.str("host", "127.0.0.1"),
         port=t.int("port", min=0, max=65535), router=t.str("router"),
-        mode=t.choice("mode", ("redirect", "proxy"), "redirect"),
+        mode=t.choice("mode", ("redirect", "proxy", "auto"), "redirect"),
         tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=t.path_value("tls-client-ca", None),
         upstream_tls=t.bool("upstream-tls", False), upstream_ca=t.path_value("upstream-ca", None),
         max_connections=t.int("max-connections", 10000, min=0),
@@ -277,8 +277,9 @@ def _acceptor(t: Table) -> AcceptorConfig:
         sasl_mechanisms=tuple(mechs), anonymous=t.bool("anonymous", False), limits=source_limits_from(t),
         upstream_proxy_protocol=t.bool("upstream-proxy-protocol", False))
     t.done()
-    if acc.upstream_proxy_protocol and acc.mode != "proxy":
-        raise t.error("upstream-proxy-protocol", "true needs mode = \"proxy\" (a redirect opens no upstream)")
+    if acc.upstream_proxy_protocol and acc.mode == "redirect":
+        raise t.error("upstream-proxy-protocol",
+                      "true needs mode = \"proxy\" or \"auto\" (a redirect opens no upstream)")
     return acc
 
 
@@ -656,23 +657,3 @@ def import_artemis_xml(path: str | Path, *, local_target: TargetConfig | None = 
         out[name] = RouterConfig(name, key_type, key_filter, local_filter, True, policy, cache,
                                  pool, local_target, None, p)
     return out
-
-
-def router_config_dict(rc: RouterConfig) -> dict[str, Any]:
-    """A JSON-friendly view of a router's config (management API); passwords are masked."""
-    from dataclasses import asdict
-
-    def clean(v: Any, key: str = "") -> Any:
-        if isinstance(v, dict):
-            return {k: clean(x, k) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return [clean(x) for x in v]
-        if isinstance(v, Path):
-            return str(v)
-        if isinstance(v, KeyType):
-            return v.value
-        if key == "password" and v is not None:
-            return "***"
-        return v
-
-    return clean(asdict(rc))

@@ -37,19 +37,9 @@ class MembershipSourceError(LocalRouterError, ValueError):
     """Unknown or unavailable pool membership source."""
 
 
-class ProbeError(RemoteRouterError):
-    """A health probe got no usable answer from a target's management API."""
-
-
 class CacheBackendError(RemoteRouterError):
     """The shared cache backend (Redis) failed or timed out; routing continues degraded."""
 
 
 class CacheBackendTimeout(CacheBackendError):
     """A call to the shared cache backend did not answer within its deadline."""
-
-
-class RoutingRefused(RouterError):
-    """Raised by helpers that turn a refusing Decision into an exception (edge convenience)."""
-
-    condition = "amqp:connection:forced"

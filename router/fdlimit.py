@@ -14,7 +14,7 @@ router will run — systemd ``LimitNOFILE``, a container — may differ from whe
 from __future__ import annotations
 
 #: descriptors per connection, by acceptor mode (proxy: client + broker socket)
-FDS_PER_CONNECTION = {"redirect": 1, "proxy": 2}
+FDS_PER_CONNECTION = {"redirect": 1, "proxy": 2, "auto": 2}
 #: listeners, event loop, log and cache files, management and probe sockets, thread wakeups
 FIXED_OVERHEAD_FDS = 64
 

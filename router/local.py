@@ -28,6 +28,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+#: what each router port of etc/router.toml does (the banner; README "The local deployment")
+_ROUTER_PORTS = {
+    "auto": "every client: redirect-following clients redirected, all others proxied",
+    "proxy": "every client proxied",
+    "redirect": "every client redirected (amqp:connection:redirect)",
+}
 
 @dataclass
 class Child:
@@ -152,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"lodestone-local: {b.name} did not start; see {b.log_path}", file=sys.stderr)
             return shutdown(1)
     router.start(env)
-    if not router.wait_listening(3, args.start_timeout):
+    if not router.wait_listening(len(_ROUTER_PORTS) + 1, args.start_timeout):
         print(f"lodestone-local: the router did not start; see {router.log_path}", file=sys.stderr)
         return shutdown(1)
 
@@ -161,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {b.name:9} amqp {b.listening.get('amqp', '?'):28} management {b.listening.get('management', '?'):24} "
               f"pid {b.proc.pid}")
     for what, url in router.listening.items():
-        print(f"  router    {what:10} {url}")
+        print(f"  router    {what:10} {url:28} {_ROUTER_PORTS.get(what, '')}".rstrip())
     print(f"  router    pid {router.proc.pid}   (lodestone-local pid {os.getpid()})")
     print("  users: admin/admin (every role), app/app (send, consume) - loopback only")
     print(f"  logs: {logs}/   (routing log: see etc/router.toml [routing-log])")

@@ -25,7 +25,7 @@ Like Artemis' ``getTargetAsJSON``, the target lookup runs the router's decision 
 (no key filter), populates the sticky cache as a side effect and names the same target a real
 connection with that key gets.
 
-With ``workers = N`` the API is served by the supervisor (``running.cluster``) and answers for the
+With ``workers = N`` the API is served by the supervisor (``running.supervisor``) and answers for the
 whole router: counters and metrics are summed over the workers (``per_worker`` in
 ``/api/v1/counters`` breaks them down), pool, filters and sticky cache are the supervisor's (the
 one prober, the filters every worker follows, the cache every worker shares), and a filter PUT
@@ -217,7 +217,7 @@ class ManagementApi:
         from router.server import io_status
 
         own = io_status(r)
-        if r.cluster is None:
+        if r.supervisor is None:
             return Aggregate(r.edge.stats, {name: dict(getattr(svc, "counters", None) or {})
                                             for name, svc in r.services.items()},
                              r.edge.routelog.lines_written, r.edge.routelog.lines_dropped,
@@ -225,11 +225,11 @@ class ManagementApi:
                              failing=own["failing"], open_fds=own["open_fds"],
                              fd_limit=own["fd_limit"],
                              logins=dict(r.edge.login_gate.counters) if r.edge.login_gate else {})
-        agg = aggregate_workers(await r.cluster.gather_stats(), r.services)
+        agg = aggregate_workers(await r.supervisor.gather_stats(), r.services)
         if r.edge.login_gate is not None:   # the supervisor's own (management) logins
             for k, v in r.edge.login_gate.counters.items():
                 agg.logins[k] = agg.logins.get(k, 0) + v
-        agg.processes = r.cluster.worker_info()
+        agg.processes = r.supervisor.worker_info()
         agg.failing = own["failing"] + agg.failing  # the supervisor's cache file, then workers'
         agg.fd_limit = own["fd_limit"]
         agg.open_fds = (agg.open_fds or 0) + (own["open_fds"] or 0)
@@ -305,8 +305,8 @@ class ManagementApi:
 
         r = self.running
         failing = list(io_status(r)["failing"])
-        if r.cluster is not None:
-            for rep in await r.cluster.gather_stats():
+        if r.supervisor is not None:
+            for rep in await r.supervisor.gather_stats():
                 for f in rep.get("io", {}).get("failing", []):
                     failing.append({**f, "worker": rep["worker"]})
         status = "draining" if r.draining else ("degraded" if failing else "ok")
@@ -365,8 +365,8 @@ class ManagementApi:
         get, _ = self._filter_accessors(service, field)
         log.info("%s set to %r via management", field, get())
         out = {field: get()}
-        if self.running.cluster is not None:
-            out.update(await self.running.cluster.broadcast_filter(name, field, get()))
+        if self.running.supervisor is not None:
+            out.update(await self.running.supervisor.broadcast_filter(name, field, get()))
             if out["failed_workers"]:
                 log.warning("%s of router %s not confirmed by %s", field, name, out["failed_workers"])
         return out
@@ -429,8 +429,7 @@ class ManagementApi:
                       "redis_reads_skipped)); 1 when none was skipped",
                       tuple(({"router": name}, _share(c.get("redis_reads", 0), c.get("redis_reads_skipped", 0)))
                             for name, c in agg.routers.items()
-                            if getattr(r.services.get(name), "_tier", None) == "redis"
-                            and getattr(r.services.get(name), "_redis", None) is not None))]
+                            if getattr(r.services.get(name), "remote_tier", None) == "redis"))]
         return ms
 
 

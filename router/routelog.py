@@ -124,6 +124,65 @@ def json_str_list(xs) -> str:
     return "[" + ",".join([json_str(x) for x in xs]) + "]"
 
 
+# -- the schema (docs/router.md "Routing log"): the two lines the edge writes ---------------------
+# ``c`` is the edge's per-connection record (``router.net.edge.context.ConnState``): id, host,
+# port, sni, user, roles, mechanism, container_id, open_hostname, started (trio clock).
+# Client-supplied strings are bounded with json_str_bounded; the field order is the documented one.
+_V = f'{{"v":{SCHEMA_VERSION},'
+
+
+def _target_json(t) -> tuple[str, str, str]:
+    """The routing log's target_name, target_node_id and target_address, as JSON text."""
+    if t is None:
+        return "null", "null", "null"
+    return json_str(t.name), json_str(t.node_id), json_str(f"{t.host}:{t.port}")
+
+
+def route_line(wall: float, worker: int, router: str, acceptor: str, mode: str, c, decision,
+               decision_us: int, action: str, lim: int) -> str:
+    """The ``event = "route"`` line: one per routing decision, with what the client got
+    (``action``: redirected, proxied, refused, refused_external, upstream_failed)."""
+    e = decision.explanation
+    tname, tnode, taddr = _target_json(decision.target)
+    return (
+        f'{_V}"event":"route","time":"{utc_timestamp(wall)}",'
+        f'"connection_id":{json_str(c.id)},"worker":{json_int(worker)},'
+        f'"router":{json_str(router)},"acceptor":{json_str(acceptor)},"mode":{json_str(mode)},'
+        f'"key_type":{json_str(e.key_type)},"key_raw":{json_str_bounded(e.raw_key, lim)},'
+        f'"key_filtered":{json_str_bounded(e.filtered_key, lim)},'
+        f'"key_transformed":{json_str_bounded(e.key, lim)},'
+        f'"client_address":{json_str(c.host)},"client_port":{json_int(c.port)},'
+        f'"sni":{json_str_bounded(c.sni, lim)},'
+        f'"user":{json_str_bounded(c.user, lim)},"roles":{json_str_list(c.roles)},'
+        f'"sasl_mechanism":{json_str(c.mechanism)},"container_id":{json_str_bounded(c.container_id, lim)},'
+        f'"open_hostname":{json_str_bounded(c.open_hostname, lim)},"target_name":{tname},"target_node_id":{tnode},'
+        f'"target_address":{taddr},"local":{json_bool(decision.local)},"policy":{json_str(e.policy)},'
+        f'"cache":{json_str(e.cache)},"cache_hit":{json_bool(e.cache == "hit")},'
+        f'"cache_tier":{json_str(e.cache_tier)},"pin":{json_str(e.pin)},'
+        f'"quorum_met":{json_bool(e.quorum_met)},"ready_targets":{json_int(e.ready_targets)},'
+        f'"outcome":{json_str(decision.outcome.value)},"action":{json_str(action)},'
+        f'"reason":{json_str(e.reason)},"decision_us":{json_int(int(decision_us))}}}')
+
+
+def close_line(wall: float, worker: int, router: str, acceptor: str, mode: str, c, decision,
+               result, duration_ms: float, lim: int) -> str:
+    """The ``event = "close"`` line of a proxied connection (``result``: its
+    ``router.net.proxy.PumpStats``)."""
+    tname, tnode, taddr = _target_json(decision.target)
+    return (
+        f'{_V}"event":"close","time":"{utc_timestamp(wall)}",'
+        f'"connection_id":{json_str(c.id)},"worker":{json_int(worker)},'
+        f'"router":{json_str(router)},"acceptor":{json_str(acceptor)},"mode":{json_str(mode)},'
+        f'"client_address":{json_str(c.host)},"client_port":{json_int(c.port)},'
+        f'"user":{json_str_bounded(c.user, lim)},'
+        f'"container_id":{json_str_bounded(c.container_id, lim)},"target_name":{tname},"target_node_id":{tnode},'
+        f'"target_address":{taddr},"bytes_client_to_broker":{json_int(result.bytes_up)},'
+        f'"bytes_broker_to_client":{json_int(result.bytes_down)},'
+        f'"duration_ms":{json_float(duration_ms)},'
+        f'"close_reason":{json_str(result.reason.value)},"closed_first_by":{json_str(result.first_eof)},'
+        f'"spliced":{json_bool(result.spliced)},"error":{json_str_bounded(result.error, lim)}}}')
+
+
 class RouteLog:
     """A buffered, size-rotated JSON-lines file. ``path`` None makes a log that drops lines
     (routing log disabled) but still counts them."""

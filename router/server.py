@@ -30,7 +30,7 @@ import trio
 
 from broker.logsetup import print_listening
 from router.config import AcceptorConfig, RouterProcessConfig
-from router.net.connection import Acceptor, AcceptorSettings, EdgeContext
+from router.net.edge import Acceptor, AcceptorSettings, EdgeContext
 from router.net.listener import ConnectionLimit, listener_port, open_listeners, serve_listeners
 from router.net.stats import EdgeStats
 from router.net.tls import client_context, server_context
@@ -56,7 +56,7 @@ class RunningRouter:
     workers: int = 1
     draining: bool = False
     #: the supervisor of a multi-worker router (``router.workers.Supervisor``), else None
-    cluster: Any = None
+    supervisor: Any = None
 
 
 def acceptor_settings(acc: AcceptorConfig) -> AcceptorSettings:
@@ -70,7 +70,7 @@ def acceptor_settings(acc: AcceptorConfig) -> AcceptorSettings:
     if ssl_ctx is None or acc.tls_client_ca is None:
         mechs = [m for m in mechs if m != "EXTERNAL"]  # EXTERNAL needs a verified client certificate
     upstream_ctx = None
-    if acc.mode == "proxy":
+    if acc.mode != "redirect":  # proxy, auto
         upstream_ctx = client_context(ca=acc.upstream_ca) if acc.upstream_ca is not None else client_context()
     return AcceptorSettings(
         name=acc.name, mode=acc.mode, router=acc.router, ssl_context=ssl_ctx, mechanisms=tuple(mechs) or ("PLAIN",),
@@ -228,6 +228,7 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
     running = RunningRouter(cfg, services, acceptors, limits, edge, worker=worker, workers=workers)
     running_box["running"] = running
     primary = link is None
+    bound: dict[str, list[trio.SocketListener]] = {}
 
     try:
         async with trio.open_nursery() as system:
@@ -237,12 +238,11 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
             for name, service in services.items():
                 await system.start(service.run)
             await system.start(routelog.run)
-            if any(acc.mode == "proxy" for acc in cfg.acceptors):
+            if any(acc.mode != "redirect" for acc in cfg.acceptors):
                 from router.net.proxy import SharedPoller
 
                 await system.start(SharedPoller().run)
 
-            bound: dict[str, list[trio.SocketListener]] = {}
             try:
                 for acc in cfg.acceptors:
                     port = (ports or {}).get(acc.name, acc.port)
@@ -293,12 +293,13 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
                 log.info("drain deadline reached; remaining connections were closed")
             system.cancel_scope.cancel()
     finally:
+        for ls in bound.values():  # already closed when draining; not when cancelled
+            for listener in ls:
+                listener.socket.close()
         await routelog.aclose()
-        for service in services.values():
-            close = getattr(service, "aclose", None)
-            if close is not None:
-                with trio.CancelScope(shield=True):
-                    await close()
+        with trio.CancelScope(shield=True):
+            for service in services.values():
+                await service.aclose()  # cache file flushed and closed, Redis client released
 
 
 async def _serve_acceptor(acceptor: Acceptor, listeners, handlers: trio.Nursery, limit: ConnectionLimit,

@@ -49,10 +49,11 @@ from typing import Any, Callable
 import trio
 
 from router.cache_embedded import EmbeddedCacheStore
+from router.cache_tiers import RedisTier, RemoteTier, SharedTier
 from router.config import RouterConfig, RouterProcessConfig
 from router.core.cache import StickyCache
 from router.core.cache import page as cache_page
-from router.core.decide import Decision, Outcome, Router
+from router.core.decide import Decision, Outcome, ResolvedKey, Router
 from router.core.filters import compile_key_filter, compile_local_filter
 from router.core.keys import ConnectionInfo, KeyResolver
 from router.core.pins import PinTable, load_pins
@@ -68,7 +69,6 @@ REDIS_SYNC_INTERVAL_S = 0.05
 REDIS_RETRY_S = 1.0
 REDIS_MAX_PENDING = 100_000
 PERSIST_RETRY_MAX_S = 5.0
-READ_TIMEOUTS_TO_DEGRADE = 3
 SHARED_TIMEOUT_S = 1.0  # a worker's request to the supervisor's cache (same machine)
 
 COUNTERS = ("route_ok", "route_refused_unavailable", "route_refused_use_another", "cache_hit",
@@ -109,7 +109,7 @@ class RouterService:
         self.round_listeners: list[Callable[[], None]] = []
         #: a worker of a multi-worker router: pool fed by the supervisor, cache shared through it
         self.follower = shared is not None
-        self._tier = "redis"
+        self._closed = False
 
         pc = config.pool
         local_t = config.local_target.to_target() if config.local_target else None
@@ -123,7 +123,8 @@ class RouterService:
                   if config.policy else None)
         cc = config.cache
         self._store: EmbeddedCacheStore | None = None
-        self._redis = None
+        #: the remote tier (``router.cache_tiers``): Redis, or the supervisor's (shared) cache
+        self._remote: RemoteTier | None = None
         cache = None
         if cc is not None:
             to_owner = shared is not None and cc.backend != "redis"
@@ -132,9 +133,7 @@ class RouterService:
                                 log_expiry=cc.backend != "redis" and not to_owner,
                                 max_entries=cc.max_entries)
             if to_owner:
-                from router.control import SharedCacheTier
-                self._redis = SharedCacheTier(shared, self.name)
-                self._tier = "shared"
+                self._remote = SharedTier(shared, self.name)
             elif cc.backend == "embedded":
                 self._store = EmbeddedCacheStore(cc.path)
                 self._load_embedded(cache)
@@ -145,14 +144,13 @@ class RouterService:
                                              prefix=cc.redis_key_prefix, timeout_ms=cc.timeout_ms,
                                              socket_timeout_s=max(0.25, cc.redis_timeout_ms / 1e3),
                                              connect_timeout_s=cc.redis_connect_timeout_ms / 1e3)
-                self._redis = redis_cache
+                self._remote = RedisTier(redis_cache, self.name)
         self._redis_seen: dict[str, str] = {}
         self._claiming: dict[str, trio.Event] = {}  # shared tier: keys whose new decision is in flight
         self._pending_puts: dict[str, tuple[str, str]] = {}
         self._pending_touch: set[str] = set()
         self._pending_del: set[str] = set()
         self._last_redis_try = -1e9
-        self._read_timeouts_in_row = 0
         pins = None
         self._pins_mtime: float | None = None
         if config.pins is not None:
@@ -177,16 +175,25 @@ class RouterService:
     def policy(self):
         return self.core.policy
 
+    @property
+    def remote_tier(self) -> str | None:
+        """The remote cache tier in use: ``"redis"``, ``"shared"`` (a worker of a multi-worker
+        router), or None (local tier only)."""
+        return self._remote.name if self._remote is not None else None
+
     async def route(self, conn: ConnectionInfo) -> Decision:
-        """Route one client connection (waits for quorum up to quorum-timeout, alone)."""
-        if self._redis is None:
-            d = self.core.decide(conn, self.clock())
+        """Route one client connection (waits for quorum up to quorum-timeout, alone). The key
+        is resolved once: the remote-tier read, the claim and every re-decision of a quorum
+        wait use the same key, even if the key filter is replaced meanwhile."""
+        rk = self.core.resolve(conn)
+        if self._remote is None:
+            d = self.core.decide_resolved(rk, self.clock())
         else:
-            d = await self._decide_with_redis(conn)
+            d = await self._decide_with_remote(rk)
         pc = self.config.pool
         if (d.outcome is Outcome.REFUSED_UNAVAILABLE and pc is not None and pc.quorum_timeout_ms
                 and not self._holder.quorum_met and d.explanation.cache != "skipped"):
-            d = await self._wait_for_quorum(conn, d, pc.quorum_timeout_ms / 1000.0)
+            d = await self._wait_for_quorum(rk, d, pc.quorum_timeout_ms / 1000.0)
         self._count(d)
         return d
 
@@ -319,10 +326,9 @@ class RouterService:
                     await nursery.start(self._health_task)
                 if self._store is not None:
                     nursery.start_soon(self._persist_loop)
-                if self._redis is not None:
+                if self._remote is not None:
                     nursery.start_soon(self._redis_loop)
-                    if getattr(self._redis, "reader", None) is not None and self._tier == "redis":
-                        nursery.start_soon(self._redis.reader.run)
+                    nursery.start_soon(self._remote.run)
                 if self.core.cache is not None and self.config.cache.timeout_ms:
                     nursery.start_soon(self._expiry_loop)
                 if self.config.pins is not None:
@@ -330,13 +336,8 @@ class RouterService:
                                        (pc.check_period_ms if pc else 5000) / 1000.0)
                 task_status.started()
         finally:
-            self.flush()
-            if self._store is not None:
-                self._store.close()
-            reader = getattr(self._redis, "reader", None) if self._tier == "redis" else None
-            if reader is not None:
-                with trio.CancelScope(shield=True):
-                    await reader.aclose()
+            with trio.CancelScope(shield=True):
+                await self.aclose()
 
     def flush(self) -> None:
         """Write pending cache changes to the embedded file now (sync; used at shutdown)."""
@@ -348,13 +349,18 @@ class RouterService:
                 log.error("router %s: cannot write cache file %s at exit: %s", self.name,
                           self._store.path, exc)
 
-    def close(self) -> None:
-        """Flush and release files and clients (for embedders not using ``run``)."""
+    async def aclose(self) -> None:
+        """Flush the cache file and release it and the remote tier's client. Idempotent: ``run``
+        calls it when it ends, ``router.server`` (every process, supervisor included) at
+        shutdown."""
+        if self._closed:
+            return
+        self._closed = True
         self.flush()
         if self._store is not None:
             self._store.close()
-        if self._redis is not None:
-            self._redis.close()
+        if self._remote is not None:
+            await self._remote.aclose()
 
     # -- internals: counting, pool changes, quorum -----------------------------------------------
     def _count(self, d: Decision) -> None:
@@ -383,7 +389,7 @@ class RouterService:
         ev, self._pool_changed = self._pool_changed, trio.Event()
         ev.set()
 
-    async def _wait_for_quorum(self, conn: ConnectionInfo, d: Decision, timeout_s: float):
+    async def _wait_for_quorum(self, rk: ResolvedKey, d: Decision, timeout_s: float):
         self.counters["quorum_waits"] += 1
         start = trio.current_time()
         deadline = start + timeout_s
@@ -391,10 +397,10 @@ class RouterService:
             ev = self._pool_changed
             with trio.move_on_at(deadline):
                 await ev.wait()
-            if self._redis is None:
-                d = self.core.decide(conn, self.clock())
+            if self._remote is None:
+                d = self.core.decide_resolved(rk, self.clock())
             else:
-                d = await self._decide_with_redis(conn)
+                d = await self._decide_with_remote(rk)
             if d.outcome is not Outcome.REFUSED_UNAVAILABLE or self._holder.quorum_met:
                 break
             if trio.current_time() >= deadline:
@@ -504,74 +510,50 @@ class RouterService:
             for key in cache.expire(self.clock()):
                 self._redis_seen.pop(key, None)
 
-    # -- internals: Redis ---------------------------------------------------------------------
+    # -- internals: the remote tier (Redis or shared; router.cache_tiers) -----------------------
     def _set_degraded(self, exc: BaseException) -> None:
-        self.counters[f"{self._tier}_errors"] += 1
+        tier = self._remote.name
+        self.counters[f"{tier}_errors"] += 1
         if not self.degraded:
             log.warning("router %s: %s cache tier unavailable, deciding from the local tier: %s",
-                        self.name, self._tier, exc)
+                        self.name, tier, exc)
         self.degraded = True
         self.degraded_reason = str(exc)
         self._last_redis_try = trio.current_time()
 
-    async def _redis_call(self, fn, *args, timeout_s: float):
-        with trio.move_on_after(timeout_s) as cs:
-            try:
-                if self._tier == "shared":  # the supervisor's tier: async, no thread
-                    return await fn(*args)
-                return await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
-            except CacheBackendError:
-                raise
-            except Exception as exc:  # the client's bug, not ours: it must not fail a connection
-                log.exception("router %s: unexpected error from the redis client", self.name)
-                raise CacheBackendError(f"redis client error: {type(exc).__name__}: {exc}") \
-                    from exc
-        if cs.cancelled_caught:
-            raise CacheBackendTimeout(f"{self._tier} timeout after {timeout_s * 1000:.0f} ms")
-
-    async def _decide_with_redis(self, conn: ConnectionInfo) -> Decision:
-        d, key = self.core.lookup(conn, self.clock())
+    async def _decide_with_remote(self, rk: ResolvedKey) -> Decision:
+        core = self.core
+        d, key = core.lookup_resolved(rk, self.clock())
         if d is not None:
             if self._claiming and key in self._claiming:
                 # a hit on a decision another connection is still claiming: wait for the owner
                 await self._claiming[key].wait()
-                return self.core.decide(conn, self.clock())
+                return core.decide_resolved(rk, self.clock())
             return d
-        from_redis = False
-        tier = self._tier
+        from_remote = False
+        remote = self._remote
+        tier = remote.name
         if self.degraded:
             if tier == "redis":
                 self.counters["redis_reads_skipped"] += 1
         else:
-            reader = getattr(self._redis, "reader", None) if tier == "redis" else None
             if tier == "redis":
                 self.counters["redis_reads"] += 1
             try:
-                if reader is not None:  # its own deadline: it tells a late task from a late reply
-                    value = await reader.get(key, self._read_timeout_s())
-                else:
-                    value = await self._redis_call(self._redis.get, key,
-                                                   timeout_s=self._read_timeout_s())
+                value = await remote.get(key, self._read_timeout_s())
             except CacheBackendError as exc:
                 value = None
                 if isinstance(exc, CacheBackendTimeout) and tier == "redis":
-                    # A late answer is not an outage: reads stop (degraded) only when Redis
-                    # answered nothing at all while this read waited (hung or gone), or —
-                    # threaded client — after READ_TIMEOUTS_TO_DEGRADE timeouts in a row.
+                    # A late answer is not an outage: reads stop (degraded) only when the tier
+                    # says Redis answered nothing at all while this read waited (``silent``).
                     self.counters["redis_read_timeouts"] += 1
-                    self._read_timeouts_in_row += 1
-                    if reader is not None:
-                        dead = getattr(exc, "silent", True)
-                    else:
-                        dead = self._read_timeouts_in_row >= READ_TIMEOUTS_TO_DEGRADE
-                    if dead:
+                    if getattr(exc, "silent", True):
                         self._set_degraded(exc)
                     else:
                         self.counters["redis_errors"] += 1
                 else:
                     self._set_degraded(exc)
             else:
-                self._read_timeouts_in_row = 0
                 if value is None:
                     self.counters[f"{tier}_misses"] += 1
                 else:
@@ -582,25 +564,25 @@ class RouterService:
                         # fail-back = return: a not-ready entry is restored too, so the core
                         # sees it stale and keeps it instead of replacing it
                         now = self.clock()
-                        self.core.cache.restore(key, value, now, now)
-                        from_redis = True
+                        core.cache.restore(key, value, now, now)
+                        from_remote = True
         if self._claiming and key in self._claiming:
             await self._claiming[key].wait()
-        d = self.core.decide(conn, self.clock())
-        if from_redis and d.explanation.cache == "hit":
+        d = core.decide_resolved(rk, self.clock())
+        if from_remote and d.explanation.cache == "hit":
             d = dataclasses.replace(d, explanation=dataclasses.replace(d.explanation,
                                                                        cache_tier=tier))
-        elif (tier == "shared" and not self.degraded and d.outcome is Outcome.OK
+        elif (remote.claims and not self.degraded and d.outcome is Outcome.OK
               and d.explanation.cache in ("miss", "stale")):
-            d = await self._claim(conn, d, key)
+            d = await self._claim(rk, d, key)
         return d
 
     def _read_timeout_s(self) -> float:
-        if self._tier == "shared":
+        if self._remote.name == "shared":
             return SHARED_TIMEOUT_S
         return self.config.cache.redis_timeout_ms / 1e3
 
-    async def _claim(self, conn: ConnectionInfo, d: Decision, key: str) -> Decision:
+    async def _claim(self, rk: ResolvedKey, d: Decision, key: str) -> Decision:
         """Shared tier: make a new decision the owner's before the client gets it (one CAS)."""
         cache = self.core.cache
         ident = cache.changes.pop(key, None)
@@ -609,8 +591,7 @@ class RouterService:
         old = self._redis_seen.pop(key, "")
         ev = self._claiming[key] = trio.Event()
         try:
-            conflicts = await self._redis_call(self._redis.write, [(key, ident, old)], [], [],
-                                               timeout_s=SHARED_TIMEOUT_S)
+            conflicts = await self._remote.write([(key, ident, old)], [], [], SHARED_TIMEOUT_S)
         except CacheBackendError as exc:
             self._set_degraded(exc)
             self._pending_puts[key] = (ident, old)  # written behind once the owner answers
@@ -630,9 +611,9 @@ class RouterService:
         self.counters["shared_conflicts"] += 1  # another worker decided first: adopt its choice
         now = self.clock()
         cache.restore(key, cur, now, now)
-        d = self.core.decide(conn, now)
+        d = self.core.decide_resolved(rk, now)
         return dataclasses.replace(d, explanation=dataclasses.replace(d.explanation,
-                                                                      cache_tier=self._tier))
+                                                                      cache_tier=self._remote.name))
 
     def _collect_redis_changes(self) -> None:
         cache = self.core.cache
@@ -647,7 +628,7 @@ class RouterService:
         self._pending_touch |= touched
         over = len(self._pending_puts) + len(self._pending_touch) - REDIS_MAX_PENDING
         if over > 0:
-            self.counters[f"{self._tier}_writes_dropped"] += over
+            self.counters[f"{self._remote.name}_writes_dropped"] += over
             for k in list(self._pending_touch)[:over]:
                 self._pending_touch.discard(k)
             over = len(self._pending_puts) - REDIS_MAX_PENDING
@@ -662,11 +643,11 @@ class RouterService:
                 if trio.current_time() - self._last_redis_try < REDIS_RETRY_S:
                     continue
                 try:
-                    await self._redis_call(self._redis.ping, timeout_s=REDIS_RETRY_S)
+                    await self._remote.ping(REDIS_RETRY_S)
                 except CacheBackendError as exc:
                     self._set_degraded(exc)
                     continue
-                log.warning("router %s: %s cache tier is back", self.name, self._tier)
+                log.warning("router %s: %s cache tier is back", self.name, self._remote.name)
                 self.degraded = False
                 self.degraded_reason = None
             if not (self._pending_puts or self._pending_touch or self._pending_del):
@@ -676,8 +657,7 @@ class RouterService:
             deletes = list(self._pending_del)
             self._pending_puts, self._pending_touch, self._pending_del = {}, set(), set()
             try:
-                conflicts = await self._redis_call(self._redis.write, puts, touches, deletes,
-                                                   timeout_s=REDIS_RETRY_S)
+                conflicts = await self._remote.write(puts, touches, deletes, REDIS_RETRY_S)
             except CacheBackendError as exc:
                 self._set_degraded(exc)
                 for k, ident, old in puts:  # keep them (newer changes win) for the retry
@@ -685,7 +665,7 @@ class RouterService:
                 self._pending_touch |= set(touches)
                 self._pending_del |= set(deletes) - set(self._pending_puts)
                 continue
-            self.counters[f"{self._tier}_writes"] += len(puts) + len(touches) + len(deletes)
+            self.counters[f"{self._remote.name}_writes"] += len(puts) + len(touches) + len(deletes)
             now = self.clock()
             mine = {k: ident for k, ident, _ in puts} if conflicts else {}
             for key, ident in conflicts.items():  # another replica decided first: adopt it...
@@ -694,7 +674,7 @@ class RouterService:
                     # it, perhaps while Redis was down): ours replaces it, as a stale entry is.
                     self._pending_puts.setdefault(key, (mine[key], ident))
                     continue
-                self.counters[f"{self._tier}_conflicts"] += 1
+                self.counters[f"{self._remote.name}_conflicts"] += 1
                 e = self.core.cache.entries.get(key)
                 self.core.cache.restore(key, ident, now, e[2] if e else now)
 

@@ -304,12 +304,10 @@ class Supervisor:
     # -- main ------------------------------------------------------------------------------------
     async def run(self) -> int:
         """Run until signalled (exit status 0) or a fatal worker failure (1, or 2)."""
-        from broker.logsetup import print_listening
-        from router.management import serve_management
-        from router.net.connection import EdgeContext
+        from router.net.edge import EdgeContext
         from router.net.stats import EdgeStats
         from router.routelog import RouteLog
-        from router.server import RunningRouter, _url
+        from router.server import RunningRouter
         from router.service import build_services
 
         cfg = self.cfg
@@ -322,34 +320,47 @@ class Supervisor:
             self.services = build_services(cfg)
             edge = EdgeContext(EdgeStats(), RouteLog(None), authenticator, worker=-1)
             self.running = RunningRouter(cfg, self.services, {}, {}, edge, ports=dict(self.ports),
-                                         worker=None, workers=self.count, cluster=self)
-            async with trio.open_nursery() as system:
-                self._system = system
-                system.start_soon(self._signals, signals)
-                for svc in self.services.values():
-                    await system.start(svc.run)  # the first probe round is done
-                for name, svc in self.services.items():
-                    svc.round_listeners.append(functools.partial(self._push_pool, name))
-                self.running.management_address = await system.start(serve_management, self.running)
-                async with trio.open_nursery() as keepers:
-                    for slot in self.slots:
-                        keepers.start_soon(self._keep_worker, slot)
-                    async with trio.open_nursery() as wait:
-                        async def on(ev: trio.Event) -> None:
-                            await ev.wait()
-                            wait.cancel_scope.cancel()
-
-                        wait.start_soon(on, self._all_ready)
-                        wait.start_soon(on, self._stop_event)
-                    if not self.stopping:
-                        self.serving = True
-                        for acc in cfg.acceptors:
-                            print_listening(acc.name, _url(acc, acc.host, self.ports[acc.name]))
-                        host, port = self.running.management_address
-                        print_listening("management", f"http://{host}:{port}")
-                        log.info("router %s: %d workers serving", cfg.name, self.count)
-                system.cancel_scope.cancel()
+                                         worker=None, workers=self.count, supervisor=self)
+            try:
+                await self._serve(signals)
+            finally:
+                with trio.CancelScope(shield=True):
+                    for svc in self.services.values():
+                        await svc.aclose()  # the cache file's only writer: flushed and closed
         return self.status
+
+    async def _serve(self, signals) -> None:
+        from broker.logsetup import print_listening
+        from router.management import serve_management
+        from router.server import _url
+
+        cfg = self.cfg
+        async with trio.open_nursery() as system:
+            self._system = system
+            system.start_soon(self._signals, signals)
+            for svc in self.services.values():
+                await system.start(svc.run)  # the first probe round is done
+            for name, svc in self.services.items():
+                svc.round_listeners.append(functools.partial(self._push_pool, name))
+            self.running.management_address = await system.start(serve_management, self.running)
+            async with trio.open_nursery() as keepers:
+                for slot in self.slots:
+                    keepers.start_soon(self._keep_worker, slot)
+                async with trio.open_nursery() as wait:
+                    async def on(ev: trio.Event) -> None:
+                        await ev.wait()
+                        wait.cancel_scope.cancel()
+
+                    wait.start_soon(on, self._all_ready)
+                    wait.start_soon(on, self._stop_event)
+                if not self.stopping:
+                    self.serving = True
+                    for acc in cfg.acceptors:
+                        print_listening(acc.name, _url(acc, acc.host, self.ports[acc.name]))
+                    host, port = self.running.management_address
+                    print_listening("management", f"http://{host}:{port}")
+                    log.info("router %s: %d workers serving", cfg.name, self.count)
+            system.cancel_scope.cancel()
 
 
 def run_supervisor(config_path: str, cfg, workers: int, *, worker_args: list[str] | None = None,

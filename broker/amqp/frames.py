@@ -541,7 +541,7 @@ def _failed_open(container_id: str, hostname: str | None = None) -> bytes:
 #: Desired capability (Open ``desired-capabilities``, §2.7.1) a client sends to say it follows
 #: ``amqp:connection:redirect`` (Lodestone's client helpers do: ``router.client``,
 #: ``clients/node/lodestone-redirect.js``). An ``auto`` acceptor may redirect such clients and
-#: proxy the rest. A plain string: write it as an AMQP symbol.
+#: proxy the rest (``mode = "auto"``). A plain string: write it as an AMQP symbol.
 FOLLOWS_REDIRECT = "lodestone:follows-redirect"
 
 

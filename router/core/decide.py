@@ -23,6 +23,11 @@ cached. ``key_too_long(key)`` gives the same verdict to the management lookup.
 ``decide_for_key(key, now)`` (management) starts at step 3 with the raw key: no key filter.
 ``lookup(conn, now)`` runs steps 1-7 only and returns ``None`` where the policy would be asked,
 so the shell can consult a remote cache tier (Redis) first without side effects.
+
+Steps 1-2 are ``resolve(conn) -> ResolvedKey``; ``decide_resolved``/``lookup_resolved`` run the
+rest from it. A shell that looks up, waits (a remote tier, a claim, a quorum wait) and decides
+again resolves once per connection, so a key filter replaced meanwhile cannot split one
+connection's lookup, cache entry and pin check across two keys.
 Every Decision carries an ``Explanation`` (what the routing log and management API print).
 """
 
@@ -30,7 +35,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from .cache import StickyCache
 from .filters import Filter, compile_key_filter, compile_local_filter
@@ -128,6 +133,18 @@ def _decision(outcome: Outcome, target: Target | None, local: bool, ex: dict) ->
     return d
 
 
+_INTERNAL, _TOO_LONG = "internal", "too long"
+
+
+class ResolvedKey(NamedTuple):
+    """A connection's key after steps 1-2 (``Router.resolve``), resolved once per connection."""
+
+    raw: str | None
+    filtered: str
+    #: None, or "internal" (step 1: an Artemis internal client id) / "too long" (max-key-length)
+    special: str | None = None
+
+
 class Router:
     """One connection router: key resolver, filters, policy, pool, cache and pins.
 
@@ -219,18 +236,31 @@ class Router:
                          self._expl(raw, NULL_KEY, NULL_KEY, False, None, "skipped", None, None,
                                     reason))
 
-    def decide(self, conn: ConnectionInfo, now: float) -> Decision:
-        """Route one connection: see the module docstring for the steps."""
+    def resolve(self, conn: ConnectionInfo) -> ResolvedKey:
+        """Steps 1-2: the connection's raw and filtered key (and whether it is special)."""
         if self.resolver.artemis_keys and self.local is not None:
             cid = conn.container_id
             if cid is not None and cid.startswith(ARTEMIS_INTERNAL_CLIENT_PREFIX):
                 if self.max_key_length and len(cid) > self.max_key_length:
-                    return self._too_long(cid, self.key_too_long(cid))
-                return self._local(cid, cid, cid, False, "artemis internal client id")
+                    return ResolvedKey(cid, NULL_KEY, _TOO_LONG)
+                return ResolvedKey(cid, cid, _INTERNAL)
         raw, filtered = self.resolver.resolve(conn)
         if self.max_key_length and raw is not None and len(raw) > self.max_key_length:
-            return self._too_long(raw, self.key_too_long(raw))
-        return self._route(raw, filtered, now, True)  # type: ignore[return-value]
+            return ResolvedKey(raw, NULL_KEY, _TOO_LONG)
+        return ResolvedKey(raw, filtered)
+
+    def decide(self, conn: ConnectionInfo, now: float) -> Decision:
+        """Route one connection: see the module docstring for the steps."""
+        return self.decide_resolved(self.resolve(conn), now)
+
+    def decide_resolved(self, rk: ResolvedKey, now: float) -> Decision:
+        """Steps 3-8 for a key from :meth:`resolve`."""
+        special = rk.special
+        if special is None:
+            return self._route(rk.raw, rk.filtered, now, True)  # type: ignore[return-value]
+        if special == _TOO_LONG:
+            return self._too_long(rk.raw, self.key_too_long(rk.raw))
+        return self._local(rk.raw, rk.raw, rk.raw, False, "artemis internal client id")
 
     def decide_for_key(self, key: str, now: float) -> Decision:
         """Management lookup: route a raw key, skipping the key filter (populates the cache)."""
@@ -245,16 +275,16 @@ class Router:
         Returns ``(decision, key)``; ``decision`` is None when the policy would have to choose
         (cache miss or stale), ``key`` is the transformed key (for a remote cache lookup).
         """
-        if self.resolver.artemis_keys and self.local is not None:
-            cid = conn.container_id
-            if cid is not None and cid.startswith(ARTEMIS_INTERNAL_CLIENT_PREFIX):
-                if self.max_key_length and len(cid) > self.max_key_length:
-                    return self._too_long(cid, self.key_too_long(cid)), NULL_KEY
-                return self._local(cid, cid, cid, False, "artemis internal client id"), cid
-        raw, filtered = self.resolver.resolve(conn)
-        if self.max_key_length and raw is not None and len(raw) > self.max_key_length:
-            return self._too_long(raw, self.key_too_long(raw)), NULL_KEY
-        d = self._route(raw, filtered, now, False)
+        return self.lookup_resolved(self.resolve(conn), now)
+
+    def lookup_resolved(self, rk: ResolvedKey, now: float) -> tuple[Decision | None, str]:
+        """:meth:`lookup` for a key from :meth:`resolve`."""
+        special = rk.special
+        if special == _TOO_LONG:
+            return self._too_long(rk.raw, self.key_too_long(rk.raw)), NULL_KEY
+        if special == _INTERNAL:
+            return self._local(rk.raw, rk.raw, rk.raw, False, "artemis internal client id"), rk.raw
+        d = self._route(rk.raw, rk.filtered, now, False)
         if isinstance(d, str):
             return None, d
         return d, d.explanation.key

@@ -111,7 +111,7 @@ def keys_from_key_list(text: str) -> list[str]:
 def keys_from_routing_log(lines: Iterable[str]) -> list[str]:
     """Distinct filtered keys of a routing log (JSON Lines), in first-seen order.
 
-    The router's routing log (``router.net.connection``, schema in docs/router.md) writes one
+    The router's routing log (``router.routelog``, schema in docs/router.md) writes one
     ``"event": "route"`` object per decision with the filtered key in ``key_filtered``; ``close``
     lines carry no key and are skipped, and so are connections refused for a key over
     ``max-key-length`` (never routed). For older hand-made files an explanation nested under

@@ -20,6 +20,8 @@ accepted without an ``AuthRequested`` event, the claimed PLAIN user is reported 
 ``Detected`` carries everything needed to replay the handshake upstream: ``sasl_init_bytes``
 (the client's SASL header + sasl-init frame, for ``SaslClientReplay``) and ``client_bytes``
 (the client's AMQP header through the end of the Open plus anything pipelined after it).
+``Detected.desired_capabilities`` exposes the Open's desired-capabilities (an ``auto`` acceptor
+redirects a client that announces ``lodestone:follows-redirect`` and proxies the others).
 The client has received our SASL exchange only: the AMQP header and Open it gets next come
 from ``redirect_frames``/``refuse_frames`` or from the upstream broker.
 
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 from broker.amqp.frames import (
     AMQP_HEADER,
     DEFAULT_CONTAINER_ID,
+    FOLLOWS_REDIRECT,
     FRAME_AMQP,
     NEED_DATA,
     SASL_HEADER,
@@ -78,6 +81,18 @@ class Detected:
     verified: bool = False
     #: The ``hostname`` field of sasl-init, if the client sent one.
     sasl_hostname: str | None = None
+
+    @property
+    def desired_capabilities(self) -> tuple[str, ...]:
+        """The Open's ``desired-capabilities`` symbols (§2.7.1), empty when absent."""
+        return self.open.desired_capabilities or ()
+
+    @property
+    def follows_redirect(self) -> bool:
+        """The client announced ``lodestone:follows-redirect`` (``broker.amqp.frames.FOLLOWS_REDIRECT``):
+        an ``auto`` acceptor redirects it instead of proxying."""
+        caps = self.open.desired_capabilities
+        return caps is not None and FOLLOWS_REDIRECT in caps
 
 
 # Decoded Opens by frame body: a client reconnecting sends the same Open byte for byte, and

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-FIXED_PORTS = [5672, 5673, 8160, 15672, 15673, 15674, 18161, 18162, 18163]
+FIXED_PORTS = [5672, 5673, 5674, 8160, 15672, 15673, 15674, 18161, 18162, 18163]
 
 
 def _free_ports(n):
@@ -67,9 +67,9 @@ def local_deployment(tmp_path):
 
 def test_local_deployment_serves_proxy_and_redirect_clients(local_deployment):
     proc, banner, tmp_path, ports = local_deployment
-    redirect, proxy = f"amqp://127.0.0.1:{ports[5672]}", f"amqp://127.0.0.1:{ports[5673]}"
-    assert redirect in banner and proxy in banner
-    for url in (proxy, redirect):
+    auto, proxy, redirect = (f"amqp://127.0.0.1:{ports[p]}" for p in (5672, 5673, 5674))
+    assert redirect in banner and proxy in banner and auto in banner
+    for url in (proxy, redirect, auto):
         conn = connect_following_redirects(url, user="app", password="app", allowed_mechs="PLAIN",
                                            allow_insecure_mechs=True)
         try:
@@ -85,6 +85,12 @@ def test_local_deployment_serves_proxy_and_redirect_clients(local_deployment):
     while time.monotonic() < deadline and not (log.exists() and '"outcome":"OK"' in log.read_text()):
         time.sleep(0.2)
     assert '"outcome":"OK"' in log.read_text()
+    # the front door (5672, mode auto) proxied the client that did not announce lodestone:follows-redirect
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and '"acceptor":"auto"' not in log.read_text():
+        time.sleep(0.2)
+    auto_lines = [ln for ln in log.read_text().splitlines() if '"acceptor":"auto"' in ln and '"event":"route"' in ln]
+    assert auto_lines and all('"action":"proxied"' in ln for ln in auto_lines), auto_lines
 
 
 def test_children_stop_when_the_supervisor_is_killed(local_deployment):

@@ -98,3 +98,5 @@ def test_router_upstream_proxy_protocol(tmp_path):
     with pytest.raises(ConfigError) as ei:
         load_router_config(write_router(tmp_path, MINIMAL + "\n" + acc + "upstream-proxy-protocol = true\n"))
     assert ei.value.path == "acceptors[0].upstream-proxy-protocol" and "proxy" in ei.value.message
+    cfg = load_router_config(write_router(tmp_path, MINIMAL + "\n" + acc + "mode = 'auto'\nupstream-proxy-protocol = true\n"))
+    assert (cfg.acceptors[0].mode, cfg.acceptors[0].upstream_proxy_protocol) == ("auto", True)

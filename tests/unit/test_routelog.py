@@ -78,3 +78,40 @@ def test_worker_file_names_and_timestamps():
     assert worker_log_path(Path("/v/routing.log"), 0, 1) == Path("/v/routing.log")
     assert worker_log_path(Path("/v/routing.log"), 1, 2) == Path("/v/routing-w1.log")
     assert utc_timestamp(0.5) == "1970-01-01T00:00:00.500000Z"
+
+
+def test_the_documented_schema_is_what_the_builders_write():
+    """docs/router.md's routing-log tables name exactly the fields of ``route_line`` and
+    ``close_line`` (the schema lives in router/routelog.py), and ``v`` is ``SCHEMA_VERSION``."""
+    import re
+    from pathlib import Path
+    from types import SimpleNamespace as NS
+
+    from router.core.decide import Router
+    from router.core.keys import ConnectionInfo, KeyResolver, KeyType
+    from router.net.proxy import EndReason, PumpStats
+    from router.routelog import SCHEMA_VERSION, close_line, route_line
+
+    d = Router("r", KeyResolver(KeyType.CLIENT_ID)).decide(ConnectionInfo("1.2.3.4:5", container_id="k"), 0.0)
+    c = NS(id="x", host="1.2.3.4", port=5, sni=None, user="u", roles=("a",), mechanism="PLAIN",
+           container_id="k", open_hostname=None)
+    route = json.loads(route_line(0.0, 0, "r", "a", "auto", c, d, 7, "refused", 1024))
+    stats = PumpStats()
+    stats.reason = EndReason.CLOSED
+    close = json.loads(close_line(0.0, 0, "r", "a", "auto", c, d, stats, 1.5, 1024))
+    assert route["v"] == close["v"] == SCHEMA_VERSION
+    assert (route["event"], route["action"], route["decision_us"]) == ("route", "refused", 7)
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "router.md").read_text()
+    sec = doc[doc.index('**`event = "route"`**'):]
+    tables = {"route": sec[:sec.index('**`event = "close"`**')],
+              "close": sec[sec.index('**`event = "close"`**'):sec.index("A Spark schema")]}
+
+    def documented(text):
+        out = []
+        for line in text.splitlines():
+            if line.startswith("| `"):
+                out += re.findall(r"`([a-z_]+)`", line.split("|")[1])
+        return out
+
+    assert documented(tables["route"]) == list(route)
+    assert sorted(documented(tables["close"])) == sorted(close)

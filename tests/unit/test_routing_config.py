@@ -32,7 +32,8 @@ def write(tmp_path: Path, text: str) -> Path:
 def test_sample_config_loads():
     cfg = load_router_config(REPO / "etc" / "router.toml")
     main = cfg.routers["main"]
-    assert [a.name for a in cfg.acceptors] == ["redirect", "proxy"]
+    assert [(a.name, a.mode, a.port) for a in cfg.acceptors] == \
+        [("auto", "auto", 5672), ("proxy", "proxy", 5673), ("redirect", "redirect", 5674)]
     assert main.policy.name == "CONSISTENT_HASH" and main.cache.backend == "embedded"
     assert [t.name for t in main.pool.targets] == ["broker-1", "broker-2", "broker-3"]
     assert cfg.users_file == REPO / "etc" / "users.toml"

@@ -214,7 +214,7 @@ async def test_embedded_cache_survives_restart_in_process(tmp_path):
     first = {k: (await a.route(ConnectionInfo("1:1", container_id=k))).target.node_id
              for k in (f"c{i}" for i in range(30))}
     assert len(set(first.values())) == 3
-    a.close()
+    await a.aclose()
     b = static_pool_service(n=3, policy="ROUND_ROBIN", cache=cache)
     for i in range(3):
         b.pool.report_probe(f"t{i}", True, node_id=f"n{i}")
@@ -234,12 +234,12 @@ async def test_embedded_cache_expiry_survives_restart(tmp_path):
     await a.route(ConnectionInfo("1:1", container_id="old"))
     now[0] += 0.6
     await a.route(ConnectionInfo("1:1", container_id="young"))
-    a.close()
+    await a.aclose()
     # restart 0.5 s later (wall clock), with a new monotonic origin
     b = RouterService(rconfig([TargetConfig("t0", "h", 1)], cache=cache),
                       clock=lambda: 5.0, wall=lambda: wall[0] + 1.1)
     assert [e["key"] for e in b.cache_entries()] == ["young"]
-    b.close()
+    await b.aclose()
     assert "old" not in b._store.load()
 
 
@@ -399,3 +399,61 @@ async def test_local_target_without_a_pool_probes_with_its_own_credentials(tmp_p
         snapshot = _json.dumps(service.pool.snapshot(), default=str)
         assert "n-local" in snapshot, snapshot
         nursery.cancel_scope.cancel()
+
+
+# -- one key per connection ----------------------------------------------------------------------
+class FilterFlippingRedis(CountingRedis):
+    """A Redis read during which the operator replaces the key filter (management PUT)."""
+
+    def __init__(self, svc_box):
+        super().__init__()
+        self.svc_box = svc_box
+        self.keys_read: list[str] = []
+
+    def get(self, key):
+        self.keys_read.append(key)
+        self.svc_box[0].set_key_filter("^[^.]+")
+        return super().get(key)
+
+
+async def test_a_key_filter_replaced_during_the_redis_read_does_not_split_the_connection(nursery):
+    """The key used to be resolved again after the Redis read: the read was for ``abc.def``,
+    the decision and its cache entry for ``abc`` (and the write-behind for yet another key)."""
+    box = []
+    fake = FilterFlippingRedis(box)
+    svc = redis_service(fake)
+    box.append(svc)
+    await nursery.start(svc.run)
+    d = await svc.route(ConnectionInfo("1.1.1.1:1", container_id="abc.def"))
+    assert fake.keys_read == ["abc.def"]
+    assert d.ok and d.explanation.key == "abc.def" and d.explanation.raw_key == "abc.def"
+    assert "abc.def" in svc.core.cache.entries and "abc" not in svc.core.cache.entries
+    # the next connection resolves with the new filter
+    assert (await svc.route(ConnectionInfo("1.1.1.1:1", container_id="abc.def"))).explanation.key == "abc"
+
+
+async def test_route_resolves_the_key_once_through_a_quorum_wait(autojump_clock):
+    svc = static_pool_service(quorum=2, quorum_timeout=3000)
+    svc.pool.report_probe("t0", True, node_id="n0")
+    core_resolve = svc.core.resolve
+    calls = []
+
+    def counting(conn):
+        calls.append(conn)
+        return core_resolve(conn)
+
+    svc.core.resolve = counting
+    async with trio.open_nursery() as n:
+        async def flap():
+            for _ in range(3):  # pool changes wake the waiter, which decides again each time
+                await trio.sleep(0.5)
+                svc.pool.report_probe("t0", False)
+                await trio.sleep(0.1)
+                svc.pool.report_probe("t0", True, node_id="n0")
+            await trio.sleep(0.5)
+            svc.pool.report_probe("t1", True, node_id="n1")
+
+        n.start_soon(flap)
+        d = await svc.route(ConnectionInfo("1.1.1.1:1", container_id="k"))
+    assert d.ok and d.explanation.waited_s > 2
+    assert len(calls) == 1

@@ -8,6 +8,7 @@ import pytest
 
 from broker.amqp.codec import Symbol
 from broker.amqp.frames import (
+    FOLLOWS_REDIRECT,
     AMQP_HEADER,
     FRAME_AMQP,
     FRAME_SASL,
@@ -36,11 +37,13 @@ def _drain(t: proton.Transport) -> bytes:
     return data
 
 
-def run_proton_client(sniffer, *, user="alice", password="secret", mechs="PLAIN", sasl=True):
+def run_proton_client(sniffer, *, user="alice", password="secret", mechs="PLAIN", sasl=True, desired=None):
     """Pump a real proton client into the sniffer until Detected or AuthFailed."""
     conn = proton.Connection()
     conn.container = "client-42"
     conn.hostname = "tenant-a.example"
+    if desired is not None:
+        conn.desired_capabilities = proton.SymbolList(desired)
     if user is not None:
         conn.user = user
         conn.password = password
@@ -87,6 +90,21 @@ def test_proton_client_detected_with_container_hostname_user():
     r.receive_data(ev.sasl_init_bytes[8:])
     init = decode_performative(r.next_event().body)
     assert isinstance(init, SaslInit) and parse_plain(init.initial_response)[1] == "alice"
+
+
+@pytest.mark.parametrize("desired, caps, follows", [
+    (None, (), False),
+    (["some:capability"], ("some:capability",), False),
+    ([FOLLOWS_REDIRECT], (FOLLOWS_REDIRECT,), True),
+    (["some:capability", FOLLOWS_REDIRECT], ("some:capability", FOLLOWS_REDIRECT), True),
+])
+def test_open_desired_capabilities_are_exposed(desired, caps, follows):
+    """An ``auto`` acceptor redirects a client that desires lodestone:follows-redirect."""
+    ev, *_ = run_proton_client(HandshakeSniffer(), desired=desired)
+    assert isinstance(ev, Detected)
+    assert ev.desired_capabilities == caps
+    assert ev.follows_redirect is follows
+    assert FOLLOWS_REDIRECT == "lodestone:follows-redirect"
 
 
 def test_client_bytes_replay_opens_a_real_proton_server():

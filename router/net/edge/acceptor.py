@@ -1,0 +1,294 @@
+"""``Acceptor``: one configured acceptor; ``handle`` is the whole life of one connection and
+the one place that owns its deadlines (see ``router.net.edge`` for the phases)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import trio
+
+from broker.core.limits import Admission, SourceLimiter, source_key
+from router.net import fastio
+from router.net.edge import handshake as handshake_mod
+from router.net.edge import limits as limits_mod
+from router.net.edge import redirect as redirect_mod
+from router.net.edge import route as route_mod
+from router.net.edge.context import (
+    PH_CONNECT,
+    PH_HANDSHAKE,
+    PH_LINGER,
+    PH_PROXY,
+    PH_REPLAY,
+    PH_ROUTE,
+    PH_TLS,
+    AcceptorSettings,
+    ConnState,
+    EdgeContext,
+    close,
+    close_now,
+)
+from router.net.edge.errors import EdgeError, reply_frames
+from router.net.edge.pump import END_COUNTER, run_pump
+from router.net.edge.tls import accept_tls
+from router.net.edge.upstream import Upstream, timeout_error
+from router.net.stats import COUNTER_NAMES
+from router.routelog import close_line, route_line
+
+log = logging.getLogger("router.connection")
+
+_INF = float("inf")
+
+
+class Acceptor:
+    """One configured acceptor: ``handle`` is called for each accepted TCP socket."""
+
+    def __init__(self, settings: AcceptorSettings, service, edge: EdgeContext):
+        self.settings = settings
+        self.service = service
+        self.edge = edge
+        self._counters = edge.stats.counters
+        self._keys = {name: (settings.name, name) for name in COUNTER_NAMES}
+        self.limiter = SourceLimiter(settings.limits)
+        self._refusing = 0          # refusals in flight for the acceptor-wide limit
+        self._handshake = handshake_mod.Handshake(settings, edge, self.limiter, self._inc)
+        self._upstream = Upstream(settings)
+
+    def _inc(self, name: str, n: int = 1) -> None:
+        self._counters[self._keys[name]] += n
+
+    def _new_conn(self, host: str, port: int, now: float) -> ConnState:
+        return ConnState(self.edge.next_connection_id(), f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
+                         host, port, now)
+
+    # -- the one place that owns every deadline ------------------------------------------------
+    async def handle(self, sock: socket.socket, peer) -> None:
+        """Serve one accepted client socket to the end (``peer``: its address from ``accept``).
+        Owns and closes the socket; never raises for peer behaviour.
+
+        One cancel scope carries each phase's deadline in turn (``c.phase`` says which), so a
+        timeout is told apart after the scope by the phase it hit."""
+        s = self.settings
+        active = self.edge.stats.active
+        active[s.name] += 1
+        self._counters[self._keys["accepted"]] += 1
+        host, port = peer[0], peer[1]
+        now = trio.current_time()
+        c = self._new_conn(host, port, now)
+        key = source_key(host)
+        verdict, reason = self.limiter.admit(key, now)
+        if verdict is not Admission.ADMIT:
+            self._inc(f"refused_{reason}")
+            c.refusal = limits_mod.source_refusal_text(reason, s.router, key, s.limits)
+            if self.edge.log_once(f"{s.name}/{key}/{reason}", now):
+                log.warning("%s: %s; refusing (logged once per source per interval)", s.name, c.refusal)
+            if verdict is Admission.DROP:
+                self._inc("refused_dropped")
+                active[s.name] -= 1
+                sock.close()
+                return
+        try:
+            with trio.CancelScope() as scope:
+                proxy = await self._serve(sock, c, scope)
+            if scope.cancelled_caught:
+                await self._timed_out(c)
+            elif proxy:
+                self._log_decision(c, "proxied")
+                self._inc("proxied")
+                await run_pump(s, c, self._proxy_closed)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            # the client vanished in the middle of one of our writes; nothing to tell anybody
+            pass
+        except BaseExceptionGroup as group:
+            # From the pump's nursery (trio wraps its tasks' exceptions, strict groups): a
+            # cancellation (drain deadline, shutdown) goes on up; anything else is a bug in this
+            # connection only — counted and logged, never allowed to reach the handlers nursery.
+            cancelled, rest = group.split(trio.Cancelled)
+            if rest is not None:
+                self._inc("internal_error")
+                log.error("%s: connection %s failed", s.name, c.id, exc_info=rest)
+            if cancelled is not None:
+                raise cancelled
+        except Exception:
+            self._inc("internal_error")
+            log.exception("%s: connection %s failed", s.name, c.id)
+        finally:
+            active[s.name] -= 1
+            if c.decision is not None:
+                self.service.connection_closed(c.decision)   # LOAD_FACTOR: a live assignment ends
+            if c.refusal is not None:
+                self.limiter.release_refusal(key)
+            else:
+                self.limiter.release(key, authenticated=c.authenticated)
+            if c.upstream is not None and not close_now(c.upstream):
+                await close(c.upstream)
+            if c.client is None:
+                sock.close()
+            elif not close_now(c.client):
+                await close(c.client)
+
+    async def refuse_over_limit(self, sock: socket.socket, peer) -> None:
+        """The acceptor is at ``max-connections`` (counted by the listener as
+        ``connection_limit_rejected``): answer ``amqp:resource-limit-exceeded`` without checking
+        credentials, within 0.25 s — or close at once when the client's address already has
+        ``max-refusing-per-source`` refusals in flight, or the acceptor ``MAX_REFUSING``."""
+        s = self.settings
+        host, port = peer[0], peer[1]
+        key = source_key(host)
+        if self._refusing >= limits_mod.MAX_REFUSING or \
+                self.limiter.refuse(key, trio.current_time()) is Admission.DROP:
+            self._inc("refused_dropped")
+            sock.close()
+            return
+        self._refusing += 1
+        c = self._new_conn(host, port, trio.current_time())
+        c.refusal = limits_mod.acceptor_refusal_text(s.router, s.name, s.max_connections)
+        # at capacity: hold nothing for long — a client that is not already speaking is closed
+        c.refusal_timeout_s = limits_mod.OVER_LIMIT_REFUSAL_S
+        try:
+            with trio.CancelScope() as scope:
+                await self._serve(sock, c, scope)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        except Exception:
+            self._inc("internal_error")
+            log.exception("%s: refusing connection %s failed", s.name, c.id)
+        finally:
+            self._refusing -= 1
+            self.limiter.release_refusal(key)
+            if c.client is None:
+                sock.close()
+            elif not close_now(c.client):
+                await close(c.client)
+
+    async def _serve(self, sock: socket.socket, c: ConnState, scope: trio.CancelScope) -> bool:
+        """Phases 1-4 under ``scope``, each with its deadline. True when the connection is ready
+        to be pumped (``c.client``/``c.upstream`` set); every refusal ends here (``_answer``)."""
+        s = self.settings
+        try:
+            fastio.prepare_socket(sock)
+        except OSError:
+            self._inc("handshake_eof")  # the client is already gone
+            return False
+        refusing = c.refusal is not None
+        # 1. TLS
+        if s.ssl_context is not None:
+            scope.deadline = trio.current_time() + (c.refusal_timeout_s if refusing
+                                                    else s.tls_handshake_timeout_s)
+            client = await accept_tls(sock, s.ssl_context, c, self._inc)
+            if client is None:
+                return False
+        else:
+            client = c.client = fastio.FastSocketStream(sock)
+
+        # 2. SASL + Open
+        c.phase = PH_HANDSHAKE
+        scope.deadline = trio.current_time() + (c.refusal_timeout_s if refusing
+                                                else s.handshake_timeout_s)
+        detected = await self._handshake.run(client, c)
+        if detected.__class__ is bytes:  # ended (counted): the handshake's last reply, if any
+            if detected:
+                await self._send_quietly(client, detected)
+            return False
+        try:
+            if refusing:
+                raise limits_mod.refusal(c.refusal)
+
+            # 3. Route (the service bounds its own quorum wait)
+            c.phase = PH_ROUTE
+            scope.deadline = _INF
+            decision = await route_mod.decide(self.service, s, c)
+            self._inc(route_mod.ROUTE_COUNTER[decision.outcome])
+            action = route_mod.action_for(s, decision, detected)
+            if action is route_mod.REDIRECT:
+                self._log_decision(c, "redirected")
+                self._inc("redirected")  # before the linger, whose deadline may end this scope
+                await self._answer(c, redirect_mod.redirect_reply(s.router, decision.target), scope)
+                return False
+
+            # 4. Proxy: connect, then replay the handshake (a deadline each)
+            c.phase = PH_CONNECT
+            scope.deadline = trio.current_time() + s.upstream_connect_timeout_s
+            await self._upstream.connect(c, decision.target)
+            c.phase = PH_REPLAY
+            scope.deadline = trio.current_time() + s.upstream_connect_timeout_s
+            await self._upstream.replay(c, detected)
+        except EdgeError as err:
+            await self._refuse(c, err, scope)
+            return False
+        c.phase = PH_PROXY  # the pump runs after this scope, with its own idle deadline
+        return True
+
+    async def _timed_out(self, c: ConnState) -> None:
+        """The connection's cancel scope fired: count the phase's timeout, answer the client."""
+        ph = c.phase
+        if ph == PH_TLS:
+            self._inc("tls_handshake_timeout")
+        elif ph == PH_HANDSHAKE:
+            self._inc("handshake_timeout")
+        elif ph in (PH_CONNECT, PH_REPLAY):
+            if c.upstream is not None:
+                c.upstream.close()
+                c.upstream = None
+            await self._refuse(c, timeout_error(self.settings.router, c.decision.target, ph == PH_REPLAY))
+        # PH_LINGER: the client did not close within close_linger_s; nothing to count
+
+    # -- the one place an EdgeError becomes the wire reply --------------------------------------
+    async def _refuse(self, c: ConnState, err: EdgeError, scope: trio.CancelScope | None = None) -> None:
+        """Count ``err``, log its routing-log line (once a decision exists), then write its Close
+        (``reply_frames``) and linger."""
+        if err.counter is not None:
+            self._inc(err.counter)
+        if err.action is not None and c.decision is not None:
+            self._log_decision(c, err.action)
+        await self._answer(c, reply_frames(err), scope)
+
+    async def _send_quietly(self, client, data: bytes) -> None:
+        """A handshake's last reply (SASL outcome, protocol header, Close): written if the client
+        still reads it within ``close_linger_s``, then the connection closes."""
+        try:
+            with trio.move_on_after(self.settings.close_linger_s):
+                await client.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    async def _answer(self, c: ConnState, data: bytes, scope: trio.CancelScope | None) -> None:
+        """Write our last frames, half-close, and give the client ``close_linger_s`` to answer
+        with its Close and EOF (closing at once could reset the connection before it read them).
+        Inside the connection's scope the linger is that scope's deadline (phase LINGER); after
+        it (``scope`` None: a timed-out connection) it gets a scope of its own."""
+        client = c.client
+        linger = self.settings.close_linger_s
+        try:
+            await redirect_mod.send_last(client, data)
+            if scope is not None:
+                c.phase = PH_LINGER
+                scope.deadline = trio.current_time() + linger
+                await redirect_mod.read_until_eof(client)
+            else:
+                with trio.move_on_after(linger):
+                    await redirect_mod.read_until_eof(client)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    # -- routing log (schema: router.routelog, docs/router.md) ---------------------------------
+    def _log_decision(self, c: ConnState, action: str) -> None:
+        routelog = self.edge.routelog
+        if routelog.path is None:
+            return
+        s = self.settings
+        routelog.write_line(route_line(self.edge.clock(), self.edge.worker, s.router, s.name, s.mode, c,
+                                       c.decision, c.decision_us, action, routelog.max_field_chars))
+
+    def _proxy_closed(self, c: ConnState, result) -> None:
+        s = self.settings
+        stats = self.edge.stats
+        stats.bytes_up[s.name] += result.bytes_up
+        stats.bytes_down[s.name] += result.bytes_down
+        self._inc(END_COUNTER[result.reason])
+        routelog = self.edge.routelog
+        if routelog.path is None:
+            return
+        routelog.write_line(close_line(self.edge.clock(), self.edge.worker, s.router, s.name, s.mode, c,
+                                       c.decision, result, round((trio.current_time() - c.started) * 1000, 3),
+                                       routelog.max_field_chars))
