@@ -15,12 +15,14 @@ through :meth:`LoginGate.login`:
    shadow the same credentials from an allowed one).
 4. **Verification** — ``SecurityConfig.verify`` (scrypt, ~50 ms, 16 MiB) in a thread, under the
    gate's own slots: ``max-concurrent-verifications`` at once, plus one slot that only a source
-   without a failure in the window may use, at most ``max-pending-verifications`` waiting. The
-   hashes run on the gate's own threads (never trio's shared thread cache, which the journal
-   flush uses); those of a source with failures in the window at a lower scheduling priority
-   (nice +10): they get the CPU the event loops and clean logins leave, so a flood of hashes
-   cannot slow the clients already connected. Waiters are served by their source's recent failures, fewest first, then in
-   arrival order: a client with a clean record overtakes a flood. When the queue is full the
+   that is not suspect may use, at most ``max-pending-verifications`` waiting. A source's
+   *suspicion* is its failures in the window plus its other logins waiting or hashing right
+   now (a flood opens many at once; a client logs in once). Waiters are served least suspect
+   first, re-ranked whenever a slot frees, then in arrival order: a client with a clean record
+   overtakes a flood. The hashes run on the gate's own threads (never trio's shared thread
+   cache, which the journal flush uses); a suspect source's at a lower scheduling priority
+   (nice +10), so they get only the CPU the event loops and clean logins leave and a flood of
+   hashes cannot slow the clients already connected. When the queue is full the
    newcomer displaces the waiter with the worst record, or is itself refused if it is the worst.
 
 Every refusal, whatever its reason, is answered ``failure-delay-ms`` after the request arrived
@@ -186,8 +188,8 @@ class LoginGate:
         self.throttle = LoginThrottle(st)
         # one more slot than the capacity, for sources without a failure in the window: a
         # good client's first login never queues behind a flood's hash
-        self._slots = _FairSlots(capacity, st.max_pending_verifications,
-                                 lambda key: self.throttle.failures(key, trio.current_time()), reserved=1)
+        self._inflight: Counter[str] = Counter()   # verifications per source, waiting or hashing
+        self._slots = _FairSlots(capacity, st.max_pending_verifications, self._suspicion, reserved=1)
         # a source with failures in the window hashes at a low priority; a clean one does not
         self._hasher = _HashExecutor(capacity + 1, background=False)
         self._suspect_hasher = _HashExecutor(capacity, background=True)
@@ -214,22 +216,20 @@ class LoginGate:
         elif self.memory.seen(f"{key}\0{user}", digest, t0):
             self.counters["login_refused_remembered"] += 1
         else:
+            self._inflight[key] += 1
             try:
-                await self._slots.acquire(key)
+                principal = await self._verify(key, user, password, source)
             except _Overloaded:
                 self.counters["login_refused_overloaded"] += 1
                 reason = "overloaded"
-            else:
-                try:
-                    self.counters["login_verifications"] += 1
-                    hasher = self._hasher if self.throttle.failures(key, trio.current_time()) == 0 \
-                        else self._suspect_hasher
-                    principal = await hasher.run(security.verify, user, password, source)
-                finally:
-                    self._slots.release()
-                if principal is not None:
-                    self.counters["login_ok_verified"] += 1
-                    return LoginResult(principal, "ok")
+            finally:
+                self._inflight[key] -= 1
+                if not self._inflight[key]:
+                    del self._inflight[key]
+            if principal is not None:
+                self.counters["login_ok_verified"] += 1
+                return LoginResult(principal, "ok")
+            if reason != "overloaded":
                 self.memory.add(f"{key}\0{user}", digest, trio.current_time())
         await self.failed(source, t0, reason=reason)
         return LoginResult(None, reason)
@@ -247,6 +247,22 @@ class LoginGate:
                         "refused without a password check" if self.throttle.refusing(key, now)
                         else f"answered after {self.throttle.delay(failures):g} s")
         await trio.sleep_until(t0 + self.throttle.delay(failures))
+
+    async def _verify(self, key: str, user: str, password: str, source: str | None) -> Principal | None:
+        """One password check under the slots (raises ``_Overloaded`` when refused a place)."""
+        await self._slots.acquire(key)
+        try:
+            self.counters["login_verifications"] += 1
+            hasher = self._hasher if self._suspicion(key) == 0 else self._suspect_hasher
+            return await hasher.run(self.security.verify, user, password, source)
+        finally:
+            self._slots.release()
+
+    def _suspicion(self, key: str) -> int:
+        """How suspect a source's login is: its failures in the window, plus its other logins
+        waiting or hashing right now (a flood opens many at once; a client logs in once). 0 =
+        clean: may use the reserved slot, and hashes at normal priority."""
+        return self.throttle.failures(key, trio.current_time()) + max(0, self._inflight[key] - 1)
 
     # -- introspection ----------------------------------------------------------------------------
     def stats(self) -> dict:
