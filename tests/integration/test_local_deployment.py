@@ -85,12 +85,26 @@ def test_local_deployment_serves_proxy_and_redirect_clients(local_deployment):
     while time.monotonic() < deadline and not (log.exists() and '"outcome":"OK"' in log.read_text()):
         time.sleep(0.2)
     assert '"outcome":"OK"' in log.read_text()
-    # the front door (5672, mode auto) proxied the client that did not announce lodestone:follows-redirect
+    # the front door (5672, mode auto): the helper above announced lodestone:follows-redirect and
+    # was redirected; an unmodified client that does not announce it is proxied
+    plain = BlockingConnection(auto, user="app", password="app", allowed_mechs="PLAIN",
+                               allow_insecure_mechs=True, timeout=10)
+    try:
+        plain.create_sender("local.q").send(Message(body="plain"))
+        receiver = plain.create_receiver("local.q")
+        assert receiver.receive(timeout=10).body == "plain"
+        receiver.accept()
+    finally:
+        plain.close()
+
+    def auto_actions():
+        lines = [ln for ln in log.read_text().splitlines() if '"acceptor":"auto"' in ln and '"event":"route"' in ln]
+        return [a for a in ("redirected", "proxied") if any(f'"action":"{a}"' in ln for ln in lines)], lines
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and '"acceptor":"auto"' not in log.read_text():
+    while time.monotonic() < deadline and len(auto_actions()[0]) < 2:
         time.sleep(0.2)
-    auto_lines = [ln for ln in log.read_text().splitlines() if '"acceptor":"auto"' in ln and '"event":"route"' in ln]
-    assert auto_lines and all('"action":"proxied"' in ln for ln in auto_lines), auto_lines
+    actions, lines = auto_actions()
+    assert actions == ["redirected", "proxied"] and len(lines) == 2, lines
 
 
 def test_children_stop_when_the_supervisor_is_killed(local_deployment):
