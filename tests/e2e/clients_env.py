@@ -127,6 +127,20 @@ class Env:
         (line,) = self.route_lines(container_id)
         return line
 
+    def assert_routed(self, k: str, before: tuple[int, int], action: str, target) -> None:
+        """The ``auto`` acceptor counted exactly one ``action`` (``redirected`` / ``proxied``) since
+        ``before`` (``auto_counts()``), never the other one, and its routing-log line for key ``k``
+        says so, naming ``target`` (the broker the management API names)."""
+        redirected, proxied = self.auto_counts()
+        if action == "redirected":
+            assert (redirected, proxied) == (before[0] + 1, before[1]), (before, redirected, proxied)
+        else:
+            assert (redirected, proxied) == (before[0], before[1] + 1), (before, redirected, proxied)
+        line = self.route_line(k)
+        assert (line["acceptor"], line["mode"], line["action"]) == ("auto", "auto", action), line
+        assert line["target_node_id"] == target.node_id, line
+        assert line["target_address"] == f"127.0.0.1:{target.port}", line
+
     @staticmethod
     def queue(broker, name: str) -> dict | None:
         """``broker``'s management view of queue ``name`` (depth, enqueued, acked, …), or None."""

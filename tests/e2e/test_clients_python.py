@@ -464,19 +464,6 @@ def where(env, *args, **kw) -> Where:
     return app
 
 
-def assert_routed(env, k: str, before: tuple[int, int], action: str, target) -> None:
-    """The auto acceptor counted exactly one ``action`` for this client (never the other one), and
-    its routing-log line says so, naming the broker the management API names."""
-    redirected, proxied = env.auto_counts()
-    if action == "redirected":
-        assert (redirected, proxied) == (before[0] + 1, before[1])
-    else:
-        assert (redirected, proxied) == (before[0], before[1] + 1)
-    line = env.route_line(k)
-    assert (line["acceptor"], line["mode"], line["action"]) == ("auto", "auto", action), line
-    assert line["target_node_id"] == target.node_id and line["target_address"] == f"127.0.0.1:{target.port}"
-
-
 def test_auto_event_driven_helper_is_redirected_to_the_broker_management_names(env):
     k, address = key(), f"au.ev.{uuid.uuid4().hex[:6]}"
     target = env.broker_for(k)
@@ -487,7 +474,7 @@ def test_auto_event_driven_helper_is_redirected_to_the_broker_management_names(e
     assert app.on_brokers == [target.node_id]  # connected to the broker itself
     assert app.conn.lodestone_hops == [env.front_door("auto"), f"amqp://127.0.0.1:{target.port}"]
     assert app.link_seen == {app.link}
-    assert_routed(env, k, before, "redirected", target)
+    env.assert_routed(k, before, "redirected", target)
     assert sorted(drain(target, address)) == sorted(f"m{i}" for i in range(8))
 
 
@@ -507,7 +494,7 @@ def test_auto_redirecting_container_is_redirected(env):
     run(app, RedirectingContainer, container_id=k)
     assert app.errors == [] and app.accepted == 4 and app.opened_nodes == [target.node_id]
     assert app.on_brokers == [target.node_id] and len(app.conn.lodestone_hops) == 2
-    assert_routed(env, k, before, "redirected", target)
+    env.assert_routed(k, before, "redirected", target)
     assert sorted(drain(target, address)) == sorted(f"m{i}" for i in range(4))
 
 
@@ -523,7 +510,7 @@ def test_auto_plain_proton_container_is_proxied_to_the_broker_management_names(e
     assert app.on_brokers == [target.node_id]  # the proxied connection, as the broker lists it
     assert not hasattr(app.conn, "lodestone_hops")
     assert symbol(FOLLOWS_REDIRECT) not in list(app.conn.desired_capabilities or [])
-    assert_routed(env, k, before, "proxied", target)
+    env.assert_routed(k, before, "proxied", target)
     assert sorted(drain(target, address)) == sorted(f"m{i}" for i in range(8))
 
 
@@ -535,7 +522,7 @@ def test_auto_plain_proton_receiver_is_proxied(env):
     app = run(where(env, env.front_door("auto"), address, receive=5, use_helper=False, container_id=k))
     assert app.errors == [] and sorted(app.received) == sorted(f"r{i}" for i in range(5))
     assert app.opened_nodes == [target.node_id] and app.on_brokers == [target.node_id]
-    assert_routed(env, k, before, "proxied", target)
+    env.assert_routed(k, before, "proxied", target)
 
 
 def test_auto_blocking_helper_is_redirected(env):
@@ -552,7 +539,7 @@ def test_auto_blocking_helper_is_redirected(env):
             snd.send(Message(body=f"b{i}"))
     finally:
         conn.close()
-    assert_routed(env, k, before, "redirected", target)
+    env.assert_routed(k, before, "redirected", target)
     assert sorted(drain(target, address)) == sorted(f"b{i}" for i in range(6))
 
 
@@ -577,7 +564,7 @@ def test_auto_plain_blocking_connection_is_proxied(env):
         assert sorted(got) == sorted(f"p{i}" for i in range(6))
     finally:
         conn.close()
-    assert_routed(env, k, before, "proxied", target)
+    env.assert_routed(k, before, "proxied", target)
     # counted on that broker (and no other): 6 enqueued, 6 acknowledged
     q = env.queue(target, address)
     assert q is not None and (q["enqueued"], q["acked"], q["depth"]) == (6, 6, 0), q
