@@ -1,4 +1,5 @@
-"""Unmodified python-qpid-proton 0.40 applications through a real router in ``redirect`` mode.
+"""Unmodified python-qpid-proton 0.40 applications through a real router in ``redirect`` mode
+(and, at the end, through its ``auto`` acceptor: redirected with the helpers, proxied without).
 
 Event-driven (``Container`` + ``MessagingHandler``) with ``router.client.connect`` (one line),
 ``BlockingConnection`` with ``connect_following_redirects``, and the management-API lookup

@@ -1,4 +1,5 @@
-"""Unmodified rhea 3 applications (real ``node``) through a real router in ``redirect`` mode.
+"""Unmodified rhea 3 applications (real ``node``) through a real router in ``redirect`` mode
+(and, at the end, through its ``auto`` acceptor: redirected with the helper, proxied without).
 
 The application is ``clients/node/test/app.js`` (an ordinary rhea program); with ``helper`` it
 connects with ``clients/node/lodestone-redirect.js`` (one line), without it with rhea's own
