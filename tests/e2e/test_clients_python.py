@@ -1,4 +1,5 @@
-"""Unmodified python-qpid-proton 0.40 applications through a real router in ``redirect`` mode.
+"""Unmodified python-qpid-proton 0.40 applications through a real router in ``redirect`` mode
+(and, at the end, through its ``auto`` acceptor: redirected with the helpers, proxied without).
 
 Event-driven (``Container`` + ``MessagingHandler``) with ``router.client.connect`` (one line),
 ``BlockingConnection`` with ``connect_following_redirects``, and the management-API lookup
@@ -440,3 +441,132 @@ def test_blocking_lookup_asks_again_when_the_front_door_stays_not_ready(env):
         assert lookup.requests == 1
     finally:
         conn.close()
+
+
+# -- through an ``auto`` acceptor --------------------------------------------------------------------
+# One port for every client: the helpers announce ``lodestone:follows-redirect`` and are redirected
+# (then connected straight to the broker); unmodified applications announce nothing and are
+# proxied to the same broker. Which broker the connection ended on: the broker's own Open
+# (``node-id``, passed through unchanged by the proxy) and the brokers' connection lists.
+
+class Where(App):
+    """Also records, when the connection opens, which brokers list its container id."""
+
+    env = None
+
+    def on_connection_opened(self, event):
+        super().on_connection_opened(event)
+        self.on_brokers = self.env.brokers_with(event.connection.container)
+
+
+def where(env, *args, **kw) -> Where:
+    app = Where(*args, **kw)
+    app.env = env
+    return app
+
+
+def test_auto_event_driven_helper_is_redirected_to_the_broker_management_names(env):
+    k, address = key(), f"au.ev.{uuid.uuid4().hex[:6]}"
+    target = env.broker_for(k)
+    before = env.auto_counts()
+    app = run(where(env, env.front_door("auto"), address, send=8, container_id=k))
+    assert app.errors == [] and app.accepted == 8 and app.sent == 8
+    assert app.events.count("opened") == 1 and app.opened_nodes == [target.node_id]
+    assert app.on_brokers == [target.node_id]  # connected to the broker itself
+    assert app.conn.lodestone_hops == [env.front_door("auto"), f"amqp://127.0.0.1:{target.port}"]
+    assert app.link_seen == {app.link}
+    env.assert_routed(k, before, "redirected", target)
+    assert sorted(drain(target, address)) == sorted(f"m{i}" for i in range(8))
+
+
+def test_auto_redirecting_container_is_redirected(env):
+    k, address = key(), f"au.rc.{uuid.uuid4().hex[:6]}"
+    target = env.broker_for(k)
+
+    class Plain(Where):
+        def on_start(self, event):
+            self.conn = event.container.connect(self.url, **APP)  # unmodified application code
+            self.link = event.container.create_sender(self.conn, self.address)
+            self.timer = event.container.schedule(self.deadline_s, self)
+
+    before = env.auto_counts()
+    app = Plain(env.front_door("auto"), address, send=4)
+    app.env = env
+    run(app, RedirectingContainer, container_id=k)
+    assert app.errors == [] and app.accepted == 4 and app.opened_nodes == [target.node_id]
+    assert app.on_brokers == [target.node_id] and len(app.conn.lodestone_hops) == 2
+    env.assert_routed(k, before, "redirected", target)
+    assert sorted(drain(target, address)) == sorted(f"m{i}" for i in range(4))
+
+
+def test_auto_plain_proton_container_is_proxied_to_the_broker_management_names(env):
+    """The same application without the helper (``container.connect``): proxied, it sees the
+    broker's Open, no error, and every message arrives on the broker the API names."""
+    k, address = key(), f"au.plain.{uuid.uuid4().hex[:6]}"
+    target = env.broker_for(k)
+    before = env.auto_counts()
+    app = run(where(env, env.front_door("auto"), address, send=8, use_helper=False, container_id=k))
+    assert app.errors == [] and app.accepted == 8 and app.sent == 8
+    assert app.events.count("opened") == 1 and app.opened_nodes == [target.node_id]
+    assert app.on_brokers == [target.node_id]  # the proxied connection, as the broker lists it
+    assert not hasattr(app.conn, "lodestone_hops")
+    assert symbol(FOLLOWS_REDIRECT) not in list(app.conn.desired_capabilities or [])
+    env.assert_routed(k, before, "proxied", target)
+    assert sorted(drain(target, address)) == sorted(f"m{i}" for i in range(8))
+
+
+def test_auto_plain_proton_receiver_is_proxied(env):
+    k, address = key(), f"au.precv.{uuid.uuid4().hex[:6]}"
+    target = env.broker_for(k)
+    preload(target, address, [f"r{i}" for i in range(5)])
+    before = env.auto_counts()
+    app = run(where(env, env.front_door("auto"), address, receive=5, use_helper=False, container_id=k))
+    assert app.errors == [] and sorted(app.received) == sorted(f"r{i}" for i in range(5))
+    assert app.opened_nodes == [target.node_id] and app.on_brokers == [target.node_id]
+    env.assert_routed(k, before, "proxied", target)
+
+
+def test_auto_blocking_helper_is_redirected(env):
+    k, address = key(), f"au.bl.{uuid.uuid4().hex[:6]}"
+    target = env.broker_for(k)
+    before = env.auto_counts()
+    conn = connect_following_redirects(env.front_door("auto"), timeout=10, container_id=k, **APP)
+    try:
+        assert conn.conn.remote_properties["node-id"] == target.node_id
+        assert conn.lodestone_hops == [env.front_door("auto"), f"amqp://127.0.0.1:{target.port}"]
+        assert env.brokers_with(k) == [target.node_id]
+        snd = conn.create_sender(address)
+        for i in range(6):
+            snd.send(Message(body=f"b{i}"))
+    finally:
+        conn.close()
+    env.assert_routed(k, before, "redirected", target)
+    assert sorted(drain(target, address)) == sorted(f"b{i}" for i in range(6))
+
+
+def test_auto_plain_blocking_connection_is_proxied(env):
+    """An unmodified ``BlockingConnection`` (its container's id is the key): proxied; sends and
+    receives on the broker the API names, which lists the connection."""
+    k, address = key(), f"au.pbl.{uuid.uuid4().hex[:6]}"
+    target = env.broker_for(k)
+    before = env.auto_counts()
+    conn = BlockingConnection(env.front_door("auto"), timeout=10, container=Container(container_id=k), **APP)
+    try:
+        assert conn.conn.remote_properties["node-id"] == target.node_id
+        assert env.brokers_with(k) == [target.node_id]
+        snd = conn.create_sender(address)
+        for i in range(6):
+            snd.send(Message(body=f"p{i}"))
+        rcv = conn.create_receiver(address, credit=10)
+        got = []
+        for _ in range(6):
+            got.append(rcv.receive(timeout=10).body)
+            rcv.accept()
+        assert sorted(got) == sorted(f"p{i}" for i in range(6))
+    finally:
+        conn.close()
+    env.assert_routed(k, before, "proxied", target)
+    # counted on that broker (and no other): 6 enqueued, 6 acknowledged
+    q = env.queue(target, address)
+    assert q is not None and (q["enqueued"], q["acked"], q["depth"]) == (6, 6, 0), q
+    assert [env.queue(b, address) for b in env.brokers if b is not target] == [None, None]

@@ -1,4 +1,5 @@
-"""Unmodified rhea 3 applications (real ``node``) through a real router in ``redirect`` mode.
+"""Unmodified rhea 3 applications (real ``node``) through a real router in ``redirect`` mode
+(and, at the end, through its ``auto`` acceptor: redirected with the helper, proxied without).
 
 The application is ``clients/node/test/app.js`` (an ordinary rhea program); with ``helper`` it
 connects with ``clients/node/lodestone-redirect.js`` (one line), without it with rhea's own
@@ -148,3 +149,87 @@ def test_plain_rhea_without_the_helper_does_not_get_through(node, env):
     assert [e["condition"] for e in out["errors"]] == ["amqp:connection:redirect"]
     for b in env.brokers:
         assert drain(b, address, timeout_s=0.5) == []
+
+
+# -- through an ``auto`` acceptor --------------------------------------------------------------------
+# The helper announces ``lodestone:follows-redirect``: redirected, then connected straight to the
+# broker. Plain rhea announces nothing: proxied to the same broker. The application holds its
+# connection open (``hold``) while the test reads the brokers' connection lists.
+
+def run_app_holding(node, env, acceptor: str = "auto", **cfg) -> dict:
+    """``run_app`` for an application that keeps its connection until stdin ends; adds
+    ``on_brokers``: the brokers listing its container id while it was still connected."""
+    host, port = env.front_door(acceptor).split("://", 1)[1].rsplit(":", 1)
+    cfg = {"host": host, "port": int(port), "username": "app", "password": USERS["app"][0],
+           "helper": True, "deadline_ms": 20000, "hold": True, **cfg}
+    with subprocess.Popen([node, str(NODE_DIR / "test" / "app.js"), json.dumps(cfg)], cwd=NODE_DIR,
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as proc:
+        try:
+            line = ""
+            while not line.startswith("{"):
+                line = proc.stdout.readline()
+                assert line, proc.stderr.read()
+            out = json.loads(line)
+            out["on_brokers"] = env.brokers_with(cfg["container_id"])
+            rest, stderr = proc.communicate(timeout=30)  # closes stdin: the application ends
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert proc.returncode == 0, stderr
+    assert not [x for x in rest.splitlines() if x.startswith("{")], rest
+    out["stderr"] = stderr
+    return out
+
+
+def preload(broker, address: str, bodies: list[str]) -> None:
+    conn = BlockingConnection(broker.amqp_url, timeout=10, user="admin", password=USERS["admin"][0],
+                              allowed_mechs="PLAIN")
+    try:
+        snd = conn.create_sender(address)
+        for b in bodies:
+            snd.send(Message(body=b))
+    finally:
+        conn.close()
+
+
+def test_rhea_auto_helper_is_redirected_to_the_broker_management_names(node, env):
+    k, address = key(), f"rh.au.{uuid.uuid4().hex[:6]}"
+    target = env.broker_for(k)
+    before = env.auto_counts()
+    out = run_app_holding(node, env, container_id=k, address=address, send=10)
+    assert out["errors"] == [] and out["accepted"] == 10 and out["sent"] == 10, out
+    assert out["events"].count("opened") == 1 and out["opened_nodes"] == [target.node_id], out
+    assert out["on_brokers"] == [target.node_id]  # connected to the broker itself
+    assert out["hops"] == [env.front_door("auto").split("://", 1)[1], f"127.0.0.1:{target.port}"]
+    assert out["link_same"] and "lodestone:follows-redirect" in out["desired_capabilities"]
+    env.assert_routed(k, before, "redirected", target)
+    assert sorted(drain(target, address)) == sorted(f"n{i}" for i in range(10))
+
+
+def test_rhea_auto_plain_sender_is_proxied_to_the_broker_management_names(node, env):
+    """Plain rhea (``container.connect``): proxied, it sees the broker's Open, no error, and every
+    message arrives on the broker the API names."""
+    k, address = key(), f"rh.aup.{uuid.uuid4().hex[:6]}"
+    target = env.broker_for(k)
+    before = env.auto_counts()
+    out = run_app_holding(node, env, container_id=k, address=address, send=10, helper=False)
+    assert out["errors"] == [] and out["accepted"] == 10 and out["sent"] == 10, out
+    assert out["events"] == ["opened"] and out["opened_nodes"] == [target.node_id], out
+    assert out["on_brokers"] == [target.node_id]  # the proxied connection, as the broker lists it
+    assert out["hops"] is None and "lodestone:follows-redirect" not in (out["desired_capabilities"] or [])
+    env.assert_routed(k, before, "proxied", target)
+    assert sorted(drain(target, address)) == sorted(f"n{i}" for i in range(10))
+    assert [env.queue(b, address) for b in env.brokers if b is not target] == [None, None]
+
+
+def test_rhea_auto_plain_receiver_is_proxied(node, env):
+    k, address = key(), f"rh.aur.{uuid.uuid4().hex[:6]}"
+    target = env.broker_for(k)
+    preload(target, address, [f"p{i}" for i in range(5)])
+    before = env.auto_counts()
+    out = run_app_holding(node, env, container_id=k, address=address, receive=5, helper=False)
+    assert out["errors"] == [] and sorted(out["received"]) == [f"p{i}" for i in range(5)], out
+    assert out["opened_nodes"] == [target.node_id] and out["on_brokers"] == [target.node_id], out
+    env.assert_routed(k, before, "proxied", target)

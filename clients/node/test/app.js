@@ -1,9 +1,10 @@
 /*
  * An ordinary rhea application, driven by the Python tests (tests/e2e/test_clients_rhea.py).
  * argv[2] is JSON: {helper, host, port, username, password, container_id, address,
- * send | receive, max_hops, refusal_backoff_ms, deadline_ms}. The only line that differs with
+ * send | receive, max_hops, refusal_backoff_ms, deadline_ms, hold}. The only line that differs with
  * "helper": connect(container, options) instead of container.connect(options).
- * Prints one JSON line: what the application saw.
+ * Prints one JSON line: what the application saw. With "hold" the connection then stays open
+ * until stdin ends (the test looks at the broker's connection list meanwhile).
  */
 'use strict';
 const rhea = require('rhea');
@@ -29,8 +30,13 @@ function finish() {
     clearTimeout(timer);
     out.hops = conn.lodestone_hops || null;
     console.log(JSON.stringify(out));
-    conn.close();
-    setTimeout(() => process.exit(0), 200);
+    const end = () => { conn.close(); setTimeout(() => process.exit(0), 200); };
+    if (cfg.hold) {
+        process.stdin.on('end', end);
+        process.stdin.resume();
+    } else {
+        end();
+    }
 }
 const timer = setTimeout(() => { out.events.push('deadline'); finish(); }, cfg.deadline_ms || 20000);
 
