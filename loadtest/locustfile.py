@@ -15,7 +15,11 @@ every step is a Locust request (request_type = step, name = user):
   ``round trip``, ``close``.
 * ``LookupUser`` — ``router.client.TargetLookup`` asks ``--management-url`` where its key goes,
   then ``connect_via_management`` connects there (the front door when the API cannot help).
-  Steps: ``lookup``, ``connect``, ``round trip``, ``close``.
+  Steps: ``lookup`` (a failure when the API gave no usable answer), ``connect``, ``round trip``,
+  ``close``. ``--lookup-ttl`` (default 0: every journey asks) is ``TargetLookup``'s ``ttl_s``;
+  note that ``TargetLookup`` keeps a refusing answer (``REFUSED_UNAVAILABLE``, below quorum) for
+  ``ttl_s`` too, so with a TTL its lookups keep failing that long after the quorum is reached
+  (its connections still get through the front door).
 
 Each Locust user has a key (its AMQP container-id, the router's CLIENT_ID key) and an address of
 its own, both stable for its lifetime, so stickiness is exercised on every connection.
@@ -73,6 +77,9 @@ def _options(parser) -> None:
                    help="front door of ProxyUser (default: --host)")
     g.add_argument("--management-url", default=os.environ.get("LODESTONE_MANAGEMENT_URL", "http://127.0.0.1:8160"),
                    help="router management API for LookupUser")
+    g.add_argument("--lookup-ttl", type=float, default=float(os.environ.get("LODESTONE_LOOKUP_TTL", "0")),
+                   help="TargetLookup ttl_s: seconds an answer is kept (0 = every journey asks the API, "
+                        "so each 'lookup' step is a real request)")
     g.add_argument("--router-name", default=os.environ.get("LODESTONE_ROUTER_NAME", "main"))
     g.add_argument("--management-user", default=os.environ.get("LODESTONE_MANAGEMENT_USER", "admin"))
     g.add_argument("--management-password", default=os.environ.get("LODESTONE_MANAGEMENT_PASSWORD", "admin"))
@@ -142,8 +149,8 @@ def _on_quit(**_kw) -> None:
 
 # -- the users ------------------------------------------------------------------------------------
 
-def _with_credentials(url: str, user: str, password: str) -> str:
-    """``url`` without userinfo (credentials go as keyword arguments)."""
+def _without_userinfo(url: str) -> str:
+    """``url`` without userinfo: the credentials go as keyword arguments (``--amqp-user``)."""
     parts = urlsplit(url)
     return urlunsplit((parts.scheme, parts.netloc.rsplit("@", 1)[-1], parts.path, "", ""))
 
@@ -216,7 +223,7 @@ class _AmqpUser(User):
         url = explicit or self.host
         if not url:
             raise ValueError("no front door: pass --host (or --redirect-url / --proxy-url)")
-        return _with_credentials(url, "", "")
+        return _without_userinfo(url)
 
 
 class _StepFailed(Exception):
@@ -263,7 +270,7 @@ class LookupUser(_AmqpUser):
         opts = self.opts
         self.lookup = TargetLookup(opts.management_url, opts.router_name,
                                    auth=(opts.management_user, opts.management_password),
-                                   ttl_s=5.0, timeout_s=2.0)
+                                   ttl_s=opts.lookup_ttl, timeout_s=2.0)
 
     def connect(self):
         url = self.front_door(self.opts.redirect_url)

@@ -35,9 +35,9 @@ pytestmark = pytest.mark.slow
 
 LOCUSTFILE = REPO / "loadtest" / "locustfile.py"
 CHECK_PERIOD_MS = 1000
-# A failure may come up to one check-period after the kill (the probe that marks the broker not
-# ready), plus this much for the probe itself and scheduling on a busy 2-core machine.
-MARGIN_S = 0.75
+# A failed step may begin up to one check-period after the kill (until the probe marks the broker
+# not ready), plus this much for the probe itself and scheduling on a busy 2-core machine.
+MARGIN_S = 0.5
 RUN_S = 10
 
 
@@ -166,7 +166,9 @@ ALL_STEPS = {("redirect", "redirect"), ("round trip", "redirect"), ("close", "re
 
 
 def _outside(failures: list[dict], start: float, end: float) -> list[dict]:
-    return [f for f in failures if not (start <= f["t"] <= end)]
+    """Failures whose step ended before ``start`` or began after ``end`` (a step's ``t`` is when it
+    ended, ``ms`` how long it took: a step that was under way at the kill may fail later)."""
+    return [f for f in failures if f["t"] < start or f["t"] - f["ms"] / 1000 > end]
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +228,7 @@ def test_connection_storm_behind_the_quorum_gate(tmp_path):
         quorum_at = time.time()
         run.wait()
         run.note({"quorum_at": quorum_at, "failures": run.failures()})
-        bad = _outside(run.failures(), 0, quorum_at)
+        bad = [f for f in run.failures() if f["t"] > quorum_at]
         assert bad == [], f"refused after the quorum was reached at {quorum_at:.3f}: {bad[:5]}"
         assert run.successes_after(quorum_at) >= 30
         assert run.steps_ok() >= ALL_STEPS, ALL_STEPS - run.steps_ok()
