@@ -22,7 +22,9 @@ every step is a Locust request (request_type = step, name = user):
   (its connections still get through the front door).
 
 Each Locust user has a key (its AMQP container-id, the router's CLIENT_ID key) and an address of
-its own, both stable for its lifetime, so stickiness is exercised on every connection.
+its own, both stable for its lifetime, so stickiness is exercised on every connection — except
+with ``--fresh-keys`` (and in the ``redis-kill`` scenario), where every journey takes a new key,
+so every routing decision misses the router's local cache tier and asks the shared one (Redis).
 
 Scenarios (``--scenario`` / ``LODESTONE_SCENARIO``) choose the load shape; the killing in the
 kill scenarios is done by whoever owns the processes (the test harness, or ``--kill-cmd`` at
@@ -34,7 +36,8 @@ kill scenarios is done by whoever owns the processes (the test harness, or ``--k
   quorum is reached);
 * ``broker-kill`` — steady, and a broker dies under load (failures only within one
   ``check-period`` of the kill);
-* ``redis-kill`` — steady, and Redis (the router's cache backend) dies under load (no failures).
+* ``redis-kill`` — steady with fresh keys, and Redis (the router's cache backend) dies under load
+  (no failures: the router decides from its local tier).
 
 ``--events-file PATH`` (``LODESTONE_LOCUST_EVENTS``) writes one JSON line per request
 (``t`` = wall-clock seconds at the end of the step, ``type``, ``name``, ``ok``, ``ms``, ``error``)
@@ -77,6 +80,10 @@ def _options(parser) -> None:
                    help="front door of ProxyUser (default: --host)")
     g.add_argument("--management-url", default=os.environ.get("LODESTONE_MANAGEMENT_URL", "http://127.0.0.1:8160"),
                    help="router management API for LookupUser")
+    g.add_argument("--fresh-keys", action="store_true",
+                   default=os.environ.get("LODESTONE_FRESH_KEYS", "") not in ("", "0"),
+                   help="a new key (container-id) every journey: every routing decision is a cache miss "
+                        "(on by default in the redis-kill scenario)")
     g.add_argument("--lookup-ttl", type=float, default=float(os.environ.get("LODESTONE_LOOKUP_TTL", "0")),
                    help="TargetLookup ttl_s: seconds an answer is kept (0 = every journey asks the API, "
                         "so each 'lookup' step is a real request)")
@@ -193,6 +200,9 @@ class _AmqpUser(User):
 
     @task
     def journey(self) -> None:
+        if self.opts is not None and (self.opts.fresh_keys or self.opts.scenario == "redis-kill"):
+            self.key = f"locust-{self.kind}-{uuid.uuid4().hex[:12]}"
+            self.credentials["container_id"] = self.key
         conn = None
         try:
             conn = self.connect()

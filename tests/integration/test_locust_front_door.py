@@ -181,6 +181,12 @@ def brokers(tmp_path_factory):
         b.kill()
 
 
+def _counters(router) -> dict:
+    status, body = router.get("/api/v1/counters")
+    assert status == 200, body
+    return body["routers"]["main"]
+
+
 def _router(tmp: Path, brokers, **kw):
     router = start_router(tmp / "router", _router_toml(tmp, brokers, **kw), expect=4)
     return router
@@ -240,6 +246,7 @@ def test_connection_storm_behind_the_quorum_gate(tmp_path):
 
 @pytest.mark.redis
 def test_redis_killed_under_load(tmp_path, brokers):
+    import redis
     from routing_cache_helpers import RedisServer
 
     redis_server = RedisServer(tmp_path)
@@ -249,8 +256,14 @@ def test_redis_killed_under_load(tmp_path, brokers):
             wait_for(lambda: _ready(router) >= 2, 20)
             run = Run(tmp_path, router, "redis-kill", users=9, spawn_rate=9)
             wait_for(lambda: run.successes_after(run.started) >= 30, 15)
+            client = redis.Redis(port=redis_server.port, decode_responses=True)
+            try:  # the router's decisions for the Locust users' keys are in Redis
+                wait_for(lambda: len(client.keys("lodestone:main:locust-*")) >= 3, 10)
+            finally:
+                client.close()
             killed_at = time.time()
             redis_server.kill()
+            wait_for(lambda: _counters(router).get("redis_errors", 0) >= 1, 10)  # Redis was asked after the kill
             run.wait()
             run.note({"killed_at": killed_at, "failures": run.failures()})
             assert run.failures() == [], run.failures()[:5]
