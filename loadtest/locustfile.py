@@ -97,7 +97,7 @@ def _options(parser) -> None:
     g.add_argument("--events-file", default=os.environ.get("LODESTONE_LOCUST_EVENTS", ""),
                    help="JSON lines, one per request, with wall-clock timestamps")
     g.add_argument("--kill-cmd", default=os.environ.get("LODESTONE_KILL_CMD", ""),
-                   help="a shell command run once at --kill-at (e.g. 'kill -9 <broker pid>')")
+                   help="a command (split like a shell's, run without one) run once at --kill-at, e.g. 'kill -9 <broker pid>'")
     g.add_argument("--kill-at", type=float, default=float(os.environ.get("LODESTONE_KILL_AT", "0")),
                    help="seconds after the test starts to run --kill-cmd")
 
@@ -137,6 +137,10 @@ def _on_test_start(environment, **_kw) -> None:
     opts = environment.parsed_options
     if opts is None or not opts.kill_cmd:
         return
+    from locust.runners import WorkerRunner
+
+    if isinstance(environment.runner, WorkerRunner):
+        return  # distributed (--processes): the master alone kills
     import gevent
 
     def kill() -> None:
