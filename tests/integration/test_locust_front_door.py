@@ -233,7 +233,9 @@ def test_connection_storm_behind_the_quorum_gate(tmp_path):
         wait_for(lambda: _ready(router) >= 2, 20, interval_s=0.02)
         quorum_at = time.time()
         run.wait()
-        run.note({"quorum_at": quorum_at, "failures": run.failures()})
+        counters = _counters(router)
+        run.note({"quorum_at": quorum_at, "failures": run.failures(), "counters": counters})
+        assert counters["quorum_waits"] >= 5, counters  # the storm did meet the gate
         bad = [f for f in run.failures() if f["t"] > quorum_at]
         assert bad == [], f"refused after the quorum was reached at {quorum_at:.3f}: {bad[:5]}"
         assert run.successes_after(quorum_at) >= 30
