@@ -125,6 +125,7 @@ class Run:
         self.started = time.time()
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONWARNINGS": ""})
+        LIVE.append(self)
 
     def wait(self) -> str:
         out, _ = self.proc.communicate(timeout=RUN_S + 40)
@@ -141,7 +142,18 @@ class Run:
     def events(self) -> list[dict]:
         if not self.events_path.exists():
             return []
-        return [json.loads(line) for line in self.events_path.read_text().splitlines() if line.strip()]
+        out = []
+        for line in self.events_path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:  # the line Locust is writing right now
+                assert self.proc.poll() is None, f"bad events line: {line!r}"
+        return out
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate(timeout=10)
 
     def successes_after(self, t: float) -> int:
         return sum(1 for e in self.events if "ok" in e and e["ok"] and e["t"] > t)
@@ -163,6 +175,17 @@ class Run:
 ALL_STEPS = {("redirect", "redirect"), ("round trip", "redirect"), ("close", "redirect"),
              ("connect", "proxy"), ("round trip", "proxy"), ("close", "proxy"),
              ("lookup", "lookup"), ("connect", "lookup"), ("round trip", "lookup"), ("close", "lookup")}
+
+
+LIVE: list[Run] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_locust_left():
+    """A test that failed before its run ended leaves no Locust process behind."""
+    yield
+    while LIVE:
+        LIVE.pop().kill()
 
 
 def _outside(failures: list[dict], start: float, end: float) -> list[dict]:
