@@ -137,7 +137,8 @@ class TargetLookup:
             return None
         answer = parse_answer(body)
         self.last_error = None if answer.outcome == "OK" else answer.outcome
-        self.cache.put(key, answer, now)
+        if answer.outcome == "OK":   # a refusal (not ready) is not kept: ask again next time
+            self.cache.put(key, answer, now)
         return answer
 
     def url_for(self, key: str, front_door: str) -> str | None:

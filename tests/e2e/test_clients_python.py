@@ -324,6 +324,16 @@ def test_management_lookup_ttl_expires(env):
     assert lookup.requests == 2
 
 
+def test_management_lookup_does_not_keep_a_refusal(env):
+    # the "quorum" router is never ready: its answer must be asked again, not served from the
+    # cache for ttl_s (a router that becomes ready would otherwise be ignored that long)
+    lookup = TargetLookup(env.router.management_url, "quorum", auth=MGMT, ttl_s=60)
+    k = key()
+    assert lookup.answer(k).outcome != "OK"
+    assert lookup.answer(k).outcome != "OK"
+    assert lookup.requests == 2
+
+
 def test_management_lookup_falls_back_to_the_front_door_when_the_api_refuses(env):
     k = key()
     target = env.broker_for(k)
