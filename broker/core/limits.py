@@ -37,29 +37,43 @@ from dataclasses import dataclass
 
 __all__ = [
     "SourceLimits", "SourceLimiter", "Admission", "LoginSettings", "LoginThrottle", "FailureMemory",
-    "source_key",
+    "source_key", "parse_source_ip", "OncePer",
 ]
 
 
-def source_key(source: str | None) -> str:
-    """The throttling identity of a client address: ``127.0.0.1`` → ``127.0.0.1``; an IPv6
-    address → its /64 (``2001:db8:1:2::/64``); IPv4-mapped IPv6 → the IPv4 address. Accepts
-    ``host:port`` and ``[v6]:port`` too. Anything unparsable is its own key (bounded length)."""
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def parse_source_ip(source: str | None) -> IPAddress | None:
+    """``127.0.0.1``, ``::1``, ``127.0.0.1:5672`` or ``[::1]:5672`` -> an address; None if it
+    cannot be parsed. IPv4-mapped IPv6 becomes IPv4."""
     if not source:
-        return "?"
+        return None
     text = source.strip()
     if text.startswith("["):
         text = text[1:text.find("]")] if "]" in text else text[1:]
     elif text.count(":") == 1:
         text = text.split(":", 1)[0]
-    text = text.split("%", 1)[0]
+    text = text.split("%", 1)[0]   # drop an IPv6 zone id
     try:
         addr = ipaddress.ip_address(text)
     except ValueError:
-        return text[:64]
+        return None
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped
+    return addr
+
+
+def source_key(source: str | None) -> str:
+    """The throttling identity of a client address: ``127.0.0.1`` → ``127.0.0.1``; an IPv6
+    address → its /64 (``2001:db8:1:2::/64``); IPv4-mapped IPv6 → the IPv4 address. Accepts
+    what :func:`parse_source_ip` accepts. Anything unparsable is its own key (bounded length)."""
+    if not source:
+        return "?"
+    addr = parse_source_ip(source)
+    if addr is None:
+        return source.strip()[:64]
     if isinstance(addr, ipaddress.IPv6Address):
-        if addr.ipv4_mapped is not None:
-            return str(addr.ipv4_mapped)
         return str(ipaddress.IPv6Network((int(addr) >> 64 << 64, 64)))
     return str(addr)
 
@@ -217,7 +231,9 @@ class LoginThrottle:
         self.settings = settings
         # source -> (failure timestamps, newest last; at most refuse_after + 1 kept), last log time
         self._failures: OrderedDict[str, deque] = OrderedDict()
-        self._logged: OrderedDict[str, float] = OrderedDict()
+        self.should_log = OncePer(settings.log_interval_s, settings.max_tracked_sources)
+        """True at most once per ``log_interval_s`` per source (throttling is logged, not every
+        attempt)."""
         self._next_verify: OrderedDict[str, float] = OrderedDict()
 
     def __len__(self) -> int:
@@ -280,18 +296,6 @@ class LoginThrottle:
             return st.failure_delay_s
         extra = failures - st.throttle_after_failures
         return min(st.max_failure_delay_s, st.failure_delay_s * (2.0 ** min(extra, 30)))
-
-    def should_log(self, key: str, now: float) -> bool:
-        """True at most once per ``log_interval_s`` per source (throttling is logged, not every
-        attempt)."""
-        last = self._logged.get(key)
-        if last is not None and now - last < self.settings.log_interval_s:
-            return False
-        self._logged[key] = now
-        self._logged.move_to_end(key)
-        while len(self._logged) > self.settings.max_tracked_sources:
-            self._logged.popitem(last=False)
-        return True
 
 
 class FailureMemory:

@@ -92,7 +92,7 @@ from typing import Sequence
 
 from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
-from broker.core.limits import LoginSettings
+from broker.core.limits import IPAddress, LoginSettings, parse_source_ip
 from broker.core.wildcards import check_pattern, match_specificity, wildcard_match
 from broker.tomlconfig import ConfigError, Table, open_config
 
@@ -171,29 +171,6 @@ def verify_password(stored: str, password: str) -> bool:
 
 
 # -- sources --------------------------------------------------------------------------------------
-
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-
-
-def parse_source_ip(source: str | None) -> IPAddress | None:
-    """``127.0.0.1``, ``::1``, ``127.0.0.1:5672`` or ``[::1]:5672`` -> an address; None if it
-    cannot be parsed. IPv4-mapped IPv6 becomes IPv4."""
-    if not source:
-        return None
-    text = source.strip()
-    if text.startswith("["):
-        text = text[1:text.find("]")] if "]" in text else text[1:]
-    elif text.count(":") == 1:
-        text = text.split(":", 1)[0]
-    text = text.split("%", 1)[0]   # drop an IPv6 zone id
-    try:
-        addr = ipaddress.ip_address(text)
-    except ValueError:
-        return None
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        return addr.ipv4_mapped
-    return addr
-
 
 def _in_networks(addr: IPAddress | None, networks: Sequence) -> bool:
     return addr is not None and any(addr.version == net.version and addr in net for net in networks)

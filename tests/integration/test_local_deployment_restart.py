@@ -15,6 +15,7 @@ import time
 import pytest
 
 from tests.integration.test_local_deployment import FIXED_PORTS, REPO, _free_ports
+from tests.brokerproc import wait_for
 from tests.serverproc import http_json
 
 pytestmark = pytest.mark.slow
@@ -58,13 +59,7 @@ def local_deployment(tmp_path):
 
 
 def _wait(pred, timeout_s=60.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {pred}")
+    return wait_for(pred, timeout_s=timeout_s, interval_s=0.1)
 
 
 def test_banner_shows_pids_and_client_helpers(local_deployment):

@@ -19,7 +19,6 @@ import os
 import resource
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -162,7 +161,8 @@ async def test_sixty_thousand_character_keys_cost_bounded_memory_and_disk(tmp_pa
 
         # the embedded file follows the live entries: no huge key, bounded size
         wait_for(lambda: router.get("/api/v1/counters")[1]["routers"]["r"]["persist_writes"] > 0, 10)
-        time.sleep(0.5)
+        # the write-behind has caught up once every live entry is on disk
+        wait_for(lambda: cache_path.exists() and len(cache_path.read_bytes().splitlines()) >= 100, 10)
         data = cache_path.read_bytes()
         assert len(data) < 512 * 1024 and max(len(x) for x in data.splitlines()) < 512
 
