@@ -251,14 +251,16 @@ def test_connection_storm_behind_the_quorum_gate(tmp_path):
     try:
         assert _ready(router) == 0
         run = Run(tmp_path, router, "storm", users=15, spawn_rate=15)
-        time.sleep(1.5)  # the storm hits a router with no broker ready
+        # The storm hits a router with no broker ready: wait until it has (Locust's own start-up
+        # takes from a fraction of a second to several on a busy machine), then start the brokers.
+        wait_for(lambda: run.proc.poll() is None and _counters(router)["quorum_waits"] >= 5, 30, interval_s=0.02)
         _start_all(bs)
         wait_for(lambda: _ready(router) >= 2, 20, interval_s=0.02)
         quorum_at = time.time()
         run.wait()
         counters = _counters(router)
         run.note({"quorum_at": quorum_at, "failures": run.failures(), "counters": counters})
-        assert counters["quorum_waits"] >= 5, counters  # the storm did meet the gate
+        assert counters["quorum_waits"] >= 5, counters  # the storm did meet the gate (and went on)
         bad = [f for f in run.failures() if f["t"] > quorum_at]
         assert bad == [], f"refused after the quorum was reached at {quorum_at:.3f}: {bad[:5]}"
         assert run.successes_after(quorum_at) >= 30
