@@ -14,7 +14,8 @@ import ipaddress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from broker.core.addresses import ANYCAST, MULTICAST, AddressSettings, SettingsResolver
+from broker.core.filters import SelectorError, compile_queue_filter
+from broker.core.addresses import ANYCAST, MULTICAST, AddressSettings, SettingsResolver, WildcardSettings
 from broker.core.limits import SourceLimits, source_limits_from
 from broker.core.wildcards import check_pattern
 from broker.store.journal import JournalConfig
@@ -45,6 +46,9 @@ class AcceptorConfig:
     limits: SourceLimits = SourceLimits()   # per-source limits (broker.core.limits)
     # peers that must open with a PROXY v2 header (the routers); nobody else's header is honoured
     proxy_protocol_from: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+    # Artemis anycastPrefix / multicastPrefix: an address starting with one names its routing type
+    anycast_prefix: str = ""
+    multicast_prefix: str = ""
 
     def trusts_proxy(self, ip: str) -> bool:
         """Is ``ip`` (the TCP peer) one of ``proxy-protocol-from``?"""
@@ -113,6 +117,7 @@ class ActivityConfig:
 class AddressDecl:
     name: str
     routing_types: tuple[str, ...]
+    filter: str | None = None  # the anycast queue's filter (a selector; Artemis <queue><filter>)
 
 
 @dataclass(frozen=True)
@@ -137,6 +142,9 @@ class BrokerConfig:
     max_sessions: int = 256  # [amqp]: sessions open at once per connection (channel-max = this)
     max_links: int = 1000  # [amqp]: links attached at once per connection
     limits: ResourceLimitSettings = field(default_factory=ResourceLimitSettings)
+    link_stealing: bool = True  # [amqp]: a durable subscription attached elsewhere moves to the new link
+    expiry_scan_period_ms: int = 30000  # [node] message-expiry-scan-period-ms (Artemis's default)
+    wildcards: WildcardSettings = field(default_factory=WildcardSettings)
     extra: dict = field(default_factory=dict)
 
 
@@ -145,8 +153,9 @@ def _address_settings(t: Table, base: AddressSettings) -> AddressSettings:
     auto = t.bool("auto-create", base.auto_create)
     mdc = t.int("max-delivery-count", base.max_delivery_count, min=0)
     dla = t.str("dead-letter-address", base.dead_letter_address if base.dead_letter_address else "")
+    ea = t.str("expiry-address", base.expiry_address if base.expiry_address else "")
     t.done()
-    return AddressSettings(rt, auto, mdc, dla or None)
+    return AddressSettings(rt, auto, mdc, dla or None, ea or None)
 
 
 def _limits(t: Table, base: ResourceLimits) -> ResourceLimits:
@@ -192,6 +201,7 @@ def load_config(file: str | Path) -> BrokerConfig:
     name = node.str("name", "broker")
     data_dir = node.path_value("data-dir", "data")
     persistent = node.bool("persistent", True)
+    expiry_scan = node.int("message-expiry-scan-period-ms", 30000, min=0)
     node.done()
 
     acceptors = []
@@ -206,12 +216,16 @@ def load_config(file: str | Path) -> BrokerConfig:
         max_conns = t.int("max-connections", 10000, min=0)
         limits = source_limits_from(t)
         proxy_from = _networks(t, "proxy-protocol-from")
+        anycast_prefix = t.str("anycast-prefix", "")
+        multicast_prefix = t.str("multicast-prefix", "")
+        if anycast_prefix and anycast_prefix == multicast_prefix:
+            raise t.error("multicast-prefix", f"{multicast_prefix!r} is also the anycast-prefix")
         tls = _tls(t.table("tls"))
         t.done()
         if "EXTERNAL" in mechs and (tls is None or tls.ca_file is None):
             raise ConfigError(f, f"acceptors.{aname}.sasl-mechanisms", "EXTERNAL needs [tls] with ca-file")
         acceptors.append(AcceptorConfig(aname, host, port, tls, mechs, allow_no_sasl, max_conns, limits,
-                                        proxy_from))
+                                        proxy_from, anycast_prefix, multicast_prefix))
     if not acceptors:
         raise ConfigError(f, "acceptors", "missing: at least one [acceptors.<name>] table is required")
 
@@ -234,7 +248,19 @@ def load_config(file: str | Path) -> BrokerConfig:
     handshake = at.float("handshake-timeout-s", 10.0, min=0.1)
     max_sessions = at.int("max-sessions", 256, min=1, max=65535)
     max_links = at.int("max-links", 1000, min=1)
+    link_stealing = at.bool("link-stealing", True)
     at.done()
+
+    wt = root.table("wildcard-addresses")
+    wildcards = WildcardSettings(wt.bool("routing-enabled", True), wt.str("delimiter", "."),
+                                 wt.str("any-words", "#"), wt.str("single-word", "*"))
+    for key, value in (("delimiter", wildcards.delimiter), ("any-words", wildcards.any_words),
+                       ("single-word", wildcards.single_word)):
+        if len(value) != 1:
+            raise wt.error(key, f"{value!r} must be one character")
+    if len({wildcards.delimiter, wildcards.any_words, wildcards.single_word}) != 3:
+        raise wt.error("single-word", "delimiter, any-words and single-word must differ")
+    wt.done()
 
     base_limits = _limits(root.table("resource-limit-defaults"), ResourceLimits())
     user_limits = tuple((user, _limits(t, base_limits)) for user, t in root.tables("resource-limits").items())
@@ -265,8 +291,16 @@ def load_config(file: str | Path) -> BrokerConfig:
                 raise t.error(f"routing-types[{i}]", f"{r!r} must be one of anycast, multicast")
         if not rts:
             raise t.error("routing-types", "[] must name at least one routing type")
+        qfilter = t.str("filter", "") or None
+        if qfilter is not None:
+            if ANYCAST not in rts:
+                raise t.error("filter", "a queue filter needs the anycast routing type (the address's queue)")
+            try:
+                compile_queue_filter(qfilter)
+            except SelectorError as exc:
+                raise t.error("filter", f"{qfilter!r}: {exc}") from None
         t.done()
-        decls.append(AddressDecl(aname, tuple(rts)))
+        decls.append(AddressDecl(aname, tuple(rts), qfilter))
 
     lg = root.table("logging")
     level = lg.choice("level", ("DEBUG", "INFO", "WARNING", "ERROR"), "INFO")
@@ -275,7 +309,8 @@ def load_config(file: str | Path) -> BrokerConfig:
     root.done()
     return BrokerConfig(f, name, data_dir, persistent, tuple(acceptors), management, users_file,
                         max_frame, idle, window, journal, activity, settings, tuple(decls),
-                        level, json_lines, handshake, max_sessions, max_links, limits)
+                        level, json_lines, handshake, max_sessions, max_links, limits,
+                        link_stealing=link_stealing, expiry_scan_period_ms=expiry_scan, wildcards=wildcards)
 
 
 def check_anonymous(cfg: BrokerConfig, anonymous_enabled: bool) -> None:

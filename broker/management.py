@@ -72,7 +72,8 @@ def addresses_view(node: "Node") -> list[dict]:
 def queues_view(node: "Node") -> list[dict]:
     return [{"name": q.name, "address": q.address, "routing_type": q.routing_type, "durable": q.durable,
              "depth": q.depth, "consumers": q.consumer_count, "enqueued": q.enqueued, "acked": q.acked,
-             "dead_lettered": q.dead_lettered}
+             "dead_lettered": q.dead_lettered, "expired": q.expired, "temporary": q.temporary,
+             "filter": q.filter_text}
             for q in sorted(node.core.queues.values(), key=lambda q: q.name)]
 
 
@@ -282,7 +283,8 @@ def openapi_document() -> dict:
     queue = {"type": "object", "properties": {
         "name": s_str, "address": s_str, "routing_type": {"enum": ["anycast", "multicast"]},
         "durable": s_bool, "depth": s_int, "consumers": s_int, "enqueued": s_int, "acked": s_int,
-        "dead_lettered": s_int}}
+        "dead_lettered": s_int, "expired": s_int, "temporary": s_bool,
+        "filter": {"type": "string", "nullable": True}}}
     conn = {"type": "object", "properties": {
         "id": s_str, "container_id": {"type": "string", "nullable": True}, "user": {"type": "string", "nullable": True},
         "source": s_str, "tls": s_bool, "opened_at": {"type": "string", "format": "date-time"}}}

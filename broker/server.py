@@ -32,7 +32,8 @@ import trio
 from broker.activity import ActivityLog, iso_utc
 from broker.auth import LoginGate
 from broker.core.addresses import Broker
-from broker.core.deliveries import Message
+from broker.core.deliveries import DEFAULT_PRIORITY, Message
+from broker.core.filters import compile_queue_filter
 from broker.core.limits import OncePer, SourceLimiter
 from broker.logsetup import print_listening
 from broker.trioutil import Wakeup
@@ -50,6 +51,11 @@ QUEUES_NS = "queues"
 SHUTDOWN_GRACE_S = 2.0
 
 
+def _wall_ms() -> float:
+    """The core's clock for message expiry: milliseconds since the epoch (AMQP timestamps)."""
+    return time.time() * 1000.0
+
+
 class JournalStore:
     """Adapts the journal to the core's ``Store`` protocol and tells the committer about writes."""
 
@@ -59,6 +65,12 @@ class JournalStore:
 
     def add(self, queue: str, msg: Message) -> None:
         props = {"address": msg.address} if msg.address != queue else None
+        if msg.expires or msg.priority != DEFAULT_PRIORITY:  # what recovery cannot read from the body
+            props = props or {}
+            if msg.expires:
+                props["expires"] = msg.expires
+            if msg.priority != DEFAULT_PRIORITY:
+                props["priority"] = msg.priority
         self.journal.add_message(queue, msg.mid, msg.body, props, msg.delivery_count)
         self.on_write()
 
@@ -93,7 +105,8 @@ class Node:
         self.journal = journal
         self._dirty = Wakeup()
         store = JournalStore(journal, self._dirty.set) if journal is not None else None
-        self.core = Broker(cfg.settings, store)
+        self.core = Broker(cfg.settings, store, clock=_wall_ms, wildcards=cfg.wildcards)
+        self.core.compile_filter = compile_queue_filter
         self.engines: dict[str, "AmqpEngine"] = {}
         self.opened_at: dict[str, float] = {}
         self.window_start: dict[str, float] = {}
@@ -130,8 +143,13 @@ class Node:
         for qname, msgs in j.live_messages().items():
             q = core.queues.get(qname)
             for m in msgs:
-                address = (m.properties or {}).get("address") or (q.address if q else qname)
-                if core.restore_message(qname, m.message_id, m.body, address, m.delivery_count):
+                props = m.properties or {}
+                address = props.get("address") or (q.address if q else qname)
+                priority = props.get("priority", DEFAULT_PRIORITY)
+                expires = props.get("expires", 0)
+                if not isinstance(priority, int) or not isinstance(expires, (int, float)):
+                    priority, expires = DEFAULT_PRIORITY, 0
+                if core.restore_message(qname, m.message_id, m.body, address, m.delivery_count, priority, expires):
                     restored += 1
                 else:
                     orphans += 1
@@ -149,6 +167,8 @@ class Node:
     def declare_configured_addresses(self) -> None:
         for decl in self.cfg.addresses:
             self.core.declare_address(decl.name, decl.routing_types)
+            if decl.filter is not None:
+                self.core.set_queue_filter(decl.name, compile_queue_filter(decl.filter), decl.filter)
 
     # -- called by engines -----------------------------------------------------------------
     def authorize(self, principal, permission: str, address: str) -> bool:
@@ -268,6 +288,28 @@ class Node:
             for engine, ds in waiters.items():
                 engine.synced(ds)
 
+    async def expiry_scanner(self) -> None:
+        """Artemis's ``message-expiry-scan-period``: expired messages leave queues nobody reads.
+
+        Dispatch never hands out an expired message anyway; the scan makes queue depths (and
+        the expiry address) true without consumers. It walks the queues in slices so producers
+        and consumers keep being served during a scan of many queues.
+        """
+        period = self.cfg.expiry_scan_period_ms / 1000.0
+        while True:
+            await trio.sleep(period)
+            names = list(self.core.queues)
+            for i in range(0, len(names), 500):
+                now = _wall_ms()
+                for name in names[i:i + 500]:
+                    q = self.core.queues.get(name)
+                    if q is not None and q.messages:
+                        n = q.expire_scan(now)
+                        if n:
+                            self.counters["messages_expired"] += n
+                            self._dirty.set()
+                await trio.sleep(0)
+
     async def activity_flusher(self) -> None:
         while True:
             await trio.sleep(self.cfg.activity.flush_interval_s)
@@ -322,6 +364,8 @@ async def run_node(cfg: "BrokerConfig", *, task_status=trio.TASK_STATUS_IGNORED)
                             services.start_soon(node.committer)
                         if node.activity is not None:
                             services.start_soon(node.activity_flusher)
+                        if cfg.expiry_scan_period_ms > 0:
+                            services.start_soon(node.expiry_scanner)
                         node.active = True
                         log.info("node active", extra={"fields": {"node_id": node.node_id}})
                         task_status.started(node)

@@ -169,7 +169,7 @@ async def handle_connection(node: "Node", acceptor: "AcceptorConfig", sock_strea
             return
         guard.authenticated()
         principal, leftover = result
-        await _pump(node, stream, conn_id, principal, source, ctx is not None, leftover)
+        await _pump(node, stream, conn_id, principal, source, ctx is not None, leftover, acceptor)
         await (_linger(sock_stream) if stream is sock_stream else _linger_tls(stream))
     except trio.TooSlowError:
         node.counters["handshake_timeout"] += 1
@@ -423,9 +423,12 @@ async def _decide(node: "Node", ev: AuthRequested, source_ip: str, cn: str | Non
     return None, f"mechanism {mech} not supported"
 
 
-async def _pump(node: "Node", stream, conn_id: str, principal, source: str, tls: bool, leftover: bytes) -> None:
+async def _pump(node: "Node", stream, conn_id: str, principal, source: str, tls: bool, leftover: bytes,
+                acceptor: "AcceptorConfig | None" = None) -> None:
     wakeup = Wakeup()
-    engine = AmqpEngine(node, conn_id=conn_id, principal=principal, source=source, tls=tls, wake=wakeup.set)
+    engine = AmqpEngine(node, conn_id=conn_id, principal=principal, source=source, tls=tls, wake=wakeup.set,
+                        anycast_prefix=acceptor.anycast_prefix if acceptor is not None else "",
+                        multicast_prefix=acceptor.multicast_prefix if acceptor is not None else "")
     node.engine_started(engine)
     try:
         async with trio.open_nursery() as nursery:

@@ -40,18 +40,21 @@ from __future__ import annotations
 
 import logging
 import struct
+import time
+import uuid
 from typing import TYPE_CHECKING, Callable
 
 import cproton
 from cproton_ffi import ffi, lib
-from proton import Collector, Condition, Connection, Delivery, Endpoint, Event, Link, Message, Terminus, Transport
+from proton import Collector, Condition, Connection, Data, Delivery, Endpoint, Event, Link, Message, Terminus, Transport
 from proton import TransportException, symbol
 
 from broker.amqp.codec import Described, UInt, ULong, decode as amqp_decode, encode as amqp_encode
 from broker.amqp.frames import close_frames
 from broker.errors import DecodeError
 from broker.core.addresses import ANYCAST, MULTICAST, AddressNotFound
-from broker.core.deliveries import Outcome
+from broker.core.deliveries import DEFAULT_PRIORITY, Outcome
+from broker.core.filters import SelectorError, consumer_filter
 from broker.core.queues import Subscription
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -68,6 +71,7 @@ NOT_FOUND = "amqp:not-found"
 INTERNAL = "amqp:internal-error"
 DECODE_ERROR = "amqp:decode-error"
 RESOURCE_LIMIT = "amqp:resource-limit-exceeded"
+INVALID_FIELD = "amqp:invalid-field"
 
 _ACCEPTED = Delivery.ACCEPTED
 _RELEASED = Delivery.RELEASED
@@ -166,6 +170,110 @@ def message_durable(data: bytes) -> bool:
     if b == 0x56 and first + 1 < len(data):
         return data[first + 1] == 0x01
     return False
+
+
+def message_header(data: bytes) -> tuple[bool, int, int | None]:
+    """``(durable, priority, ttl)`` from a message's header section (§3.2.1), reading only it.
+
+    Defaults when absent: not durable, priority 4, no ttl. The common encodings are read in
+    place; anything else goes through the codec; an undecodable header gives the defaults.
+    """
+    if len(data) < 4 or data[0] != 0x00 or data[1] != 0x53 or data[2] != 0x70:
+        if len(data) > 10 and data[0] == 0x00 and data[1] == 0x80 and data[2:10] == b"\x00" * 7 + b"\x70":
+            return _header_slow(data)
+        return False, DEFAULT_PRIORITY, None
+    code = data[3]
+    if code == 0x45:  # list0
+        return False, DEFAULT_PRIORITY, None
+    if code != 0xC0 or len(data) < 6:
+        return _header_slow(data)
+    count = data[5]
+    i = 6
+    durable = False
+    priority = DEFAULT_PRIORITY
+    ttl = None
+    try:
+        if count >= 1:
+            b = data[i]
+            if b == 0x41:
+                durable = True
+                i += 1
+            elif b in (0x42, 0x40):
+                i += 1
+            elif b == 0x56:
+                durable = data[i + 1] == 0x01
+                i += 2
+            else:
+                return _header_slow(data)
+        if count >= 2:
+            b = data[i]
+            if b == 0x50:
+                priority = data[i + 1]
+                i += 2
+            elif b == 0x40:
+                i += 1
+            else:
+                return _header_slow(data)
+        if count >= 3:
+            b = data[i]
+            if b == 0x70:
+                ttl = int.from_bytes(data[i + 1:i + 5], "big")
+            elif b == 0x52:
+                ttl = data[i + 1]
+            elif b == 0x43:
+                ttl = 0
+            elif b != 0x40:
+                return _header_slow(data)
+    except IndexError:
+        return False, DEFAULT_PRIORITY, None
+    return durable, priority, ttl
+
+
+def _header_slow(data: bytes) -> tuple[bool, int, int | None]:
+    try:
+        first, _ = amqp_decode(data, 0)
+    except DecodeError:
+        return False, DEFAULT_PRIORITY, None
+    if not (isinstance(first, Described) and isinstance(first.value, list)):
+        return False, DEFAULT_PRIORITY, None
+    f = list(first.value[:3]) + [None] * 3
+    durable = f[0] is True
+    priority = f[1] if isinstance(f[1], int) and not isinstance(f[1], bool) else DEFAULT_PRIORITY
+    ttl = f[2] if isinstance(f[2], int) and not isinstance(f[2], bool) else None
+    return durable, priority, ttl
+
+
+def message_absolute_expiry(data: bytes) -> int | None:
+    """The properties' ``absolute-expiry-time`` (§3.2.4, ms since the epoch), or None.
+
+    Sections before the properties are skipped by their size; the properties list is decoded
+    only when it is long enough to hold the field (index 8), which most messages' are not.
+    """
+    pos = 0
+    n = len(data)
+    try:
+        while pos < n:
+            code, vstart = _section_code(data, pos)
+            if code == 0x73:
+                c = data[vstart]
+                if c == 0xC0:
+                    count = data[vstart + 2]
+                elif c == 0xD0:
+                    count = struct.unpack_from(">I", data, vstart + 5)[0]
+                else:
+                    return None
+                if count <= 8:
+                    return None
+                value, _ = amqp_decode(data, vstart)
+                t = value[8] if isinstance(value, list) and len(value) > 8 else None
+                return int(t) if isinstance(t, int) and not isinstance(t, bool) and t > 0 else None
+            if code in (0x70, 0x71, 0x72):
+                pos = _skip_value(data, vstart)
+                continue
+            return None
+    except (IndexError, struct.error, DecodeError):
+        return None
+    return None
 
 
 _HEADER_CODE = 0x70
@@ -269,8 +377,8 @@ def _capabilities(terminus: Terminus) -> set[str]:
     return out
 
 
-def _routing_type_from(terminus: Terminus) -> str | None:
-    caps = _capabilities(terminus)
+def _routing_type_from(terminus: Terminus, caps: set[str] | None = None) -> str | None:
+    caps = _capabilities(terminus) if caps is None else caps
     if "topic" in caps or "multicast" in caps:
         return MULTICAST
     if "queue" in caps or "anycast" in caps:
@@ -278,14 +386,78 @@ def _routing_type_from(terminus: Terminus) -> str | None:
     return None
 
 
+# Terminus capabilities the broker honours (echoed in the attach reply only when in force):
+# the routing-type ones (Artemis/Qpid JMS), and those of a dynamic node (Qpid JMS temp queues).
+_ROUTING_CAPS = {ANYCAST: ("queue", "anycast"), MULTICAST: ("topic", "multicast")}
+_TEMP_CAPS = ("temporary-queue",)
+# Qpid JMS asks these for shared subscriptions, which this broker does not have: refuse, never
+# hand out an unshared subscription under a shared name
+_REFUSED_CAPS = {"shared": "shared subscriptions", "global": "global shared subscriptions"}
+
+SELECTOR_FILTER = "apache.org:selector-filter:string"
+SELECTOR_FILTER_CODE = 0x0000468C00000004
+NO_LOCAL_FILTER = "apache.org:no-local-filter:list"
+NO_LOCAL_FILTER_CODE = 0x0000468C00000003
+LINK_STOLEN = "amqp:link:stolen"
+RESOURCE_LOCKED = "amqp:resource-locked"
+NOT_IMPLEMENTED = "amqp:not-implemented"
+
+
+class _Refused(Exception):
+    """An attach the broker refuses: ``condition`` and ``description`` go into the detach."""
+
+    def __init__(self, condition: str, description: str):
+        super().__init__(description)
+        self.condition = condition
+        self.description = description
+
+
+def _source_filters(terminus: Terminus) -> tuple[str | None, bool, dict]:
+    """``(selector, no_local, applied)`` from a source's filter set (§3.5.8), or ``_Refused``.
+
+    ``applied`` is the part of the filter set in force (echoed in the attach reply, §3.5.3: a
+    filter left out of the reply was not applied). A filter the broker does not implement is
+    refused with ``amqp:not-implemented`` naming it, rather than ignored.
+    """
+    data = terminus.filter
+    if data is None:
+        return None, False, {}
+    data.rewind()
+    if not data.next():
+        return None, False, {}
+    fmap = data.get_object()
+    if not isinstance(fmap, dict):
+        raise _Refused(DECODE_ERROR, "the source's filter set is not a map")
+    selector = None
+    no_local = False
+    applied = {}
+    for key, value in fmap.items():
+        desc = getattr(value, "descriptor", None)
+        inner = getattr(value, "value", None)
+        name = str(desc) if desc is not None else None
+        if desc == SELECTOR_FILTER_CODE or name == SELECTOR_FILTER:
+            if not isinstance(inner, str):
+                raise _Refused(INVALID_FIELD, f"filter {key!s}: a selector must be a string")
+            selector = inner
+            applied[key] = value
+        elif desc == NO_LOCAL_FILTER_CODE or name == NO_LOCAL_FILTER:
+            no_local = True
+            applied[key] = value
+        else:
+            shown = f"0x{desc:016x}" if isinstance(desc, int) else (name or repr(value))
+            raise _Refused(NOT_IMPLEMENTED, f"filter {key!s} ({shown}) is not supported by this broker")
+    return selector, no_local, applied
+
+
 # -- link wrappers ---------------------------------------------------------------------------
 
 class ProducerLink:
     """A client's sending link (our receiver). ``address`` None = anonymous relay."""
 
-    __slots__ = ("link", "impl", "address", "messages", "bytes", "allowed")
+    __slots__ = ("link", "impl", "address", "messages", "bytes", "allowed", "routing_type")
 
     def __init__(self, link: Link, address: str | None):
+        self.routing_type: str | None = None
         self.link = link
         self.impl = link._impl
         self.address = address
@@ -298,9 +470,11 @@ class ConsumerLink:
     """A client's receiving link (our sender), bound to one queue through a Subscription."""
 
     __slots__ = ("link", "impl", "address", "queue", "sub", "messages", "bytes", "next_tag", "durable_sub",
-                 "presettled", "inflight")
+                 "presettled", "inflight", "engine", "browser")
 
-    def __init__(self, link: Link, address: str):
+    def __init__(self, link: Link, address: str, engine: "AmqpEngine | None" = None):
+        self.engine = engine
+        self.browser = False
         self.link = link
         self.impl = link._impl
         self.inflight: dict = {}  # raw pn_delivery_t* -> message id
@@ -320,8 +494,9 @@ class AmqpEngine:
     """Proton engine for one accepted connection. See the module docstring."""
 
     def __init__(self, node: "Node", *, conn_id: str, principal, source: str, tls: bool,
-                 wake: Callable[[], None]):
+                 wake: Callable[[], None], anycast_prefix: str = "", multicast_prefix: str = ""):
         self.node = node
+        self.prefixes = tuple((p, rt) for p, rt in ((anycast_prefix, ANYCAST), (multicast_prefix, MULTICAST)) if p)
         self.core = node.core
         self.conn_id = conn_id
         self.principal = principal
@@ -589,21 +764,55 @@ class AmqpEngine:
         else:
             self._attach_consumer(link)
 
+    def _strip_prefix(self, address: str) -> tuple[str, str | None]:
+        """An acceptor's anycast/multicast prefix (Artemis ``anycastPrefix``/``multicastPrefix``)
+        names the routing type: ``topic://prices`` is the multicast address ``prices``."""
+        for prefix, rt in self.prefixes:
+            if address.startswith(prefix) and len(address) > len(prefix):
+                return address[len(prefix):], rt
+        return address, None
+
+    @staticmethod
+    def _reply_terminus(mine: Terminus, theirs: Terminus, *, address: str | None, caps: list[str]) -> None:
+        """Our side of the attach: what the client asked for that is in force, and no more."""
+        mine.address = address
+        mine.durability = theirs.durability
+        mine.expiry_policy = theirs.expiry_policy
+        mine.timeout = theirs.timeout
+        if caps:
+            mine.capabilities.put_array(False, Data.SYMBOL)
+            mine.capabilities.enter()
+            for c in caps:
+                mine.capabilities.put_symbol(symbol(c))
+            mine.capabilities.exit()
+
     def _attach_producer(self, link: Link) -> None:
-        address = link.remote_target.address
+        rtgt = link.remote_target
+        asked = rtgt.address
         node = self.node
+        caps = _capabilities(rtgt)
+        if rtgt.dynamic:
+            self._refuse(link, NOT_IMPLEMENTED, "a dynamic target (a sender creating a temporary node) is not "
+                                                "supported; attach a dynamic receiver for a temporary queue")
+            return
+        address, rt = self._strip_prefix(asked) if asked else (asked, None)
+        echo: list[str] = []
         if address:
-            rt = _routing_type_from(link.remote_target)
+            rt = rt or _routing_type_from(rtgt, caps)
             err = self._resolve(address, rt, "send")
             if err:
                 self._refuse(link, *err)
                 return
-        link.target.copy(link.remote_target)
+            if rt is not None:
+                echo = [c for c in _ROUTING_CAPS[rt] if c in caps]
+        self._reply_terminus(link.target, rtgt, address=asked, caps=echo)
         link.source.copy(link.remote_source)
         link.snd_settle_mode = link.remote_snd_settle_mode
         link.rcv_settle_mode = Link.RCV_FIRST
         link.open()
-        self.producers[link._impl] = ProducerLink(link, address or None)
+        pl = ProducerLink(link, address or None)
+        pl.routing_type = rt if address else None
+        self.producers[link._impl] = pl
         link.flow(self.window)
         node.links_opened += 1
 
@@ -642,50 +851,164 @@ class AmqpEngine:
             "max-queues", limit, f"user {self.user or '<anonymous>'} has created {have} queues")
 
     def _attach_consumer(self, link: Link) -> None:
-        rsrc = link.remote_source
-        address = rsrc.address
-        if not address:
-            self._refuse(link, NOT_FOUND, "a consumer link needs a source address")
-            return
-        rt = _routing_type_from(rsrc)
-        err = self._resolve(address, rt, "consume")
-        if err:
-            self._refuse(link, *err)
-            return
-        core = self.core
-        addr = core.addresses[address]
-        use_multicast = rt == MULTICAST or (rt is None and ANYCAST not in addr.routing_types)
-        cl = ConsumerLink(link, address)
         try:
-            if use_multicast:
-                durable = (rsrc.durability != Terminus.NONDURABLE
-                           or rsrc.expiry_policy == Terminus.EXPIRE_NEVER)
-                sub_name = f"{self.container_id}.{link.name}"
-                if core.subscription_creates_queue(sub_name, durable=durable):
-                    err = self._queue_quota()
-                    if err:
-                        self._refuse(link, *err)
-                        return
-                q = core.subscription_queue(address, sub_name, durable=durable, owner=self.user)
-                cl.durable_sub = durable
+            self._attach_consumer_or_refuse(link)
+        except _Refused as r:
+            self._refuse(link, r.condition, r.description)
+
+    def _attach_consumer_or_refuse(self, link: Link) -> None:
+        """A client's receiving link: the queue it reads, how (browse, filters), and our reply.
+
+        The reply's source carries only what is in force (§3.5.3): the filters applied, the
+        distribution mode honoured, the routing-type capabilities used. Anything the broker
+        does not do is refused with ``amqp:not-implemented`` naming it.
+        """
+        rsrc = link.remote_source
+        caps = _capabilities(rsrc)
+        for cap, what in _REFUSED_CAPS.items():
+            if cap in caps:
+                raise _Refused(NOT_IMPLEMENTED, f"capability {cap!r}: {what} are not supported by this broker")
+        dist = rsrc.distribution_mode
+        browse = dist == Terminus.DIST_MODE_COPY
+        selector, no_local, applied = _source_filters(rsrc)
+        core = self.core
+        if rsrc.dynamic:
+            q = self._dynamic_queue(link)
+            echo = [c for c in _TEMP_CAPS if c in caps]
+            address = asked = q.name
+            durable = False
+            accepts = self._consumer_filter(selector, no_local)
+        else:
+            asked = rsrc.address
+            if not asked:
+                raise _Refused(NOT_FOUND, "a consumer link needs a source address (or dynamic = true)")
+            address, rt = self._strip_prefix(asked)
+            rt = rt or _routing_type_from(rsrc, caps)
+            err = self._resolve(address, rt, "consume")
+            if err:
+                raise _Refused(*err)
+            addr = core.addresses[address]
+            use_multicast = rt == MULTICAST or (rt is None and ANYCAST not in addr.routing_types)
+            echo = [c for c in _ROUTING_CAPS[MULTICAST if use_multicast else ANYCAST] if c in caps]
+            durable = False
+            if use_multicast and not browse:
+                durable = (rsrc.durability != Terminus.NONDURABLE or rsrc.expiry_policy == Terminus.EXPIRE_NEVER)
+                q = self._subscription_queue(link, address, durable, selector, no_local)
+                accepts = None  # the subscription queue's own filter (Broker.publish) does it
+            elif use_multicast:
+                raise _Refused(NOT_IMPLEMENTED, "browsing (distribution-mode copy) a multicast address is not "
+                                                "supported: browse a queue")
             else:
-                q = core.anycast_queue(address)
-        except AddressNotFound as exc:
-            self._refuse(link, NOT_FOUND, exc.description)
-            return
-        link.source.copy(rsrc)
+                try:
+                    q = core.anycast_queue(address)
+                except KeyError:
+                    raise _Refused(NOT_FOUND, f"address {address!r} has no anycast queue") from None
+                accepts = self._consumer_filter(selector, no_local)
+        self._reply_terminus(link.source, rsrc, address=asked, caps=echo)
+        if rsrc.dynamic:
+            link.source.dynamic = True
+        if browse:
+            link.source.distribution_mode = Terminus.DIST_MODE_COPY
+        elif dist == Terminus.DIST_MODE_MOVE:
+            link.source.distribution_mode = Terminus.DIST_MODE_MOVE
+        if applied:
+            link.source.filter.put_object(applied)
         link.target.copy(link.remote_target)
-        cl.presettled = link.remote_snd_settle_mode == Link.SND_SETTLED
-        link.snd_settle_mode = link.remote_snd_settle_mode
+        cl = ConsumerLink(link, address, self)
+        cl.durable_sub = durable
+        cl.browser = browse
+        # a browser's deliveries are pre-settled: nothing it is shown is acquired (§3.4, copy)
+        cl.presettled = browse or link.remote_snd_settle_mode == Link.SND_SETTLED
+        link.snd_settle_mode = Link.SND_SETTLED if browse else link.remote_snd_settle_mode
         link.rcv_settle_mode = Link.RCV_FIRST
         link.open()
         cl.queue = q
-        sub = Subscription(self._sink, auto_ack=cl.presettled, owner=cl)
+        sub = Subscription(self._sink, auto_ack=cl.presettled and not browse, owner=cl, accepts=accepts,
+                           browser=browse)
         cl.sub = sub
         self.consumers[link._impl] = cl
         self.node.links_opened += 1
         sub.credit = link.credit
         q.add_subscription(sub)
+
+    def _consumer_filter(self, selector: str | None, no_local: bool):
+        try:
+            return consumer_filter(selector, self.conn_id if no_local else None)
+        except SelectorError as exc:
+            raise _Refused(exc.condition, str(exc)) from None
+
+    def _dynamic_queue(self, link: Link):
+        """A dynamic source (§3.5.3 ``dynamic``): a temporary queue with a unique address that
+        lives as long as the link's consumer (Artemis's temporary queue for a dynamic node)."""
+        node = self.node
+        name = f"temp.{uuid.uuid4()}"
+        if not node.authorize(self.principal, "createAddress", name):
+            raise _Refused(UNAUTHORIZED, f"user {self.user or '<anonymous>'} may not createAddress "
+                                         f"(a temporary queue)")
+        err = self._queue_quota()
+        if err:
+            raise _Refused(*err)
+        node.address_created(name)
+        return self.core.temporary_queue(name, owner=self.user)
+
+    def _subscription_queue(self, link: Link, address: str, durable: bool, selector: str | None, no_local: bool):
+        """The queue of a multicast subscriber, its selector/no-local as the queue's filter.
+
+        A durable subscription attached by another link (the same container-id and link name on
+        another connection) is *stolen*: that link is detached with ``amqp:link:stolen`` and the
+        subscription moves here (``[amqp] link-stealing``, on by default; off: this attach is
+        refused with ``amqp:resource-locked``). A durable subscription re-attached with another
+        selector is a new subscription: the old queue and its messages go (JMS/Artemis).
+        """
+        core = self.core
+        sub_name = f"{self.container_id}.{link.name}"
+        try:
+            qfilter = consumer_filter(selector, self.conn_id if no_local else None)
+        except SelectorError as exc:
+            raise _Refused(exc.condition, str(exc)) from None
+        if durable:
+            existing = core.queues.get(sub_name)
+            if existing is not None and existing.address == address:
+                for other in list(existing.subs):
+                    holder = other.owner
+                    if not isinstance(holder, ConsumerLink) or holder.engine is None:
+                        continue
+                    if not self.node.cfg.link_stealing:
+                        raise _Refused(RESOURCE_LOCKED, f"subscription {sub_name!r} is attached by another "
+                                                        f"connection (link-stealing is off)")
+                    holder.engine.steal(holder, f"subscription {sub_name!r} attached by connection {self.conn_id}")
+                if existing.filter_text != selector and not existing.subs:
+                    core.delete_queue(sub_name)
+        if core.subscription_creates_queue(sub_name, durable=durable):
+            err = self._queue_quota()
+            if err:
+                raise _Refused(*err)
+        try:
+            q = core.subscription_queue(address, sub_name, durable=durable, owner=self.user)
+        except AddressNotFound as exc:
+            raise _Refused(NOT_FOUND, exc.description) from None
+        if q.subs:
+            raise _Refused(RESOURCE_LOCKED, f"subscription {sub_name!r} is attached already")
+        core.set_queue_filter(q.name, qfilter, selector)
+        if durable and selector is not None and q.durable:
+            self.core.store.queue_created(q.definition())  # the selector is part of the subscription
+        return q
+
+    def steal(self, cl: ConsumerLink, why: str) -> None:
+        """Another connection took this link's durable subscription: detach it with
+        ``amqp:link:stolen`` (§2.8.15) — the subscription itself stays (it is not closed)."""
+        if self.consumers.get(cl.impl) is not cl:
+            return
+        self.node.counters["links_stolen"] += 1
+        log.info("link stolen", extra={"fields": {"conn": self.conn_id, "container_id": self.container_id,
+                                                   "link": cl.link.name, "why": why}})
+        self._forget_link(cl.link, closed=False)
+        link = cl.link
+        if link.state & Endpoint.LOCAL_ACTIVE:
+            link.condition = Condition(LINK_STOLEN, why)
+            link.close()
+        self.process()
+        self.wake()
 
     # -- detach ----------------------------------------------------------------------------
     def _detach(self, link: Link, *, closed: bool) -> None:
@@ -774,7 +1097,7 @@ class AmqpEngine:
         credit = _pn_link_credit(link)
         sub.credit = credit
         if credit > 0:
-            cl.queue.dispatch()
+            cl.queue.credit_changed(sub)
             if _pn_link_get_drain(link) and _pn_link_credit(link) > 0:
                 # §2.6.7 drain: nothing more to send now — consume the rest of the credit
                 _pn_link_drained(link)
@@ -872,9 +1195,13 @@ class AmqpEngine:
             if not address:
                 self._reject(d, "amqp:precondition-failed", "anonymous relay needs the message 'to' field")
                 return
+            if self.prefixes:
+                address, rt = self._strip_prefix(address)
+            else:
+                rt = None
             ok = pl.allowed.get(address)
             if ok is None:
-                err = self._resolve(address, None, "send")
+                err = self._resolve(address, rt, "send")
                 ok = err is None
                 if len(pl.allowed) < 1024:
                     pl.allowed[address] = ok
@@ -891,7 +1218,12 @@ class AmqpEngine:
         else:
             pl.messages += 1
             pl.bytes += len(data)
-        stored = self.core.publish(address, data, message_durable(data))
+        durable, priority, ttl = message_header(data)
+        expires = message_absolute_expiry(data) or 0
+        if ttl is not None and not expires:
+            # §3.2.1 ttl: relative to when the broker got it (Artemis sets the expiration on arrival)
+            expires = time.time() * 1000.0 + ttl
+        stored = self.core.publish(address, data, durable, priority, expires, self.conn_id)
         self.node.messages_in += 1
         if _pn_delivery_settled(d):  # pre-settled by the producer (at-most-once): nothing to answer
             _pn_delivery_settle(d)

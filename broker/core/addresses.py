@@ -32,16 +32,16 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
-from broker.core.deliveries import Message
+from broker.core.deliveries import DEFAULT_PRIORITY, Message
 from broker.core.queues import ANYCAST, MULTICAST, Queue, Subscription
 from broker.core.wildcards import match_specificity, wildcard_match
 from broker.errors import LodestoneError
 
 __all__ = [
     "ANYCAST", "MULTICAST", "Address", "AddressSettings", "AddressNotFound", "Broker", "Store",
-    "NullStore", "SettingsResolver", "match_address",
+    "NullStore", "SettingsResolver", "WildcardSettings", "match_address",
 ]
 
 ROUTING_TYPES = (ANYCAST, MULTICAST)
@@ -90,6 +90,26 @@ class AddressSettings:
     auto_create: bool = True
     max_delivery_count: int = 10  # 0 = unlimited
     dead_letter_address: str | None = "DLQ"
+    expiry_address: str | None = "ExpiryQueue"  # expired messages go here (None: dropped, counted)
+
+
+@dataclass(frozen=True)
+class WildcardSettings:
+    """Artemis ``wildcard-addresses``: routing to wildcard subscriptions, and the three characters."""
+
+    routing_enabled: bool = True
+    delimiter: str = "."
+    any_words: str = "#"
+    single_word: str = "*"
+
+    def is_wildcard(self, address: str) -> bool:
+        if not self.routing_enabled:
+            return False
+        words = address.split(self.delimiter)
+        return self.any_words in words or self.single_word in words
+
+    def match(self, pattern: str, address: str) -> bool:
+        return wildcard_match(pattern, address, self.delimiter, self.any_words, self.single_word)
 
 
 @dataclass(frozen=True)
@@ -133,14 +153,26 @@ class Address:
 class Broker:
     """The message core of one node. See the module docstring."""
 
-    def __init__(self, settings: SettingsResolver | None = None, store: Store | None = None):
+    def __init__(self, settings: SettingsResolver | None = None, store: Store | None = None, *,
+                 clock: Callable[[], float] | None = None, wildcards: WildcardSettings | None = None):
         self.settings = settings or SettingsResolver()
         self.store: Store = store or NullStore()
+        #: milliseconds since the epoch, asked only about messages that can expire (the shell
+        #: injects the wall clock; without one nothing expires)
+        self.clock: Callable[[], float] = clock or (lambda: 0.0)
+        self.wildcards = wildcards or WildcardSettings()
         self.addresses: dict[str, Address] = {}
         self.queues: dict[str, Queue] = {}
         self._next_mid = 1
         self.dropped_unrouted = 0
+        self.dropped_expired = 0
         self.temp_counter = 0
+        #: wildcard addresses (``events.stock.*``) whose queues also get matching addresses' messages
+        self.wildcard_addresses: dict[str, Address] = {}
+        self._routes: dict[str, tuple[Address, ...]] = {}  # address -> wildcard addresses matching it
+        #: text -> predicate, for queue filters recovered from the store (the shell injects the
+        #: selector compiler); None: a recovered queue filter is kept as text only
+        self.compile_filter: Callable[[str], Callable[[Message], bool]] | None = None
         #: queues per creating user (Artemis ``max-queues`` counts these)
         self.owned: Counter = Counter()
 
@@ -165,12 +197,20 @@ class Broker:
             raise ValueError(f"unknown routing type {sorted(bad)[0]!r}")
         addr = self.addresses.get(name)
         if addr is None:
-            addr = Address(name, types, auto_created)
-            self.addresses[name] = addr
+            addr = self._new_address(name, types, auto_created)
         else:
             addr.routing_types |= types
         if ANYCAST in addr.routing_types and name not in addr.queues:
             self._create_queue(name, addr, ANYCAST, durable=True, owner=owner)
+        return addr
+
+    def _new_address(self, name: str, types: Iterable[str], auto_created: bool) -> Address:
+        addr = Address(name, types, auto_created)
+        self.addresses[name] = addr
+        if self.wildcards.is_wildcard(name):
+            self.wildcard_addresses[name] = addr
+        if self.wildcard_addresses:
+            self._routes.clear()
         return addr
 
     def resolve(self, name: str, routing_type: str | None, *, may_create: bool, owner: str | None = None) -> Address:
@@ -209,17 +249,21 @@ class Broker:
         addr = self.addresses.pop(name, None)
         if addr is None:
             raise AddressNotFound(f"address {name!r} does not exist")
+        if self.wildcard_addresses.pop(name, None) is not None or self.wildcard_addresses:
+            self._routes.clear()
         for qname in list(addr.queues):
             self.delete_queue(qname)
 
     # -- queues ----------------------------------------------------------------------------
     def _create_queue(self, name: str, addr: Address, routing_type: str, *, durable: bool,
-                      subscription: bool = False, temporary: bool = False, owner: str | None = None) -> Queue:
+                      subscription: bool = False, temporary: bool = False, owner: str | None = None,
+                      filter: Callable[[Message], bool] | None = None, filter_text: str | None = None) -> Queue:
         settings = self.settings.for_address(addr.name)
         q = Queue(self, name, addr.name, routing_type, durable=durable,
                   max_delivery_count=settings.max_delivery_count,
                   dead_letter_address=settings.dead_letter_address,
-                  subscription=subscription, temporary=temporary)
+                  expiry_address=settings.expiry_address,
+                  subscription=subscription, temporary=temporary, filter=filter, filter_text=filter_text)
         if owner is not None:
             q.owner = owner
             self.owned[owner] += 1
@@ -234,6 +278,13 @@ class Broker:
         if q is None:
             return
         q.deleted = True
+        addr0 = self.addresses.get(q.address)
+        if q.temporary and addr0 is not None and addr0.auto_created and len(addr0.queues) <= 1 \
+                and q.address == name and q.routing_type == ANYCAST:
+            # a dynamic node's address goes with its queue
+            self.addresses.pop(name, None)
+            if self.wildcard_addresses.pop(name, None) is not None or self.wildcard_addresses:
+                self._routes.clear()
         if q.owner is not None:
             left = self.owned[q.owner] - 1
             if left > 0:
@@ -250,6 +301,20 @@ class Broker:
     def anycast_queue(self, address: str) -> Queue:
         """The competing-consumer queue of an anycast address."""
         return self.addresses[address].queues[address]
+
+    def set_queue_filter(self, name: str, accepts: Callable[[Message], bool] | None, text: str | None) -> None:
+        """Give a queue a filter (configured queues, and a subscription queue's selector)."""
+        q = self.queues[name]
+        q.filter = accepts
+        q.filter_text = text
+
+    def temporary_queue(self, name: str, *, owner: str | None = None) -> Queue:
+        """A dynamic node (AMQP 1.0 §3.5.3 ``dynamic``): an anycast address with one non-durable
+        queue, both named ``name``, deleted when its last consumer leaves (see Queue)."""
+        if name in self.addresses or name in self.queues:
+            raise ValueError(f"address {name!r} exists")
+        addr = self._new_address(name, [ANYCAST], True)
+        return self._create_queue(name, addr, ANYCAST, durable=False, temporary=True, owner=owner)
 
     def subscription_queue(self, address: str, sub_name: str | None, *, durable: bool,
                            owner: str | None = None) -> Queue:
@@ -276,21 +341,68 @@ class Broker:
         queue.add_subscription(sub)
 
     # -- routing ---------------------------------------------------------------------------
-    def publish(self, address: str, body: bytes, durable: bool) -> bool:
-        """Route one message to every queue of ``address``. True when the store was written.
+    def publish(self, address: str, body: bytes, durable: bool, priority: int = DEFAULT_PRIORITY,
+                expires: float = 0, origin: object = None) -> bool:
+        """Route one message to every queue of ``address`` (and of the wildcard addresses that
+        match it). True when the store was written.
 
         The address must exist (the driver resolved it when the producer attached). A message
-        that reaches no queue (a multicast address without subscribers) is dropped, as in Artemis.
+        that reaches no queue (a multicast address without subscribers) is dropped, as in Artemis;
+        so is one that a queue's filter does not accept, for that queue.
         """
         addr = self.addresses.get(address)
+        if self.wildcard_addresses:
+            return self._publish_wild(address, addr, body, durable, priority, expires, origin)
         if addr is None or not addr.queues:
             self.dropped_unrouted += 1
             return False
         stored = False
+        routed = False
         for q in addr.queues.values():
-            if q.enqueue(Message(self.next_mid(), body, durable, address)):
+            msg = Message(self.next_mid(), body, durable, address, 0, priority, expires, origin)
+            if q.filter is not None and not q.filter(msg):
+                continue
+            routed = True
+            if q.enqueue(msg):
                 stored = True
+        if not routed:
+            self.dropped_unrouted += 1
         return stored
+
+    def _publish_wild(self, address: str, addr: Address | None, body: bytes, durable: bool, priority: int,
+                      expires: float, origin: object) -> bool:
+        wild = self._routes.get(address)
+        if wild is None:
+            match = self.wildcards.match
+            wild = tuple(w for name, w in self.wildcard_addresses.items() if name != address and match(name, address))
+            if len(self._routes) > 10_000:
+                self._routes.clear()
+            self._routes[address] = wild
+        stored = False
+        routed = False
+        for a in ((addr,) if addr is not None else ()) + wild:
+            for q in a.queues.values():
+                msg = Message(self.next_mid(), body, durable, address, 0, priority, expires, origin)
+                if q.filter is not None and not q.filter(msg):
+                    continue
+                routed = True
+                if q.enqueue(msg):
+                    stored = True
+        if not routed:
+            self.dropped_unrouted += 1
+        return stored
+
+    def expire(self, queue: Queue, msg: Message) -> None:
+        """Move an expired message to its expiry address (dropped and counted if none)."""
+        ea = queue.expiry_address
+        if not ea:
+            self.dropped_expired += 1
+            return
+        addr = self.addresses.get(ea)
+        if addr is None:
+            addr = self.declare_address(ea, [ANYCAST], auto_created=True)
+        for q in addr.queues.values():
+            q.enqueue(Message(self.next_mid(), msg.body, msg.durable, msg.address, 0, msg.priority, 0))
 
     def dead_letter(self, queue: Queue, msg: Message) -> None:
         """Move an exhausted or rejected message to its dead-letter address (dropped if none)."""
@@ -302,7 +414,7 @@ class Broker:
         if addr is None:
             addr = self.declare_address(dla, [ANYCAST], auto_created=True)
         for q in addr.queues.values():
-            q.enqueue(Message(self.next_mid(), msg.body, msg.durable, msg.address, 0))
+            q.enqueue(Message(self.next_mid(), msg.body, msg.durable, msg.address, 0, msg.priority, msg.expires))
 
     # -- recovery ----------------------------------------------------------------------------
     def restore_queue(self, definition: dict) -> Queue:
@@ -312,8 +424,7 @@ class Broker:
         rtype = definition["routing_type"]
         addr = self.addresses.get(address)
         if addr is None:
-            addr = Address(address, [rtype], auto_created=True)
-            self.addresses[address] = addr
+            addr = self._new_address(address, [rtype], True)
         else:
             addr.routing_types.add(rtype)
         q = self.queues.get(name)
@@ -323,7 +434,13 @@ class Broker:
         q = Queue(self, name, address, rtype, durable=True,
                   max_delivery_count=settings.max_delivery_count,
                   dead_letter_address=settings.dead_letter_address,
+                  expiry_address=settings.expiry_address,
                   subscription=bool(definition.get("subscription")))
+        text = definition.get("filter")
+        if isinstance(text, str) and text:
+            q.filter_text = text
+            if self.compile_filter is not None:
+                q.filter = self.compile_filter(text)
         owner = definition.get("owner")
         if isinstance(owner, str):
             q.owner = owner
@@ -332,13 +449,14 @@ class Broker:
         self.queues[name] = q
         return q
 
-    def restore_message(self, queue: str, mid: int, body: bytes, address: str, delivery_count: int = 0) -> bool:
+    def restore_message(self, queue: str, mid: int, body: bytes, address: str, delivery_count: int = 0,
+                        priority: int = DEFAULT_PRIORITY, expires: float = 0) -> bool:
         """Put a recovered durable message back in its queue. False if the queue is unknown."""
         self.bump_mid(mid)
         q = self.queues.get(queue)
         if q is None:
             return False
-        q.restore(Message(mid, body, True, address, delivery_count))
+        q.restore(Message(mid, body, True, address, delivery_count, priority, expires))
         return True
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["Message", "Outcome"]
+__all__ = ["Message", "Outcome", "DEFAULT_PRIORITY"]
 
 
 class Outcome(enum.Enum):
@@ -35,22 +35,32 @@ class Outcome(enum.Enum):
     MODIFIED = "modified"
 
 
+DEFAULT_PRIORITY = 4  # AMQP 1.0 §3.2.1 (and JMS): a message without a priority has 4
+
+
 class Message:
     """One message in one queue.
 
     ``mid`` is unique per broker node for the message's lifetime in the store (the journal keys
     records by it); ``body`` is the encoded message; ``address`` is where the producer sent it
-    (kept for dead-lettering and management).
+    (kept for dead-lettering and management). ``priority`` (0-9) orders delivery within a queue;
+    ``expires`` is when the message expires, in milliseconds since the epoch (0: never);
+    ``origin`` names the connection that published it (for ``no-local`` consumers).
     """
 
-    __slots__ = ("mid", "body", "durable", "address", "delivery_count")
+    __slots__ = ("mid", "body", "durable", "address", "delivery_count", "priority", "expires", "origin", "view")
 
-    def __init__(self, mid: int, body: bytes, durable: bool, address: str, delivery_count: int = 0):
+    def __init__(self, mid: int, body: bytes, durable: bool, address: str, delivery_count: int = 0,
+                 priority: int = DEFAULT_PRIORITY, expires: float = 0, origin: object = None):
         self.mid = mid
         self.body = body
         self.durable = durable
         self.address = address
         self.delivery_count = delivery_count
+        self.priority = priority
+        self.expires = expires
+        self.origin = origin
+        self.view = None  # a filter's decoded view of the body (broker.core.filters.view_of)
 
     @property
     def size(self) -> int:
@@ -58,8 +68,8 @@ class Message:
 
     def copy(self, mid: int) -> "Message":
         """The same message with a new id and no failed attempts (for another queue)."""
-        return Message(mid, self.body, self.durable, self.address, 0)
+        return Message(mid, self.body, self.durable, self.address, 0, self.priority, self.expires, self.origin)
 
     def __repr__(self) -> str:
         return (f"Message(mid={self.mid}, {len(self.body)} B, durable={self.durable}, "
-                f"address={self.address!r}, delivery_count={self.delivery_count})")
+                f"address={self.address!r}, delivery_count={self.delivery_count}, priority={self.priority})")

@@ -24,20 +24,39 @@ went away, or settled ``modified`` with delivery-failed/undeliverable-here) so t
 moved elsewhere. The store is an injected object (the journal adapter in the shell, a list in
 tests); the queue only says *what* changed.
 
-Nothing here reads a clock or does I/O.
+Beyond plain FIFO (each costs nothing while unused):
+
+* **Priority** (0-9, AMQP 1.0 §3.2.1): the queue keeps a plain deque until a message with a
+  priority other than the default 4 arrives; from then on :class:`PriorityMessages` (one FIFO per
+  level, the highest level first). Order within a level is arrival order.
+* **Order on return**: a released, modified or returned message goes back *to its place* —
+  before the first waiting message with a higher id — so however a consumer's dispositions are
+  ranged or ordered, the next consumer sees the original order (Artemis does the same).
+* **Filters**: a subscription may carry ``accepts(msg)`` (a selector, ``no-local``); a queue may
+  carry ``filter`` (a queue filter: non-matching messages never enter it, see
+  ``Broker.publish``). With filtered subscriptions, dispatch scans for a message each
+  subscription accepts; a message nobody accepts waits (Artemis's semantics).
+* **Browsers** (``distribution-mode = copy``) see waiting messages without acquiring them;
+  they are not competing consumers, so they are kept apart from ``subs``.
+* **Expiry**: a message whose ``expires`` has passed is never handed out: dispatch and
+  :meth:`Queue.expire_scan` move it to the expiry address (or drop it, counted). The time comes
+  from the broker's injected ``clock`` (milliseconds since the epoch), asked only for messages
+  that have an expiry.
+
+Nothing here does I/O.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
-from broker.core.deliveries import Message, Outcome
+from broker.core.deliveries import DEFAULT_PRIORITY, Message, Outcome
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.core.addresses import Broker
 
-__all__ = ["Queue", "Subscription", "ANYCAST", "MULTICAST"]
+__all__ = ["Queue", "Subscription", "PriorityMessages", "ANYCAST", "MULTICAST"]
 
 ANYCAST = "anycast"
 MULTICAST = "multicast"
@@ -48,13 +67,16 @@ class Subscription:
 
     ``credit`` is maintained by the driver (the link's current credit); the queue decrements it
     for every message handed out. ``sink(sub, msg)`` delivers one message. ``owner`` is free for
-    the driver (e.g. its link wrapper).
+    the driver (e.g. its link wrapper). ``accepts(msg) -> bool`` (or None: everything) is the
+    consumer's filter. A ``browser`` reads without acquiring: nothing it is sent is ever
+    unacknowledged.
     """
 
-    __slots__ = ("queue", "sink", "credit", "auto_ack", "unacked", "owner", "delivered", "closed")
+    __slots__ = ("queue", "sink", "credit", "auto_ack", "unacked", "owner", "delivered", "closed",
+                 "accepts", "browser", "seen")
 
     def __init__(self, sink: Callable[["Subscription", Message], None], *, auto_ack: bool = False,
-                 owner: object = None):
+                 owner: object = None, accepts: Callable[[Message], bool] | None = None, browser: bool = False):
         self.queue: Queue | None = None
         self.sink = sink
         self.credit = 0
@@ -63,6 +85,89 @@ class Subscription:
         self.owner = owner
         self.delivered = 0
         self.closed = False
+        self.accepts = accepts
+        self.browser = browser
+        self.seen: set[int] = set()  # a browser: the ids it has been shown
+
+
+class PriorityMessages:
+    """Waiting messages in ten FIFOs, one per priority; iterates and pops the highest first.
+
+    Offers the part of ``deque``'s interface the queue uses, so a queue switches to it on the
+    first non-default priority without touching the code that reads ``queue.messages``.
+    """
+
+    __slots__ = ("levels", "count")
+
+    def __init__(self, messages: Iterable[Message] = ()):
+        self.levels: list[deque[Message]] = [deque() for _ in range(10)]
+        self.count = 0
+        for m in messages:
+            self.append(m)
+
+    @staticmethod
+    def _level(msg: Message) -> int:
+        p = msg.priority
+        return 0 if p < 0 else 9 if p > 9 else p
+
+    def append(self, msg: Message) -> None:
+        self.levels[self._level(msg)].append(msg)
+        self.count += 1
+
+    def appendleft(self, msg: Message) -> None:
+        self.levels[self._level(msg)].appendleft(msg)
+        self.count += 1
+
+    def popleft(self) -> Message:
+        for level in reversed(self.levels):
+            if level:
+                self.count -= 1
+                return level.popleft()
+        raise IndexError("pop from an empty queue")
+
+    def return_in_order(self, msg: Message) -> None:
+        _insert_in_order(self.levels[self._level(msg)], msg)
+        self.count += 1
+
+    def remove_ids(self, ids: set[int]) -> None:
+        for i, level in enumerate(self.levels):
+            if level:
+                kept = deque(m for m in level if m.mid not in ids)
+                self.count -= len(level) - len(kept)
+                self.levels[i] = kept
+
+    def clear(self) -> None:
+        for level in self.levels:
+            level.clear()
+        self.count = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __bool__(self) -> bool:
+        return self.count > 0
+
+    def __iter__(self) -> Iterator[Message]:
+        for level in reversed(self.levels):
+            yield from level
+
+
+def _insert_in_order(dq: deque, msg: Message) -> None:
+    """Put ``msg`` back before the first waiting message with a higher id.
+
+    Returned messages come back near the head, so the scan is short: it passes only the
+    messages returned before this one that precede it.
+    """
+    mid = msg.mid
+    i = 0
+    for m in dq:
+        if m.mid > mid:
+            break
+        i += 1
+    if i == 0:
+        dq.appendleft(msg)
+    else:
+        dq.insert(i, msg)
 
 
 class Queue:
@@ -70,7 +175,8 @@ class Queue:
 
     def __init__(self, broker: "Broker", name: str, address: str, routing_type: str, *,
                  durable: bool, max_delivery_count: int, dead_letter_address: str | None,
-                 subscription: bool = False, temporary: bool = False):
+                 subscription: bool = False, temporary: bool = False, expiry_address: str | None = None,
+                 filter: Callable[[Message], bool] | None = None, filter_text: str | None = None):
         self.broker = broker
         self.name = name
         self.address = address
@@ -78,16 +184,22 @@ class Queue:
         self.durable = durable
         self.max_delivery_count = max_delivery_count
         self.dead_letter_address = dead_letter_address
+        self.expiry_address = expiry_address
         self.subscription = subscription  # a multicast subscriber queue
         self.temporary = temporary  # deleted when its last consumer leaves
-        self.messages: deque[Message] = deque()
+        self.filter = filter  # a queue filter: messages it does not accept never enter
+        self.filter_text = filter_text
+        self.messages: deque[Message] | PriorityMessages = deque()
         self.subs: list[Subscription] = []
+        self.browsers: list[Subscription] = []
+        self.filtered = 0  # subscriptions with a filter (dispatch scans when > 0)
         self._rr = 0
         # counters, per outcome
         self.enqueued = 0
         self.acked = 0
         self.dead_lettered = 0
         self.released = 0
+        self.expired = 0
         self.deleted = False
         self.owner: str | None = None  # the user whose link created it (resource limits)
 
@@ -99,7 +211,7 @@ class Queue:
 
     @property
     def consumer_count(self) -> int:
-        return len(self.subs)
+        return len(self.subs) + len(self.browsers)
 
     def definition(self) -> dict:
         """What the store keeps about a durable queue (a KV record)."""
@@ -107,29 +219,50 @@ class Queue:
              "subscription": self.subscription}
         if self.owner is not None:
             d["owner"] = self.owner
+        if self.filter_text is not None:
+            d["filter"] = self.filter_text
         return d
 
     # -- producing ---------------------------------------------------------------------------
     def enqueue(self, msg: Message) -> bool:
         """Append a message and dispatch. Returns True when the store was written."""
         stored = False
+        if msg.expires and self.expiry_address == self.address:
+            msg.expires = 0  # the expiry address itself: its messages do not expire again
         if msg.durable and self.durable:
             self.broker.store.add(self.name, msg)
             stored = True
+        if msg.priority != DEFAULT_PRIORITY and type(self.messages) is deque:
+            self.messages = PriorityMessages(self.messages)
         self.messages.append(msg)
         self.enqueued += 1
         if self.subs:
-            self.dispatch()
+            if self.filtered:
+                self._dispatch_new(msg)
+            else:
+                self.dispatch()
+        if self.browsers:
+            self._browse()
         return stored
 
     def restore(self, msg: Message) -> None:
         """Put back a message recovered from the store (no store write, no dispatch)."""
+        if msg.expires and self.expiry_address == self.address:
+            msg.expires = 0
+        if msg.priority != DEFAULT_PRIORITY and type(self.messages) is deque:
+            self.messages = PriorityMessages(self.messages)
         self.messages.append(msg)
 
     # -- consuming ---------------------------------------------------------------------------
     def add_subscription(self, sub: Subscription) -> None:
         sub.queue = self
+        if sub.browser:
+            self.browsers.append(sub)
+            self._browse()
+            return
         self.subs.append(sub)
+        if sub.accepts is not None:
+            self.filtered += 1
         self.dispatch()
 
     def remove_subscription(self, sub: Subscription) -> None:
@@ -137,29 +270,55 @@ class Queue:
         if sub.closed:
             return
         sub.closed = True
+        if sub.browser:
+            try:
+                self.browsers.remove(sub)
+            except ValueError:
+                pass
+            self._maybe_delete_temporary()
+            return
         try:
             self.subs.remove(sub)
+            if sub.accepts is not None:
+                self.filtered -= 1
         except ValueError:
             pass
         if sub.unacked:
             returned = sorted(sub.unacked.values(), key=lambda m: m.mid)
             sub.unacked.clear()
-            back = []
             for msg in returned:
                 msg.delivery_count += 1
                 if self._exhausted(msg):
                     self._dead_letter(msg)
                 else:
                     self._count_changed(msg)
-                    back.append(msg)
-            self.messages.extendleft(reversed(back))
-        if self.temporary and not self.subs:
-            self.broker.delete_queue(self.name)
-        elif self.subs:
+                    self._return(msg)
+        if not self._maybe_delete_temporary() and self.subs:
             self.dispatch()
+
+    def _maybe_delete_temporary(self) -> bool:
+        if self.temporary and not self.subs and not self.browsers and not self.deleted:
+            self.broker.delete_queue(self.name)
+            return True
+        return False
+
+    def _return(self, msg: Message) -> None:
+        """A message comes back to the queue, in its original place (see the module doc)."""
+        if msg.priority != DEFAULT_PRIORITY and type(self.messages) is deque:
+            self.messages = PriorityMessages(self.messages)
+        msgs = self.messages
+        if type(msgs) is deque:
+            if not msgs or msgs[0].mid > msg.mid:
+                msgs.appendleft(msg)
+            else:
+                _insert_in_order(msgs, msg)
+        else:
+            msgs.return_in_order(msg)
 
     def dispatch(self) -> int:
         """Hand out waiting messages to subscriptions with credit, round-robin. Returns the count."""
+        if self.filtered:
+            return self._dispatch_scan()
         msgs = self.messages
         subs = self.subs
         n = 0
@@ -168,29 +327,120 @@ class Queue:
             if sub is None:
                 break
             msg = msgs.popleft()
-            sub.credit -= 1
-            sub.delivered += 1
+            if msg.expires and self._expire_if_due(msg):
+                continue
+            self._hand_out(sub, msg)
             n += 1
-            if sub.auto_ack:
-                self._ack(msg)
-            else:
-                sub.unacked[msg.mid] = msg
-            sub.sink(sub, msg)
         return n
 
-    def _next_with_credit(self) -> Subscription | None:
+    def _hand_out(self, sub: Subscription, msg: Message) -> None:
+        sub.credit -= 1
+        sub.delivered += 1
+        if sub.auto_ack:
+            self._ack(msg)
+        else:
+            sub.unacked[msg.mid] = msg
+        sub.sink(sub, msg)
+
+    def _next_with_credit(self, msg: Message | None = None) -> Subscription | None:
+        """The next subscription (round-robin) with credit that accepts ``msg`` (any, if None)."""
         subs = self.subs
         count = len(subs)
-        if count == 1:
+        if count == 1 and msg is None:
             s = subs[0]
             return s if s.credit > 0 else None
         start = self._rr
         for i in range(count):
             s = subs[(start + i) % count]
-            if s.credit > 0:
+            if s.credit > 0 and (msg is None or s.accepts is None or s.accepts(msg)):
                 self._rr = (start + i + 1) % count
                 return s
         return None
+
+    def _dispatch_scan(self) -> int:
+        """Dispatch with filtered subscriptions: each waiting message, in order, goes to the next
+        subscription with credit that accepts it; the rest wait."""
+        if not any(s.credit > 0 for s in self.subs):
+            return 0
+        taken: set[int] = set()
+        n = 0
+        for msg in list(self.messages):
+            if msg.expires and self.broker.clock() >= msg.expires:
+                taken.add(msg.mid)
+                self._expire(msg)
+                continue
+            sub = self._next_with_credit(msg)
+            if sub is None:
+                if not any(s.credit > 0 for s in self.subs):
+                    break
+                continue
+            taken.add(msg.mid)
+            self._hand_out(sub, msg)
+            n += 1
+        if taken:
+            self._remove_waiting(taken)
+        return n
+
+    def _dispatch_new(self, msg: Message) -> None:
+        """With filtered subscriptions, only a new message can be newly deliverable: every older
+        waiting one was already offered to every subscription with credit."""
+        sub = self._next_with_credit(msg)
+        if sub is None:
+            return
+        if msg.expires and self.broker.clock() >= msg.expires:
+            self._remove_waiting({msg.mid})
+            self._expire(msg)
+            return
+        self._remove_waiting({msg.mid})
+        self._hand_out(sub, msg)
+
+    def _remove_waiting(self, ids: set[int]) -> None:
+        msgs = self.messages
+        if type(msgs) is deque:
+            if len(ids) == 1 and msgs:
+                (mid,) = ids
+                if msgs[-1].mid == mid:
+                    msgs.pop()
+                    return
+                if msgs[0].mid == mid:
+                    msgs.popleft()
+                    return
+            self.messages = deque(m for m in msgs if m.mid not in ids)
+        else:
+            msgs.remove_ids(ids)
+
+    def _browse(self) -> None:
+        """Show browsers (with credit) the waiting messages they have not seen yet."""
+        clock = None
+        for b in list(self.browsers):
+            if b.credit <= 0:
+                continue
+            seen = b.seen
+            for msg in list(self.messages):
+                if b.credit <= 0:
+                    break
+                if msg.mid in seen:
+                    continue
+                if msg.expires:
+                    clock = clock if clock is not None else self.broker.clock()
+                    if clock >= msg.expires:
+                        continue  # the next dispatch or scan expires it
+                if b.accepts is not None and not b.accepts(msg):
+                    continue
+                seen.add(msg.mid)
+                b.credit -= 1
+                b.delivered += 1
+                b.sink(b, msg)
+            if len(seen) > 2 * len(self.messages) + 64:  # forget ids that have left the queue
+                present = {m.mid for m in self.messages}
+                b.seen = seen & present
+
+    def credit_changed(self, sub: Subscription) -> None:
+        """The driver set ``sub.credit``: hand out what it can take now."""
+        if sub.browser:
+            self._browse()
+        else:
+            self.dispatch()
 
     def settle(self, sub: Subscription, mid: int, outcome: Outcome, *, delivery_failed: bool = False,
                undeliverable_here: bool = False) -> None:
@@ -213,8 +463,16 @@ class Queue:
         if failed:
             self._count_changed(msg)
         self.released += 1
-        self.messages.appendleft(msg)
-        self.dispatch()
+        self._return(msg)
+        if self.filtered:
+            sub2 = self._next_with_credit(msg)
+            if sub2 is not None:
+                self._remove_waiting({msg.mid})
+                self._hand_out(sub2, msg)
+        else:
+            self.dispatch()
+        if self.browsers:
+            self._browse()
 
     def _exhausted(self, msg: Message) -> bool:
         return self.max_delivery_count > 0 and msg.delivery_count >= self.max_delivery_count
@@ -233,6 +491,30 @@ class Queue:
         if msg.durable and self.durable:
             self.broker.store.remove(self.name, msg)
         self.broker.dead_letter(self, msg)
+
+    # -- expiry ------------------------------------------------------------------------------
+    def _expire_if_due(self, msg: Message) -> bool:
+        """``msg`` was just taken from the waiting list: expire it if its time has come."""
+        if self.broker.clock() < msg.expires:
+            return False
+        self._expire(msg)
+        return True
+
+    def _expire(self, msg: Message) -> None:
+        self.expired += 1
+        if msg.durable and self.durable:
+            self.broker.store.remove(self.name, msg)
+        self.broker.expire(self, msg)
+
+    def expire_scan(self, now: float) -> int:
+        """Move every waiting message that has expired by ``now`` (ms since the epoch) out of the
+        queue (Artemis's periodic expiry scan). Returns how many."""
+        due = [m for m in self.messages if m.expires and m.expires <= now]
+        if due:
+            self._remove_waiting({m.mid for m in due})
+            for m in due:
+                self._expire(m)
+        return len(due)
 
     # -- teardown ----------------------------------------------------------------------------
     def drain_all(self) -> list[Message]:

@@ -20,22 +20,24 @@ def check_pattern(pattern: str) -> None:
             raise ValueError(f"wildcards must be whole words: {word!r} in {pattern!r}")
 
 
-def wildcard_match(pattern: str, address: str) -> bool:
-    """Artemis wildcard match: ``#`` = zero or more words, ``*`` = exactly one word."""
-    pw = pattern.split(".")
-    aw = address.split(".")
+def wildcard_match(pattern: str, address: str, delimiter: str = ".", any_words: str = "#",
+                   single_word: str = "*") -> bool:
+    """Artemis wildcard match: ``#`` = zero or more words, ``*`` = exactly one word (the three
+    characters configurable as Artemis's ``wildcard-addresses``)."""
+    pw = pattern.split(delimiter)
+    aw = address.split(delimiter)
     # reachable[j]: the pattern prefix processed so far can consume exactly aw[:j]
     reachable = [True] + [False] * len(aw)
     for word in pw:
         nxt = [False] * (len(aw) + 1)
-        if word == "#":
+        if word == any_words:
             seen = False
             for j in range(len(aw) + 1):
                 seen = seen or reachable[j]
                 nxt[j] = seen
         else:
             for j in range(len(aw)):
-                if reachable[j] and (word == "*" or word == aw[j]):
+                if reachable[j] and (word == single_word or word == aw[j]):
                     nxt[j + 1] = True
         reachable = nxt
         if not any(reachable):
