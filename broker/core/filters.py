@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Callable
 
 from broker.core.deliveries import Message
-from broker.core.selector import MessageView, SelectorError, compile_filter
+from broker.core.selector import MessageView, SelectorError, compile_filter, parse_selector
 
 __all__ = ["SelectorError", "compile_queue_filter", "consumer_filter", "view_of"]
 
@@ -44,7 +44,8 @@ def compile_queue_filter(text: str) -> Callable[[Message], bool]:
 def consumer_filter(selector: str | None, no_local_origin: object = None) -> Callable[[Message], bool] | None:
     """The predicate for a consumer with an optional selector and, when ``no_local_origin`` is
     given, no-local against that origin; None when nothing filters."""
-    sel = compile_filter(selector) if selector else None
+    # on the attach path a blank selector is an error, as in Artemis (SelectorParser.parse)
+    sel = parse_selector(selector) if selector is not None else None
     if sel is None and no_local_origin is None:
         return None
     if no_local_origin is None:
