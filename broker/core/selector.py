@@ -93,13 +93,12 @@ import re
 import struct
 import uuid as _uuid
 from datetime import datetime, timezone
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from typing import Any, Callable
 
 from broker.amqp.codec import (
     Byte,
     Char,
-    Described,
     Float,
     Int,
     Long,
@@ -299,10 +298,6 @@ def _compare(lv: Any, rv: Any) -> int | None:
         a, b = _uuid_key(lv), _uuid_key(rv)
         return (a > b) - (a < b)
     return None  # not reached: callers check comparability first
-
-
-def _comparable(v: Any) -> bool:
-    return type(v) in _KIND
 
 
 def _equal(lv: Any, rv: Any) -> bool | None:
