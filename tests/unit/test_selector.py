@@ -51,6 +51,10 @@ PROPS = {
     "JMSType": "app-type-is-shadowed",
     "AMQGroupID": "app-group",
     "Command": "Other",
+    "bang": "a!b",
+    "bmp": "\uffff",
+    "astral": "\U00010000",
+    "f24": proton.float32(16777216.0),
 }
 
 
@@ -91,12 +95,15 @@ CASES = [
     ("f = 1.5", True), ("sh = 3", True), ("by = 2", True), ("u = 7", True),
     ("ul = -1", True),  # ulong 2**64-1 becomes Long -1 (Number.longValue) as in Artemis
     ("5 = i", True), ("10 = l", True),
+    ("f24 = 16777217", True), ("16777217 = f24", True),  # Integer vs Float: rounded to float32
+    ("f24 = 16777217.0", False),  # Float vs Double: the float widens exactly
     ("3 = sh", False),  # Artemis widens only from the left class: Integer vs Short is FALSE
     # ordering
     ("i > 4", True), ("i > 5", False), ("i >= 5", True), ("i < 5", False), ("i <= 5", True),
     ("d > 2", True), ("d < 2.6", True), ("f < 2", True), ("l > 9.5", True),
     ("s < s2", True), ("s2 > s", True),  # two string properties do order (compareTo)
     ("falseProp < trueProp", True),
+    ("astral < bmp", True),  # UTF-16 code-unit order (Java), not code-point order
     ("neg0 < 0.0", True), ("neg0 = 0.0", False),  # Double.compare: -0.0 < 0.0
     ("nan = nan", True), ("nan > 1e308", True),  # NaN equals itself and sorts last
     # strings and booleans
@@ -143,7 +150,8 @@ CASES = [
     ("pct LIKE '50!%' ESCAPE '!'", True), ("pct LIKE '5!%' ESCAPE '!'", False),
     ("under LIKE 'x!_y' ESCAPE '!'", True), ("s LIKE 'h!_llo' ESCAPE '!'", False),
     ("pct LIKE '50\\%' ESCAPE '\\'", True),
-    ("s LIKE 'h!ello' ESCAPE '!'", False),  # '!' before a plain char stays a literal '!'
+    ("s LIKE 'h!ello' ESCAPE '!'", False),
+    ("bang LIKE 'a!!b' ESCAPE '!'", True), ("bang LIKE 'a!b' ESCAPE '!'", True),  # '!' before a plain char stays a literal '!'
     ("quote LIKE '''In G_d We Trust'''", True), ("quote LIKE '''In Gd_ We Trust'''", False),
     ("i LIKE '5'", False),  # a non-string operand is FALSE
     ("missing LIKE 'x'", None), ("missing NOT LIKE 'x'", None),
