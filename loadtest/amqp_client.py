@@ -26,7 +26,7 @@ import time
 from proton import Delivery, Message
 from proton import _handlers
 from proton.handlers import IncomingMessageHandler, MessagingHandler
-from proton.reactor import Container
+from proton.reactor import Container, Selector
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -72,7 +72,11 @@ class OneToOne(MessagingHandler):
         super().__init__(prefetch=0, auto_accept=False, auto_settle=True)
         self.handlers = [h for h in self.handlers if not isinstance(h, IncomingMessageHandler)]
         self.a = a
-        self.payload = Message(body=os.urandom(a.size), durable=a.durable).encode()
+        # with a selector, the message carries the property it tests (every message matches)
+        props = {"color": "red"} if a.selector else None
+        self.payload = Message(body=os.urandom(a.size), durable=a.durable, properties=props).encode()
+        self.txn = None  # --tx-batch: the open transaction
+        self.in_txn = 0  # messages sent in it
         self.sender = self.receiver = None
         self.sconn = self.rconn = None
         self.s_up = self.r_up = False
@@ -85,9 +89,12 @@ class OneToOne(MessagingHandler):
     def on_start(self, event):
         c = event.container
         self.rconn = c.connect(self.a.url)
-        self.receiver = c.create_receiver(self.rconn, self.a.address, name="bench-rx")
+        self.receiver = c.create_receiver(self.rconn, self.a.address, name="bench-rx",
+                                          options=Selector(self.a.selector) if self.a.selector else None)
         self.sconn = c.connect(self.a.url)
         self.sender = c.create_sender(self.sconn, self.a.address, name="bench-tx")
+        if self.a.tx_batch:
+            c.declare_transaction(self.sconn, handler=self)
         self.timer = c.schedule(self.a.timeout, self)
 
     def on_timer_task(self, event):
@@ -106,10 +113,39 @@ class OneToOne(MessagingHandler):
     def on_sendable(self, event):
         self.pump()
 
+    # -- transactions (--tx-batch): send a batch in one transaction, commit, declare the next --
+    def on_transaction_declared(self, event):
+        self.txn = event.transaction
+        self.in_txn = 0
+        self.pump()
+
+    def on_transaction_committed(self, event):
+        self.settled += self.in_txn
+        self.accepted += self.in_txn
+        self.txn = None
+        if self.sent < self.a.n:
+            event.container.declare_transaction(self.sconn, handler=self)
+        self.check()
+
+    def on_transaction_declare_failed(self, event):
+        self.error = "transaction declare failed"
+        self.finish()
+
+    def on_transaction_commit_failed(self, event):
+        self.error = "transaction commit failed"
+        self.finish()
+
+    def on_transaction_aborted(self, event):
+        self.error = "transaction aborted"
+        self.finish()
+
     def pump(self):
         if not (self.s_up and self.r_up):
             return
         snd = self.sender
+        if self.a.tx_batch:
+            self.pump_txn(snd)
+            return
         if self.t0 is None and snd.credit > 0:
             self.cpu0 = proc_cpu(self.a.broker_pid)
             self.t0 = time.monotonic()
@@ -119,6 +155,25 @@ class OneToOne(MessagingHandler):
             snd.delivery(str(self.sent))
             snd.stream(self.payload)
             snd.advance()
+
+    def pump_txn(self, snd):
+        txn = self.txn
+        if txn is None or self.in_txn == self.a.tx_batch:
+            return
+        if self.t0 is None and snd.credit > 0:
+            self.cpu0 = proc_cpu(self.a.broker_pid)
+            self.t0 = time.monotonic()
+        batch_end = min(self.a.n, self.sent - self.in_txn + self.a.tx_batch)
+        while self.sent < batch_end and snd.credit > 0:
+            self.sent += 1
+            self.in_txn += 1
+            dlv = snd.delivery(str(self.sent))
+            snd.stream(self.payload)
+            dlv.local.data = [txn.id]  # TransactionalState(txn-id), as proton's Transaction.send
+            dlv.update(0x34)
+            snd.advance()
+        if self.sent == batch_end:
+            txn.commit()
 
     def on_accepted(self, event):
         self.accepted += 1
@@ -198,6 +253,8 @@ def main() -> int:
     p.add_argument("--n", type=int, default=50000)
     p.add_argument("--size", type=int, default=100)
     p.add_argument("--durable", action="store_true")
+    p.add_argument("--selector", default="", help="the consumer attaches with this selector (messages carry color='red')")
+    p.add_argument("--tx-batch", type=int, default=0, help="send in transactions of this many messages")
     p.add_argument("--prefetch", type=int, default=1000)
     p.add_argument("--window", type=int, default=1000)
     p.add_argument("--broker-pid", type=int, default=0)

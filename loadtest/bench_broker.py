@@ -14,6 +14,13 @@ nothing in /etc is touched. Queues ``bench-t`` (transient) and ``bench-d`` (dura
 with ``rabbitmqctl eval`` and addressed as ``/amq/queue/<name>``. ``--no-rabbitmq`` skips it.
 
     .venv/bin/python loadtest/bench_broker.py [--n 50000] [--rounds 3] [--sizes 100,4096]
+        [--baseline-ref REV] [--features [--tx-batch 100]]
+
+``--baseline-ref REV`` also runs the broker of that git revision (a temporary worktree), so a new
+feature's cost when unused is measured against the same node without it, in the same run.
+``--features`` adds, on this checkout, a consumer with a selector (every message matches) and
+transactional sends (``--tx-batch`` messages per transaction, committed), so their cost when
+used is reported too.
 """
 
 from __future__ import annotations
@@ -45,10 +52,12 @@ def free_port() -> int:
 # -- Lodestone ---------------------------------------------------------------------------------
 
 class Lodestone:
-    name = "lodestone"
+    """A Lodestone broker node run from ``repo`` (this checkout, or a baseline's worktree)."""
 
-    def __init__(self, work: Path):
-        self.work = work / "lodestone"
+    def __init__(self, work: Path, repo: Path = REPO, name: str = "lodestone"):
+        self.name = name
+        self.repo = repo
+        self.work = work / name.replace("@", "-")
         self.work.mkdir(parents=True)
         sys.path.insert(0, str(REPO))
         from broker.core.security import hash_password
@@ -60,7 +69,8 @@ class Lodestone:
             '[acceptors.amqp]\nhost = "127.0.0.1"\nport = 0\n'
             '[management]\nport = 0\n[activity-log]\nflush-interval-s = 10\n[logging]\nlevel = "WARNING"\n')
         self.proc = subprocess.Popen([sys.executable, "-m", "broker", "run", str(self.work / "broker.toml")],
-                                     cwd=REPO, stdout=subprocess.PIPE, stderr=open(self.work / "stderr.log", "wb"))
+                                     cwd=self.repo, stdout=subprocess.PIPE, stderr=open(self.work / "stderr.log", "wb"),
+                                     env={**os.environ, "PYTHONPATH": str(self.repo)})
         self.url = None
         deadline = time.monotonic() + 30
         for raw in self.proc.stdout:
@@ -173,9 +183,9 @@ class RabbitMQ:
 
 # -- running -----------------------------------------------------------------------------------
 
-def run_client(broker, durable: bool, size: int, n: int) -> dict:
+def run_client(broker, durable: bool, size: int, n: int, extra: tuple[str, ...] = ()) -> dict:
     cmd = [sys.executable, str(CLIENT), "--url", broker.url, "--address", broker.address(durable), "--n", str(n),
-           "--size", str(size), "--broker-pid", str(broker.pid)] + (["--durable"] if durable else [])
+           "--size", str(size), "--broker-pid", str(broker.pid)] + (["--durable"] if durable else []) + list(extra)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     try:
         return json.loads(p.stdout.strip().splitlines()[-1])
@@ -190,28 +200,52 @@ def main() -> int:
     ap.add_argument("--sizes", default="100,4096")
     ap.add_argument("--no-rabbitmq", action="store_true", help="measure Lodestone only")
     ap.add_argument("--json", action="store_true", help="also print every result as JSON lines")
+    ap.add_argument("--baseline-ref", metavar="REV",
+                    help="also run the broker of this git revision (a temporary worktree) in the same run: "
+                         "'the same node without the feature'")
+    ap.add_argument("--features", action="store_true",
+                    help="also measure Lodestone's optional paths: a consumer with a selector, and transactional "
+                         "sends (--tx-batch messages per transaction)")
+    ap.add_argument("--tx-batch", type=int, default=100)
     a = ap.parse_args()
     sizes = [int(s) for s in a.sizes.split(",")]
     work = Path(tempfile.mkdtemp(prefix="lodestone-bench-"))
     brokers = []
+    baseline_tree = None
+    # (label, client arguments, measured on): the optional paths run on this checkout only
+    variants = [("", (), "all")]
+    if a.features:
+        variants += [(" +selector", ("--selector", "color = 'red'"), "lodestone"),
+                     (f" +tx/{a.tx_batch}", ("--tx-batch", str(a.tx_batch)), "lodestone")]
     try:
         brokers.append(Lodestone(work))
+        if a.baseline_ref:
+            baseline_tree = work / "baseline-tree"
+            subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(baseline_tree), a.baseline_ref],
+                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            brokers.append(Lodestone(work, baseline_tree, f"lodestone@{a.baseline_ref[:12]}"))
         if not a.no_rabbitmq:
             brokers.append(RabbitMQ(work))
         results: dict[tuple, list[dict]] = {}
         for rnd in range(a.rounds):
             for durable in (False, True):
                 for size in sizes:
-                    for b in brokers:
-                        r = run_client(b, durable, size, a.n)
-                        results.setdefault((b.name, durable, size), []).append(r)
-                        if a.json:
-                            print(json.dumps({"round": rnd, "broker": b.name, **r}), flush=True)
-                        if r.get("error"):
-                            print(f"{b.name} durable={durable} size={size}: {r['error']}", file=sys.stderr)
+                    for label, extra, on in variants:
+                        for b in brokers:
+                            if on != "all" and b.name != on:
+                                continue
+                            r = run_client(b, durable, size, a.n, extra)
+                            results.setdefault((b.name, durable, size, label), []).append(r)
+                            if a.json:
+                                print(json.dumps({"round": rnd, "broker": b.name, "variant": label, **r}), flush=True)
+                            if r.get("error"):
+                                print(f"{b.name}{label} durable={durable} size={size}: {r['error']}", file=sys.stderr)
     finally:
         for b in brokers:
             b.stop()
+        if baseline_tree is not None:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(baseline_tree)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         shutil.rmtree(work, ignore_errors=True)
 
     def med(rs, key):
@@ -219,20 +253,34 @@ def main() -> int:
         return statistics.median(vals) if vals else float("nan")
 
     print(f"\n1 producer -> 1 consumer, n={a.n}, median of {a.rounds} rounds (python-qpid-proton client)")
-    print(f"{'workload':<22}" + "".join(f"{b.name + ' msgs/s':>18}{b.name + ' µs/msg':>18}" for b in brokers)
-          + ("   ratio µs/msg   ratio msgs/s" if len(brokers) > 1 else ""))
+    others = [b for b in brokers if b.name != "lodestone"]
+    print(f"{'workload':<32}" + "".join(f"{b.name[:20] + ' msgs/s':>28}{b.name[:20] + ' µs/msg':>28}" for b in brokers)
+          + "".join(f"   µs/msg ÷ {b.name[:20]:<20}" for b in others))
+    base = next((b for b in brokers if b.name.startswith("lodestone@")), None)
     for durable in (False, True):
         for size in sizes:
-            line = f"{('durable' if durable else 'non-durable') + f' {size} B':<22}"
-            vals = {}
-            for b in brokers:
-                rs = results[(b.name, durable, size)]
-                vals[b.name] = (med(rs, "msgs_per_s"), med(rs, "broker_cpu_us_per_msg"))
-                line += f"{vals[b.name][0]:>18,.0f}{vals[b.name][1]:>18.1f}"
-            if len(brokers) > 1:
-                (lr, lc), (rr, rc) = vals["lodestone"], vals["rabbitmq"]
-                line += f"   {lc / rc:>12.2f}   {lr / rr:>12.2f}"
-            print(line)
+            for label, _extra, on in variants:
+                line = f"{('durable' if durable else 'non-durable') + f' {size} B' + label:<32}"
+                vals = {}
+                for b in brokers:
+                    rs = results.get((b.name, durable, size, label))
+                    if rs is None:
+                        line += f"{'-':>28}{'-':>28}"
+                        continue
+                    vals[b.name] = (med(rs, "msgs_per_s"), med(rs, "broker_cpu_us_per_msg"))
+                    line += f"{vals[b.name][0]:>28,.0f}{vals[b.name][1]:>28.1f}"
+                for b in others:
+                    if b.name in vals:
+                        line += f"   {vals['lodestone'][1] / vals[b.name][1]:>29.2f}"
+                    elif label and base is not None:
+                        # an optional path against the plain workload of the baseline (the feature's cost)
+                        plain = results.get((base.name, durable, size, ""))
+                        line += f"   {vals['lodestone'][1] / med(plain, 'broker_cpu_us_per_msg'):>28.2f}*"
+                    else:
+                        line += f"   {'-':>29}"
+                print(line)
+    if a.features and base is not None:
+        print("* an optional path on this checkout against the plain workload on the baseline: what the feature costs")
     return 0
 
 
