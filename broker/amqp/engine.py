@@ -971,8 +971,8 @@ class AmqpEngine:
             if existing is not None and existing.address == address:
                 for other in list(existing.subs):
                     holder = other.owner
-                    if not isinstance(holder, ConsumerLink) or holder.engine is None:
-                        continue
+                    if not isinstance(holder, ConsumerLink) or holder.engine is None or holder.engine is self:
+                        continue  # (the same connection twice: refused as attached already, below)
                     if not self.node.cfg.link_stealing:
                         raise _Refused(RESOURCE_LOCKED, f"subscription {sub_name!r} is attached by another "
                                                         f"connection (link-stealing is off)")
