@@ -42,10 +42,10 @@ Semantics copied from Artemis (some differ from a literal reading of JMS/SQL)
 * ``=``: if the left side is NULL the result is UNKNOWN; if only the right side is NULL it is
   FALSE; if both are NULL it is TRUE (``a = b`` with both missing matches). ``<>`` is ``NOT =``.
   Values of different classes are FALSE, not UNKNOWN, except the numeric widenings of
-  ``ComparisonExpression.compare``, which are asymmetric: Byte->Short/Int/Long/Float/Double,
-  Short->Int/Long/Float/Double, Int->Long/Float/Double, Long<->Int, ->Float/Double,
-  Float<->Int/Long (to float32), <->Double. So ``Short(1) = Byte(1)`` is FALSE; literals are
-  Int/Long/Double, so comparing a property with a literal always widens as expected.
+  ``ComparisonExpression.compare``, which depend on the *left* class: Byte -> Short, Int, Long,
+  Float, Double; Short -> Int, Long, Float, Double; Int -> Long, Float, Double; Long -> Int,
+  Float, Double; Float -> Int, Long (rounded to float32), Double; Double -> Int, Long, Float.
+  So ``Short(1) = Byte(1)`` and ``1 = shortProp`` are FALSE; ``shortProp = 1`` is TRUE.
 * ``<``, ``>``, ``<=``, ``>=``: NULL on either side is UNKNOWN; different classes are FALSE;
   strings order by UTF-16 code units and booleans FALSE < TRUE when both sides are properties
   (a string/boolean *literal* operand is a parse error, as in Artemis). Doubles order like
@@ -64,13 +64,41 @@ Semantics copied from Artemis (some differ from a literal reading of JMS/SQL)
   there (``parse_selector``); queue filters go through ``FilterImpl.createFilter`` which trims and
   treats blank as "no filter" (``compile_filter``).
 
-Identifiers (``SelectorTranslator.convertToActiveMQFilterString`` + ``FilterImpl`` +
-``AMQPMessage.getObjectPropertyForFilter``/``getObjectProperty``): see ``_IDENTIFIERS`` below.
-JMS header names are first renamed (JMSDeliveryMode->AMQDurable, JMSPriority->AMQPriority,
-JMSTimestamp->AMQTimestamp, JMSMessageID->AMQUserID, JMSExpiration->AMQExpiration,
-JMSXGroupID->AMQGroupID) and the string literals 'PERSISTENT'/'NON_PERSISTENT' become
-'DURABLE'/'NON_DURABLE'. Artemis does this rename on the text; we do it on tokens, which differs
-only inside double-quoted identifiers that merely *contain* such a name.
+Identifiers
+-----------
+Found in Artemis: ``artemis-commons/.../utils/SelectorTranslator.java`` (renames applied to the
+selector text on the AMQP attach path, ``AMQPSessionCallback.createSender``),
+``artemis-server/.../core/filter/impl/FilterImpl.java`` (``getHeaderFieldValue`` for names
+starting with ``AMQ``; a NULL answer falls through) and ``artemis-protocols/artemis-amqp-protocol
+/.../broker/AMQPMessage.java`` (``getObjectPropertyForFilter``, ``getObjectProperty``,
+``getApplicationObjectProperty``) with ``converter/AMQPMessageIdHelper.java``:
+
+==========================  ==============================================================
+JMSDeliveryMode/AMQDurable  'DURABLE' if header.durable else 'NON_DURABLE'; the literals
+                            'PERSISTENT'/'NON_PERSISTENT' anywhere become 'DURABLE'/'NON_DURABLE'
+JMSPriority/AMQPriority     Integer min(header.priority, 9), default 4
+JMSTimestamp/AMQTimestamp   Long properties.creation-time, default 0
+JMSExpiration/AMQExpiration Long: absolute-expiry-time if > 0, else arrival + ttl, else 0
+JMSMessageID/AMQUserID      message-id's toString (binary as proton-j Binary.toString),
+                            prefixed with "ID:" unless it has it; none: the
+                            NATIVE_MESSAGE_ID application property
+JMSXGroupID/AMQGroupID      properties.group-id
+AMQSize / AMQAddress        encoded length (Integer) / properties.to
+JMSType                     properties.subject (never the application property)
+JMSCorrelationID            string as is (an "ID:AMQP_..." one gets "ID:AMQP_STRING:" in
+                            front); uuid -> "ID:AMQP_UUID:<uuid>"; ulong ->
+                            "ID:AMQP_ULONG:<n>"; binary -> opaque bytes
+JMSXUserID                  properties.user-id decoded as UTF-8
+JMSXGroupSeq                Integer properties.group-sequence, default 0
+"m.<key>"                   message annotation <key> (``_AMQ_A_B`` tries ``x-opt-A-B`` first);
+                            needs a quoted identifier since ``.`` is not an identifier char
+anything else               application property (string keys only)
+==========================  ==============================================================
+
+JMSRedelivered, JMSDestination, JMSReplyTo, JMSXDeliveryCount are not mapped by Artemis: they
+are looked up as application properties, as there. Artemis renames on the text; we rename
+tokens, which differs only inside a double-quoted identifier that merely *contains* such a name.
+Note: in the AMQP properties list creation-time is field 9 (absolute-expiry-time is 8).
 
 Where we chose (differences from Artemis, all deliberate)
 ---------------------------------------------------------
