@@ -490,6 +490,9 @@ ERRORS = [
     ("a = 0x", "unexpected token 'x'"),
     ("a = 1.2.3", "unexpected token '.3'"),
     ("a = 0xFFFFFFFFFFFFFFFF", "does not fit a long"),
+    ("a = 1.5F", "unexpected token 'F'"),  # Artemis has no F/D suffixes
+    ("a = 1.5D", "unexpected token 'D'"),
+    ("a = 0L", "unexpected token 'L'"),  # 0 is an octal literal: no L suffix
     ("a = 1 -- no newline", "unexpected token 'newline'"),
     ("XPATH '//x'", "XPATH selectors are not supported"),
     ("hyphenated_props:a-b = 1", "prefix 'hyphenated_props:' is not supported"),
