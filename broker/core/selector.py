@@ -801,6 +801,9 @@ _Tok = tuple
 def _tokenize(text: str, err: Callable[[str, int], SelectorError]) -> list[_Tok]:
     toks: list[_Tok] = []
     i, n = 0, len(text)
+    # Where the next end of line / "*/" is: cached so that 64 KiB of "--" or "/*" without an
+    # end costs one scan, not one per occurrence (n is "none left").
+    eol = eoc = -1
     while i < n:
         c = text[i]
         if c in _WS:
@@ -808,14 +811,18 @@ def _tokenize(text: str, err: Callable[[str, int], SelectorError]) -> list[_Tok]
             continue
         if c == "-" and text.startswith("--", i):
             # JavaCC LINE_COMMENT needs its end of line; without one the dashes are operators.
-            ends = [j for j in (text.find("\n", i), text.find("\r", i)) if j >= 0]
-            if ends:
-                i = min(ends) + 1
+            if eol < i:
+                ends = [j for j in (text.find("\n", i), text.find("\r", i)) if j >= 0]
+                eol = min(ends) if ends else n
+            if eol < n:
+                i = eol + 1
                 continue
         if c == "/" and text.startswith("/*", i):
-            j = text.find("*/", i + 2)
-            if j >= 0:
-                i = j + 2
+            if eoc < i + 2:
+                eoc = text.find("*/", i + 2)
+                eoc = n if eoc < 0 else eoc
+            if eoc < n:
+                i = eoc + 2
                 continue
         if c == "'" or c == '"':
             j, parts = i + 1, []
@@ -872,12 +879,19 @@ def _number(kind: str, s: str, pos: int, err) -> Any:
         return float(s)
     if kind == "DEC":
         digits = s.rstrip("lL")
+        if len(digits) > 19:
+            # Too big for a long: BigDecimal, then `longValue()` (the low 64 bits) decides
+            # whether it is an int. Reduced chunk by chunk: int() refuses > 4300 digits.
+            low = 0
+            for k in range(0, len(digits), 18):
+                chunk = digits[k : k + 18]
+                low = (low * 10 ** len(chunk) + int(chunk)) & 0xFFFFFFFFFFFFFFFF
+            if -0x80000000 <= _wrap64(low) <= 0x7FFFFFFF:
+                return Int(_wrap32(low))
+            return Decimal(digits)
         v = int(digits)
         if v > 0x7FFFFFFFFFFFFFFF:
-            # Too big for a long: BigDecimal, then `longValue()` decides whether it is an int.
-            if -0x80000000 <= _wrap64(v) <= 0x7FFFFFFF:
-                return Int(_wrap32(v))
-            return Decimal(digits)
+            return Decimal(digits)  # 19 digits beyond the long range (wraps outside int)
     else:
         v = int(s[2:], 16) if kind == "HEX" else int(s, 8)
         if v > 0x7FFFFFFFFFFFFFFF:
@@ -894,18 +908,29 @@ _BOOL, _PROP, _CONST, _EXPR = "boolean", "identifier", "constant", "expression"
 
 class _N:
     """A compiled node. ``kind`` drives Artemis's parse-time checks; TRUE/FALSE/NULL are both
-    constants and booleans (``BooleanConstantExpression``), so they carry ``bconst``."""
+    constants and booleans (``BooleanConstantExpression``), so they carry ``bconst``.
 
-    __slots__ = ("kind", "fn", "value", "bconst", "depth", "logic", "children")
+    An AND/OR node keeps its operands in ``children`` and grows in place while the parser reads
+    a chain (``a OR b OR c ...``, as LogicExpression.addExpression does); its closure is built
+    on first use of ``fn``, so a chain of n operands costs O(n), not O(n**2)."""
+
+    __slots__ = ("kind", "_fn", "value", "bconst", "depth", "logic", "children")
 
     def __init__(self, kind, fn, depth, value=None, bconst=False):
         self.kind = kind
-        self.fn = fn
+        self._fn = fn
         self.depth = depth
         self.value = value
         self.bconst = bconst
         self.logic = None
         self.children = None
+
+    @property
+    def fn(self) -> Callable[[Any], Any]:
+        if self._fn is None:
+            make = _or_fn if self.logic == "OR" else _and_fn
+            self._fn = make([c.fn for c in self.children])
+        return self._fn
 
     def is_const(self) -> bool:
         return self.kind == _CONST or self.bconst
@@ -1031,13 +1056,14 @@ class _Parser:
     def logic(self, op: str, left: _N, right: _N, pos: int) -> _N:
         left = self.as_bool(left, pos)
         right = self.as_bool(right, pos)
-        if left.logic == op:  # LogicExpression flattens left-nested chains
-            children = left.children + [right]
-        else:
-            children = [left, right]
-        n = self.node(_BOOL, None, *children, pos=pos)
-        n.logic, n.children = op, children
-        n.fn = (_or_fn if op == "OR" else _and_fn)([c.fn for c in children])
+        if left.logic == op and left._fn is None:  # flatten a left-nested chain in place
+            if right.depth + 1 > MAX_DEPTH:
+                raise self.err(f"expression nested deeper than {MAX_DEPTH} levels", pos)
+            left.children.append(right)
+            left.depth = max(left.depth, right.depth + 1)
+            return left
+        n = self.node(_BOOL, None, left, right, pos=pos)
+        n.logic, n.children = op, [left, right]
         return n
 
     def equal(self, left: _N, right: _N, negate: bool, pos: int) -> _N:

@@ -559,8 +559,20 @@ def test_depth_just_inside_the_limit_works():
 
 
 def test_long_flat_or_chain_is_fine():
-    text = " OR ".join(f"i = {n}" for n in range(2000))
+    text = " OR ".join(f"i = {n}" for n in range(5000))  # built in O(n): was O(n**2)
     assert parse_selector(text).matches(M)
+    assert parse_selector("(i = 1 OR i = 2) OR (i = 5 OR i = 3) AND TRUE").matches(M)
+
+
+def test_huge_literals_and_unclosed_comments():
+    # int() refuses more than 4300 decimal digits: the literal must still parse (BigDecimal)
+    assert ev("i = " + "9" * 60000) is False
+    assert ev("i < 1" + "0" * 5000 + ".5") is True
+    assert ev("i = 18446744073709551621") is True  # BigDecimal whose low 64 bits are 5 -> Int 5
+    # many comment openers without a closer: one scan each, then a clean SelectorError
+    for text in ("i = 1 " + "--" * 30000, "/*" * 30000):
+        with pytest.raises(SelectorError):
+            parse_selector(text)
 
 
 # ---------------------------------------------------------------------------------------------
