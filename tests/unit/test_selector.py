@@ -558,6 +558,19 @@ def test_depth_just_inside_the_limit_works():
     assert sel.evaluate(M) is ((depth - 2) % 2 == 0)
 
 
+def test_deepest_selector_fits_a_busy_stack():
+    # ~3 Python frames per nesting level when parsing, 1 when evaluating: a selector just
+    # inside MAX_DEPTH must still work when the caller already sits 250 frames deep.
+    text = "i = (" * (MAX_DEPTH - 1) + "5" + ")" * (MAX_DEPTH - 1)
+
+    def at_depth(n):
+        if n:
+            return at_depth(n - 1)
+        return parse_selector(text).evaluate(M)
+
+    assert at_depth(250) is False  # (i = (5 = (5 = ...))): Integer vs Boolean is FALSE
+
+
 def test_long_flat_or_chain_is_fine():
     text = " OR ".join(f"i = {n}" for n in range(5000))  # built in O(n): was O(n**2)
     assert parse_selector(text).matches(M)
