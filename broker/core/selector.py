@@ -42,10 +42,10 @@ Semantics copied from Artemis (some differ from a literal reading of JMS/SQL)
 * ``=``: if the left side is NULL the result is UNKNOWN; if only the right side is NULL it is
   FALSE; if both are NULL it is TRUE (``a = b`` with both missing matches). ``<>`` is ``NOT =``.
   Values of different classes are FALSE, not UNKNOWN, except the numeric widenings of
-  ``ComparisonExpression.compare``, which are asymmetric: Byte->Short/Int/Long/Float/Double,
-  Short->Int/Long/Float/Double, Int->Long/Float/Double, Long<->Int, ->Float/Double,
-  Float<->Int/Long (to float32), <->Double. So ``Short(1) = Byte(1)`` is FALSE; literals are
-  Int/Long/Double, so comparing a property with a literal always widens as expected.
+  ``ComparisonExpression.compare``, which depend on the *left* class: Byte -> Short, Int, Long,
+  Float, Double; Short -> Int, Long, Float, Double; Int -> Long, Float, Double; Long -> Int,
+  Float, Double; Float -> Int, Long (rounded to float32), Double; Double -> Int, Long, Float.
+  So ``Short(1) = Byte(1)`` and ``1 = shortProp`` are FALSE; ``shortProp = 1`` is TRUE.
 * ``<``, ``>``, ``<=``, ``>=``: NULL on either side is UNKNOWN; different classes are FALSE;
   strings order by UTF-16 code units and booleans FALSE < TRUE when both sides are properties
   (a string/boolean *literal* operand is a parse error, as in Artemis). Doubles order like
@@ -64,13 +64,41 @@ Semantics copied from Artemis (some differ from a literal reading of JMS/SQL)
   there (``parse_selector``); queue filters go through ``FilterImpl.createFilter`` which trims and
   treats blank as "no filter" (``compile_filter``).
 
-Identifiers (``SelectorTranslator.convertToActiveMQFilterString`` + ``FilterImpl`` +
-``AMQPMessage.getObjectPropertyForFilter``/``getObjectProperty``): see ``_IDENTIFIERS`` below.
-JMS header names are first renamed (JMSDeliveryMode->AMQDurable, JMSPriority->AMQPriority,
-JMSTimestamp->AMQTimestamp, JMSMessageID->AMQUserID, JMSExpiration->AMQExpiration,
-JMSXGroupID->AMQGroupID) and the string literals 'PERSISTENT'/'NON_PERSISTENT' become
-'DURABLE'/'NON_DURABLE'. Artemis does this rename on the text; we do it on tokens, which differs
-only inside double-quoted identifiers that merely *contain* such a name.
+Identifiers
+-----------
+Found in Artemis: ``artemis-commons/.../utils/SelectorTranslator.java`` (renames applied to the
+selector text on the AMQP attach path, ``AMQPSessionCallback.createSender``),
+``artemis-server/.../core/filter/impl/FilterImpl.java`` (``getHeaderFieldValue`` for names
+starting with ``AMQ``; a NULL answer falls through) and ``artemis-protocols/artemis-amqp-protocol
+/.../broker/AMQPMessage.java`` (``getObjectPropertyForFilter``, ``getObjectProperty``,
+``getApplicationObjectProperty``) with ``converter/AMQPMessageIdHelper.java``:
+
+==========================  ==============================================================
+JMSDeliveryMode/AMQDurable  'DURABLE' if header.durable else 'NON_DURABLE'; the literals
+                            'PERSISTENT'/'NON_PERSISTENT' anywhere become 'DURABLE'/'NON_DURABLE'
+JMSPriority/AMQPriority     Integer min(header.priority, 9), default 4
+JMSTimestamp/AMQTimestamp   Long properties.creation-time, default 0
+JMSExpiration/AMQExpiration Long: absolute-expiry-time if > 0, else arrival + ttl, else 0
+JMSMessageID/AMQUserID      message-id's toString (binary as proton-j Binary.toString),
+                            prefixed with "ID:" unless it has it; none: the
+                            NATIVE_MESSAGE_ID application property
+JMSXGroupID/AMQGroupID      properties.group-id
+AMQSize / AMQAddress        encoded length (Integer) / properties.to
+JMSType                     properties.subject (never the application property)
+JMSCorrelationID            string as is (an "ID:AMQP_..." one gets "ID:AMQP_STRING:" in
+                            front); uuid -> "ID:AMQP_UUID:<uuid>"; ulong ->
+                            "ID:AMQP_ULONG:<n>"; binary -> opaque bytes
+JMSXUserID                  properties.user-id decoded as UTF-8
+JMSXGroupSeq                Integer properties.group-sequence, default 0
+"m.<key>"                   message annotation <key> (``_AMQ_A_B`` tries ``x-opt-A-B`` first);
+                            needs a quoted identifier since ``.`` is not an identifier char
+anything else               application property (string keys only)
+==========================  ==============================================================
+
+JMSRedelivered, JMSDestination, JMSReplyTo, JMSXDeliveryCount are not mapped by Artemis: they
+are looked up as application properties, as there. Artemis renames on the text; we rename
+tokens, which differs only inside a double-quoted identifier that merely *contains* such a name.
+Note: in the AMQP properties list creation-time is field 9 (absolute-expiry-time is 8).
 
 Where we chose (differences from Artemis, all deliberate)
 ---------------------------------------------------------
@@ -773,6 +801,9 @@ _Tok = tuple
 def _tokenize(text: str, err: Callable[[str, int], SelectorError]) -> list[_Tok]:
     toks: list[_Tok] = []
     i, n = 0, len(text)
+    # Where the next end of line / "*/" is: cached so that 64 KiB of "--" or "/*" without an
+    # end costs one scan, not one per occurrence (n is "none left").
+    eol = eoc = -1
     while i < n:
         c = text[i]
         if c in _WS:
@@ -780,14 +811,18 @@ def _tokenize(text: str, err: Callable[[str, int], SelectorError]) -> list[_Tok]
             continue
         if c == "-" and text.startswith("--", i):
             # JavaCC LINE_COMMENT needs its end of line; without one the dashes are operators.
-            ends = [j for j in (text.find("\n", i), text.find("\r", i)) if j >= 0]
-            if ends:
-                i = min(ends) + 1
+            if eol < i:
+                ends = [j for j in (text.find("\n", i), text.find("\r", i)) if j >= 0]
+                eol = min(ends) if ends else n
+            if eol < n:
+                i = eol + 1
                 continue
         if c == "/" and text.startswith("/*", i):
-            j = text.find("*/", i + 2)
-            if j >= 0:
-                i = j + 2
+            if eoc < i + 2:
+                eoc = text.find("*/", i + 2)
+                eoc = n if eoc < 0 else eoc
+            if eoc < n:
+                i = eoc + 2
                 continue
         if c == "'" or c == '"':
             j, parts = i + 1, []
@@ -844,12 +879,19 @@ def _number(kind: str, s: str, pos: int, err) -> Any:
         return float(s)
     if kind == "DEC":
         digits = s.rstrip("lL")
+        if len(digits) > 19:
+            # Too big for a long: BigDecimal, then `longValue()` (the low 64 bits) decides
+            # whether it is an int. Reduced chunk by chunk: int() refuses > 4300 digits.
+            low = 0
+            for k in range(0, len(digits), 18):
+                chunk = digits[k : k + 18]
+                low = (low * 10 ** len(chunk) + int(chunk)) & 0xFFFFFFFFFFFFFFFF
+            if -0x80000000 <= _wrap64(low) <= 0x7FFFFFFF:
+                return Int(_wrap32(low))
+            return Decimal(digits)
         v = int(digits)
         if v > 0x7FFFFFFFFFFFFFFF:
-            # Too big for a long: BigDecimal, then `longValue()` decides whether it is an int.
-            if -0x80000000 <= _wrap64(v) <= 0x7FFFFFFF:
-                return Int(_wrap32(v))
-            return Decimal(digits)
+            return Decimal(digits)  # 19 digits beyond the long range (wraps outside int)
     else:
         v = int(s[2:], 16) if kind == "HEX" else int(s, 8)
         if v > 0x7FFFFFFFFFFFFFFF:
@@ -866,18 +908,29 @@ _BOOL, _PROP, _CONST, _EXPR = "boolean", "identifier", "constant", "expression"
 
 class _N:
     """A compiled node. ``kind`` drives Artemis's parse-time checks; TRUE/FALSE/NULL are both
-    constants and booleans (``BooleanConstantExpression``), so they carry ``bconst``."""
+    constants and booleans (``BooleanConstantExpression``), so they carry ``bconst``.
 
-    __slots__ = ("kind", "fn", "value", "bconst", "depth", "logic", "children")
+    An AND/OR node keeps its operands in ``children`` and grows in place while the parser reads
+    a chain (``a OR b OR c ...``, as LogicExpression.addExpression does); its closure is built
+    on first use of ``fn``, so a chain of n operands costs O(n), not O(n**2)."""
+
+    __slots__ = ("kind", "_fn", "value", "bconst", "depth", "logic", "children")
 
     def __init__(self, kind, fn, depth, value=None, bconst=False):
         self.kind = kind
-        self.fn = fn
+        self._fn = fn
         self.depth = depth
         self.value = value
         self.bconst = bconst
         self.logic = None
         self.children = None
+
+    @property
+    def fn(self) -> Callable[[Any], Any]:
+        if self._fn is None:
+            make = _or_fn if self.logic == "OR" else _and_fn
+            self._fn = make([c.fn for c in self.children])
+        return self._fn
 
     def is_const(self) -> bool:
         return self.kind == _CONST or self.bconst
@@ -1003,13 +1056,14 @@ class _Parser:
     def logic(self, op: str, left: _N, right: _N, pos: int) -> _N:
         left = self.as_bool(left, pos)
         right = self.as_bool(right, pos)
-        if left.logic == op:  # LogicExpression flattens left-nested chains
-            children = left.children + [right]
-        else:
-            children = [left, right]
-        n = self.node(_BOOL, None, *children, pos=pos)
-        n.logic, n.children = op, children
-        n.fn = (_or_fn if op == "OR" else _and_fn)([c.fn for c in children])
+        if left.logic == op and left._fn is None:  # flatten a left-nested chain in place
+            if right.depth + 1 > MAX_DEPTH:
+                raise self.err(f"expression nested deeper than {MAX_DEPTH} levels", pos)
+            left.children.append(right)
+            left.depth = max(left.depth, right.depth + 1)
+            return left
+        n = self.node(_BOOL, None, left, right, pos=pos)
+        n.logic, n.children = op, [left, right]
         return n
 
     def equal(self, left: _N, right: _N, negate: bool, pos: int) -> _N:
@@ -1194,46 +1248,39 @@ class _Parser:
         return self.node(_BOOL, fn, left, pos=pos)
 
     def unary(self) -> _N:
-        kind, value, pos, _ = self.peek()
-        self.nesting += 1
-        if self.nesting > MAX_DEPTH:
-            raise self.err(f"expression nested deeper than {MAX_DEPTH} levels", pos)
-        try:
-            if kind == "OP" and value == "+":
-                self.i += 1
-                return self.unary()  # Artemis returns the operand unchanged
-            if kind == "OP" and value == "-":
-                self.i += 1
-                n = self.unary()
-                g = n.fn
-                return self.node(_EXPR, lambda m: _negate(g(m)), n, pos=pos)
-            if kind == "KW" and value == "NOT":
-                self.i += 1
-                return self.not_(self.unary(), pos)
-            if kind == "KW" and value in ("XPATH", "XQUERY"):
-                raise self.err(f"{value} selectors are not supported", pos)
-            return self.primary()
-        finally:
-            self.nesting -= 1
-
-    def primary(self) -> _N:
+        """unaryExpr and primaryExpr in one function: one Python frame fewer per nesting level."""
         kind, value, pos, _ = self.peek()
         self.i += 1
         if kind == "STR":
             return _const_node(_TRANSLATED_LITERALS.get(value, value))
         if kind == "NUM":
             return _const_node(value)
+        if kind == "ID":
+            return _N(_PROP, _resolver(value), 1)
         if kind == "KW" and value in ("TRUE", "FALSE", "NULL"):
             return _const_node({"TRUE": True, "FALSE": False, "NULL": None}[value], boolean=True)
-        if kind == "ID":
-            n = _N(_PROP, _resolver(value), 1)
-            return n
-        if kind == "OP" and value == "(":
-            n = self.expr(1)
-            self.expect("OP", ")", what="')'")
-            return n
-        self.i -= 1
-        raise self.unexpected("an identifier, a literal or '('")
+        if kind == "KW" and value in ("XPATH", "XQUERY"):
+            raise self.err(f"{value} selectors are not supported", pos)
+        if kind not in ("OP", "KW") or value not in ("+", "-", "NOT", "("):
+            self.i -= 1
+            raise self.unexpected("an identifier, a literal or '('")
+        self.nesting += 1
+        if self.nesting > MAX_DEPTH:
+            raise self.err(f"expression nested deeper than {MAX_DEPTH} levels", pos)
+        try:
+            if value == "(":
+                n = self.expr(1)
+                self.expect("OP", ")", what="')'")
+                return n
+            if value == "+":
+                return self.unary()  # Artemis returns the operand unchanged
+            n = self.unary()
+            if value == "-":
+                g = n.fn
+                return self.node(_EXPR, lambda m: _negate(g(m)), n, pos=pos)
+            return self.not_(n, pos)
+        finally:
+            self.nesting -= 1
 
 
 # ---------------------------------------------------------------------------------------------

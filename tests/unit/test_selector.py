@@ -490,6 +490,9 @@ ERRORS = [
     ("a = 0x", "unexpected token 'x'"),
     ("a = 1.2.3", "unexpected token '.3'"),
     ("a = 0xFFFFFFFFFFFFFFFF", "does not fit a long"),
+    ("a = 1.5F", "unexpected token 'F'"),  # Artemis has no F/D suffixes
+    ("a = 1.5D", "unexpected token 'D'"),
+    ("a = 0L", "unexpected token 'L'"),  # 0 is an octal literal: no L suffix
     ("a = 1 -- no newline", "unexpected token 'newline'"),
     ("XPATH '//x'", "XPATH selectors are not supported"),
     ("hyphenated_props:a-b = 1", "prefix 'hyphenated_props:' is not supported"),
@@ -555,9 +558,34 @@ def test_depth_just_inside_the_limit_works():
     assert sel.evaluate(M) is ((depth - 2) % 2 == 0)
 
 
+def test_deepest_selector_fits_a_busy_stack():
+    # ~3 Python frames per nesting level when parsing, 1 when evaluating: a selector just
+    # inside MAX_DEPTH must still work when the caller already sits 250 frames deep.
+    text = "i = (" * (MAX_DEPTH - 1) + "5" + ")" * (MAX_DEPTH - 1)
+
+    def at_depth(n):
+        if n:
+            return at_depth(n - 1)
+        return parse_selector(text).evaluate(M)
+
+    assert at_depth(250) is False  # (i = (5 = (5 = ...))): Integer vs Boolean is FALSE
+
+
 def test_long_flat_or_chain_is_fine():
-    text = " OR ".join(f"i = {n}" for n in range(2000))
+    text = " OR ".join(f"i = {n}" for n in range(5000))  # built in O(n): was O(n**2)
     assert parse_selector(text).matches(M)
+    assert parse_selector("(i = 1 OR i = 2) OR (i = 5 OR i = 3) AND TRUE").matches(M)
+
+
+def test_huge_literals_and_unclosed_comments():
+    # int() refuses more than 4300 decimal digits: the literal must still parse (BigDecimal)
+    assert ev("i = " + "9" * 60000) is False
+    assert ev("i < 1" + "0" * 5000 + ".5") is True
+    assert ev("i = 18446744073709551621") is True  # BigDecimal whose low 64 bits are 5 -> Int 5
+    # many comment openers without a closer: one scan each, then a clean SelectorError
+    for text in ("i = 1 " + "--" * 30000, "/*" * 30000):
+        with pytest.raises(SelectorError):
+            parse_selector(text)
 
 
 # ---------------------------------------------------------------------------------------------
