@@ -49,6 +49,7 @@ from proton import TransportException, symbol
 
 from broker.amqp.codec import Described, UInt, ULong, decode as amqp_decode, encode as amqp_encode
 from broker.amqp.frames import close_frames
+from broker.amqp.txn import TXN_STATE as _TXN_STATE, TxnCoordinator, is_coordinator
 from broker.errors import DecodeError
 from broker.core.addresses import ANYCAST, MULTICAST, AddressNotFound
 from broker.core.deliveries import Outcome
@@ -360,6 +361,7 @@ class AmqpEngine:
         self.refused_links: set = set()  # raw pn_link_t* we refused, until the client detaches them
         self.limits = node.cfg.limits.for_user(self.user)
         self.user_counted = False  # counted against the user's max-connections (Node)
+        self.txn: TxnCoordinator | None = None  # once a coordinator link attaches (broker.amqp.txn)
 
     # -- bytes in / out ------------------------------------------------------------------------
     def push(self, data: bytes) -> None:
@@ -585,6 +587,11 @@ class AmqpEngine:
                 "max-links", limit, f"connection has {n} links attached"))
             return
         if link.is_receiver:
+            if is_coordinator(link):  # AMQP 1.0 §4.2: a transaction controller
+                if self.txn is None:
+                    self.txn = TxnCoordinator(self)
+                self.txn.attach(link)
+                return
             self._attach_producer(link)
         else:
             self._attach_consumer(link)
@@ -698,6 +705,8 @@ class AmqpEngine:
                 link.detach()
 
     def _forget_link(self, link: Link, *, closed: bool) -> None:
+        if self.txn is not None:
+            self.txn.forget_link(link)
         pl = self.producers.pop(link._impl, None)
         if pl is not None:
             self._fold(pl.address or "", "produce", pl)
@@ -723,6 +732,8 @@ class AmqpEngine:
         for w in [w for w in self.producers.values() if w.link.session == session] + \
                  [w for w in self.consumers.values() if w.link.session == session]:
             self._forget_link(w.link, closed=False)
+        if self.txn is not None:
+            self.txn.end_session(session)
         session.close()
 
     def _cleanup_links(self) -> None:
@@ -730,6 +741,8 @@ class AmqpEngine:
             self._forget_link(w.link, closed=False)
         for w in list(self.consumers.values()):
             self._forget_link(w.link, closed=False)
+        if self.txn is not None:
+            self.txn.connection_ended()  # after the consumers left: nothing returns to them
 
     def finish(self) -> None:
         """The socket is gone: release everything this connection held (idempotent)."""
@@ -812,13 +825,18 @@ class AmqpEngine:
             _pn_link_advance(link)
             if got < n:
                 del buf[max(got, 0):]
-            self._publish(pl, d, bytes(buf))
+            if self.txn is not None and _pn_delivery_remote_state(d) == _TXN_STATE:
+                self.txn.on_transfer(pl, d, bytes(buf))  # §4.4.1 transactional send
+            else:
+                self._publish(pl, d, bytes(buf))
             credit = _pn_link_credit(link)
             if credit < self.window >> 1:
                 _pn_link_flow(link, self.window - credit)
             return
         cl = self.consumers.get(link)
         if cl is None:
+            if self.txn is not None and self.txn.on_delivery(link, d):
+                return  # a coordinator link's declare / discharge
             # a link we refused or forgot: just settle what arrives
             if _pn_delivery_readable(d) and not _pn_delivery_partial(d):
                 n = _pn_delivery_pending(d)
@@ -845,6 +863,9 @@ class AmqpEngine:
                 disp = _pn_delivery_remote(d)
                 q.settle(sub, mid, Outcome.MODIFIED, delivery_failed=bool(lib.pn_disposition_is_failed(disp)),
                          undeliverable_here=bool(lib.pn_disposition_is_undeliverable(disp)))
+            elif state == _TXN_STATE and self.txn is not None:
+                self.txn.on_disposition(cl, d, mid)  # §4.4.2 transactional acknowledgement
+                return
             elif _pn_delivery_settled(d):
                 # settled without a terminal outcome: treat as released (§3.4)
                 q.settle(sub, mid, Outcome.RELEASED)
