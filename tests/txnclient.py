@@ -56,9 +56,10 @@ class TxClient:
     def __init__(self, url: str, timeout_s: float = 10.0):
         self.bc = BlockingConnection(url, timeout=timeout_s, allowed_mechs="PLAIN")
 
-    def declare(self) -> Txn:
+    def declare(self, *, settle_before_discharge: bool = False) -> Txn:
         t = Txn()
-        t.handle = self.bc.container.declare_transaction(self.bc.conn, handler=t)
+        t.handle = self.bc.container.declare_transaction(self.bc.conn, handler=t,
+                                                         settle_before_discharge=settle_before_discharge)
         self.bc.wait(lambda: t.declared or t.declare_failed is not None, msg="waiting for declared")
         return t
 

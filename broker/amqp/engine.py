@@ -581,7 +581,7 @@ class AmqpEngine:
         # decode every string of the attach we might log or use (UnicodeDecodeError → decode-error)
         link.name, link.remote_source.address, link.remote_target.address  # noqa: B018
         limit = self.node.cfg.max_links
-        n = len(self.producers) + len(self.consumers)
+        n = len(self.producers) + len(self.consumers) + (len(self.txn.links) if self.txn is not None else 0)
         if n >= limit:
             self._refuse(link, RESOURCE_LIMIT, self.limit_exceeded(
                 "max-links", limit, f"connection has {n} links attached"))

@@ -207,7 +207,7 @@ class TransactionTable:
     def rollback_where(self, owner: object) -> list[Discharged]:
         """Roll back the open transactions declared by ``owner`` (its coordinator link ended)."""
         out = []
-        for txn_id in [t.txn_id for t in self.open.values() if t.owner is owner]:
+        for txn_id in [t.txn_id for t in self.open.values() if t.owner == owner]:
             txn = self.open.pop(txn_id)
             self.rolled_back += 1
             out.append(txn._rollback())

@@ -169,6 +169,41 @@ def test_transactional_acks_rolled_back_return_in_order(broker):
     assert [m.delivery_count for m in got] == [1, 1, 1]
 
 
+def test_acks_settled_before_the_discharge_roll_back_in_order(broker):
+    fill(broker, "tx.presettled", ["p0", "p1", "p2"])
+    c = TxClient(url(broker))
+    r = c.bc.create_receiver("tx.presettled", credit=3)
+    t = c.declare(settle_before_discharge=True)          # the client settles its acks at once
+    for _ in range(3):
+        _, d = c.receive(r)
+        t.handle.accept(d)
+    r.close()
+    wait_for(lambda: depth(broker, "tx.presettled") == 3)
+    c.abort(t)
+    c.close()
+    got = drain(broker, "tx.presettled")
+    assert [m.body for m in got] == ["p0", "p1", "p2"] and [m.delivery_count for m in got] == [1, 1, 1]
+
+
+def test_coordinator_link_detach_rolls_back_its_transactions(broker):
+    fill(broker, "tx.coord.in", ["c0"])
+    c = TxClient(url(broker))
+    r = c.bc.create_receiver("tx.coord.in", credit=1)
+    s = c.bc.create_sender("tx.coord.out")
+    t = c.declare()
+    _, d = c.receive(r)
+    t.handle.accept(d)
+    c.send(t, s, Message(body="never"))
+    r.close()
+    ctrl = c.bc.conn._txn_ctrl                         # proton's coordinator link
+    ctrl.close()
+    c.bc.wait(lambda: ctrl.state & Endpoint.REMOTE_CLOSED)
+    got = wait_for(lambda: drain(broker, "tx.coord.in") or None)
+    assert [m.body for m in got] == ["c0"]
+    assert depth(broker, "tx.coord.out") == 0
+    c.close()
+
+
 def test_acked_messages_stay_with_the_transaction_when_the_consumer_detaches(broker):
     fill(broker, "tx.detach", ["x", "y"])
     c = TxClient(url(broker))
