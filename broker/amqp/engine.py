@@ -20,6 +20,10 @@ pushes them into the transport and then handles every collector event:
 * flow on a consumer link → the core's :class:`~broker.core.queues.Subscription` gets the credit
   and the queue dispatches; each handed-out message becomes an outgoing transfer (``_sink``);
 * a disposition from a consumer → ``Queue.settle`` with the mapped outcome (§3.4);
+* local transactions (Part 4): a sending link to a ``coordinator`` target creates the
+  connection's :class:`~broker.amqp.txn.TxnCoordinator` (``self.txn``); transfers and
+  dispositions carrying ``TransactionalState`` go to it — one attribute check on the producer
+  path, nothing on the consumer path's usual outcomes;
 * link detach / session end / connection close / transport closed → subscriptions leave their
   queues (unsettled messages return), producers stop.
 

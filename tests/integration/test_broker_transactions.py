@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -278,6 +279,9 @@ def test_transaction_limit_per_connection(broker):
     assert all(t.declared for t in txns)
     extra = c.declare()
     assert not extra.declared and extra.declare_failed.name == "amqp:resource-limit-exceeded"
+    assert "max-transactions 16 reached" in extra.declare_failed.description
+    _, text = broker.management_get("/metrics")
+    assert re.search(r'^lodestone_broker_resource_limit_exceeded_total\{limit="max-transactions"\} [1-9]', text, re.M)
     c.abort(txns[0])
     assert c.declare().declared                    # room again
     c.close()
