@@ -205,6 +205,27 @@ def test_coordinator_link_detach_rolls_back_its_transactions(broker):
     c.close()
 
 
+def test_session_end_rolls_back_the_transactions_of_its_coordinator(broker):
+    from tests.txnclient import Txn
+    fill(broker, "tx.session.in", ["s0"])
+    c = TxClient(url(broker))
+    r = c.bc.create_receiver("tx.session.in", credit=1)
+    other = c.bc.conn.session()
+    other.open()
+    t = Txn()
+    t.handle = c.bc.container.declare_transaction(other, handler=t)   # coordinator on `other`
+    c.bc.wait(lambda: t.declared)
+    _, d = c.receive(r)
+    t.handle.accept(d)
+    r.close()
+    wait_for(lambda: depth(broker, "tx.session.in") == 1)
+    other.close()
+    c.bc.wait(lambda: other.state & Endpoint.REMOTE_CLOSED)
+    got = wait_for(lambda: drain(broker, "tx.session.in") or None)
+    assert [m.body for m in got] == ["s0"] and got[0].delivery_count == 1
+    c.close()
+
+
 def test_acked_messages_stay_with_the_transaction_when_the_consumer_detaches(broker):
     fill(broker, "tx.detach", ["x", "y"])
     c = TxClient(url(broker))
