@@ -43,7 +43,6 @@ Only this module pays for that: the engine's hot path does one cheap check.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 from cproton_ffi import lib
@@ -55,8 +54,6 @@ from broker.core.transactions import (DEFAULT_MAX_TRANSACTIONS, TransactionError
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.amqp.engine import AmqpEngine, ConsumerLink, ProducerLink
-
-log = logging.getLogger("lodestone.broker.amqp")
 
 __all__ = ["TxnCoordinator", "TXN_STATE", "is_coordinator"]
 

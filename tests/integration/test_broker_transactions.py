@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from proton import Delivery, Endpoint, Message, Terminus, symbol
