@@ -78,7 +78,7 @@ def queues_view(node: "Node") -> list[dict]:
 
 
 RENDER_SLICE_QUEUES = 1000
-LIMITS = ("max-connections", "max-queues", "max-sessions", "max-links")
+LIMITS = ("max-connections", "max-queues", "max-sessions", "max-links", "max-transactions")
 _QUEUE_FAMILIES = (
     ("lodestone_broker_queue_depth", "gauge", "messages in a queue (incl. unsettled)"),
     ("lodestone_broker_queue_consumers", "gauge", "consumers on a queue"),

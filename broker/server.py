@@ -36,6 +36,7 @@ from broker.core.deliveries import DEFAULT_PRIORITY, Message
 from broker.core.filters import compile_queue_filter
 from broker.core.limits import OncePer, SourceLimiter
 from broker.logsetup import print_listening
+from broker.store.journal import GroupOp
 from broker.trioutil import Wakeup
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -91,6 +92,32 @@ class JournalStore:
     def queue_deleted(self, name: str) -> None:
         self.journal.delete_kv(QUEUES_NS, name)
         self.on_write()
+
+    # -- transactions: a commit's message operations become one GROUP record -----------------
+    def begin_group(self) -> None:
+        """Collect add/remove/count changes until :meth:`end_group` (a transaction's commit).
+
+        The collecting methods shadow the class's as instance attributes, so the writes of
+        non-transactional traffic pay nothing for this."""
+        ops: list[GroupOp] = []
+        self._group = ops
+        self.add = lambda queue, msg: ops.append(GroupOp.add(
+            queue, msg.mid, msg.body, {"address": msg.address} if msg.address != queue else None,
+            msg.delivery_count))
+        self.remove = lambda queue, msg: ops.append(GroupOp.ack(queue, msg.mid))
+        self.delivery_count_changed = lambda queue, msg: ops.append(GroupOp.count(queue, msg.mid,
+                                                                                  msg.delivery_count))
+
+    def end_group(self) -> bool:
+        """Write the collected operations as one atomic journal record; True if there were any."""
+        ops = self.__dict__.pop("_group", None)
+        for name in ("add", "remove", "delivery_count_changed"):
+            self.__dict__.pop(name, None)
+        if not ops:
+            return False
+        self.journal.append_group(ops)
+        self.on_write()
+        return True
 
 
 class Node:

@@ -20,6 +20,10 @@ pushes them into the transport and then handles every collector event:
 * flow on a consumer link → the core's :class:`~broker.core.queues.Subscription` gets the credit
   and the queue dispatches; each handed-out message becomes an outgoing transfer (``_sink``);
 * a disposition from a consumer → ``Queue.settle`` with the mapped outcome (§3.4);
+* local transactions (Part 4): a sending link to a ``coordinator`` target creates the
+  connection's :class:`~broker.amqp.txn.TxnCoordinator` (``self.txn``); transfers and
+  dispositions carrying ``TransactionalState`` go to it — one attribute check on the producer
+  path, nothing on the consumer path's usual outcomes;
 * link detach / session end / connection close / transport closed → subscriptions leave their
   queues (unsettled messages return), producers stop.
 
@@ -51,6 +55,7 @@ from proton import TransportException, symbol
 
 from broker.amqp.codec import Described, UInt, ULong, decode as amqp_decode, encode as amqp_encode
 from broker.amqp.frames import close_frames
+from broker.amqp.txn import TXN_STATE as _TXN_STATE, TxnCoordinator, is_coordinator
 from broker.errors import DecodeError
 from broker.core.addresses import ANYCAST, MULTICAST, AddressNotFound
 from broker.core.deliveries import DEFAULT_PRIORITY, Outcome
@@ -274,6 +279,17 @@ def message_absolute_expiry(data: bytes) -> int | None:
     except (IndexError, struct.error, DecodeError):
         return None
     return None
+
+
+def message_meta(data: bytes) -> tuple[bool, int, float]:
+    """``(durable, priority, expires)`` of a message arriving now: ``expires`` in ms since the
+    epoch (0: never), from ``absolute-expiry-time``, else the header's ``ttl`` counted from now
+    (§3.2.1; Artemis sets the expiration on arrival)."""
+    durable, priority, ttl = message_header(data)
+    expires = message_absolute_expiry(data) or 0
+    if ttl is not None and not expires:
+        expires = time.time() * 1000.0 + ttl
+    return durable, priority, expires
 
 
 _HEADER_CODE = 0x70
@@ -535,6 +551,7 @@ class AmqpEngine:
         self.refused_links: set = set()  # raw pn_link_t* we refused, until the client detaches them
         self.limits = node.cfg.limits.for_user(self.user)
         self.user_counted = False  # counted against the user's max-connections (Node)
+        self.txn: TxnCoordinator | None = None  # once a coordinator link attaches (broker.amqp.txn)
 
     # -- bytes in / out ------------------------------------------------------------------------
     def push(self, data: bytes) -> None:
@@ -754,12 +771,17 @@ class AmqpEngine:
         # decode every string of the attach we might log or use (UnicodeDecodeError → decode-error)
         link.name, link.remote_source.address, link.remote_target.address  # noqa: B018
         limit = self.node.cfg.max_links
-        n = len(self.producers) + len(self.consumers)
+        n = len(self.producers) + len(self.consumers) + (len(self.txn.links) if self.txn is not None else 0)
         if n >= limit:
             self._refuse(link, RESOURCE_LIMIT, self.limit_exceeded(
                 "max-links", limit, f"connection has {n} links attached"))
             return
         if link.is_receiver:
+            if is_coordinator(link):  # AMQP 1.0 §4.2: a transaction controller
+                if self.txn is None:
+                    self.txn = TxnCoordinator(self)
+                self.txn.attach(link)
+                return
             self._attach_producer(link)
         else:
             self._attach_consumer(link)
@@ -1021,6 +1043,8 @@ class AmqpEngine:
                 link.detach()
 
     def _forget_link(self, link: Link, *, closed: bool) -> None:
+        if self.txn is not None:
+            self.txn.forget_link(link)
         pl = self.producers.pop(link._impl, None)
         if pl is not None:
             self._fold(pl.address or "", "produce", pl)
@@ -1046,6 +1070,8 @@ class AmqpEngine:
         for w in [w for w in self.producers.values() if w.link.session == session] + \
                  [w for w in self.consumers.values() if w.link.session == session]:
             self._forget_link(w.link, closed=False)
+        if self.txn is not None:
+            self.txn.end_session(session)
         session.close()
 
     def _cleanup_links(self) -> None:
@@ -1053,6 +1079,8 @@ class AmqpEngine:
             self._forget_link(w.link, closed=False)
         for w in list(self.consumers.values()):
             self._forget_link(w.link, closed=False)
+        if self.txn is not None:
+            self.txn.connection_ended()  # after the consumers left: nothing returns to them
 
     def finish(self) -> None:
         """The socket is gone: release everything this connection held (idempotent)."""
@@ -1135,13 +1163,18 @@ class AmqpEngine:
             _pn_link_advance(link)
             if got < n:
                 del buf[max(got, 0):]
-            self._publish(pl, d, bytes(buf))
+            if self.txn is not None and _pn_delivery_remote_state(d) == _TXN_STATE:
+                self.txn.on_transfer(pl, d, bytes(buf))  # §4.4.1 transactional send
+            else:
+                self._publish(pl, d, bytes(buf))
             credit = _pn_link_credit(link)
             if credit < self.window >> 1:
                 _pn_link_flow(link, self.window - credit)
             return
         cl = self.consumers.get(link)
         if cl is None:
+            if self.txn is not None and self.txn.on_delivery(link, d):
+                return  # a coordinator link's declare / discharge
             # a link we refused or forgot: just settle what arrives
             if _pn_delivery_readable(d) and not _pn_delivery_partial(d):
                 n = _pn_delivery_pending(d)
@@ -1168,6 +1201,9 @@ class AmqpEngine:
                 disp = _pn_delivery_remote(d)
                 q.settle(sub, mid, Outcome.MODIFIED, delivery_failed=bool(lib.pn_disposition_is_failed(disp)),
                          undeliverable_here=bool(lib.pn_disposition_is_undeliverable(disp)))
+            elif state == _TXN_STATE and self.txn is not None:
+                self.txn.on_disposition(cl, d, mid)  # §4.4.2 transactional acknowledgement
+                return
             elif _pn_delivery_settled(d):
                 # settled without a terminal outcome: treat as released (§3.4)
                 q.settle(sub, mid, Outcome.RELEASED)
@@ -1218,11 +1254,7 @@ class AmqpEngine:
         else:
             pl.messages += 1
             pl.bytes += len(data)
-        durable, priority, ttl = message_header(data)
-        expires = message_absolute_expiry(data) or 0
-        if ttl is not None and not expires:
-            # §3.2.1 ttl: relative to when the broker got it (Artemis sets the expiration on arrival)
-            expires = time.time() * 1000.0 + ttl
+        durable, priority, expires = message_meta(data)
         stored = self.core.publish(address, data, durable, priority, expires, self.conn_id)
         self.node.messages_in += 1
         if _pn_delivery_settled(d):  # pre-settled by the producer (at-most-once): nothing to answer

@@ -25,7 +25,9 @@ words separated by ``.``); the most specific match wins, by the same rule as per
 recovery from the store. It is pure (no clock, no I/O); durability goes through an injected
 ``store`` object with ``add(queue, msg)``, ``remove(queue, msg)``,
 ``delivery_count_changed(queue, msg)``, ``queue_created(defn)`` and ``queue_deleted(name)``. A message is written once per durable queue it lands in, so the HA
-replication of the journal replays to exactly this state.
+replication of the journal replays to exactly this state. ``begin_group()`` … ``end_group()``
+brackets a transaction's commit (``broker.core.transactions``): the message adds, removes and
+count changes in between are written atomically; ``end_group`` says whether anything was.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ class Store(Protocol):
     def delivery_count_changed(self, queue: str, msg: Message) -> None: ...
     def queue_created(self, definition: dict) -> None: ...
     def queue_deleted(self, name: str) -> None: ...
+    def begin_group(self) -> None: ...
+    def end_group(self) -> bool: ...
 
 
 class NullStore:
@@ -80,6 +84,12 @@ class NullStore:
 
     def queue_deleted(self, name: str) -> None:
         pass
+
+    def begin_group(self) -> None:
+        pass
+
+    def end_group(self) -> bool:
+        return False
 
 
 @dataclass(frozen=True)

@@ -202,12 +202,13 @@ class Queue:
         self.expired = 0
         self.deleted = False
         self.owner: str | None = None  # the user whose link created it (resource limits)
+        self.held = 0  # settled inside a transaction not yet discharged (broker.core.transactions)
 
     # -- state -------------------------------------------------------------------------------
     @property
     def depth(self) -> int:
         """Messages waiting plus messages delivered and not yet settled."""
-        return len(self.messages) + sum(len(s.unacked) for s in self.subs)
+        return len(self.messages) + sum(len(s.unacked) for s in self.subs) + self.held
 
     @property
     def consumer_count(self) -> int:
@@ -515,6 +516,61 @@ class Queue:
             for m in due:
                 self._expire(m)
         return len(due)
+
+    # -- transactions (broker.core.transactions) ----------------------------------------------
+    def hold(self, sub: Subscription, mid: int) -> Message | None:
+        """A consumer settled ``mid`` inside a transaction: the message leaves the consumer (which
+        may go away meanwhile) and stays acquired until the discharge. None if not held by it."""
+        msg = sub.unacked.pop(mid, None)
+        if msg is not None:
+            self.held += 1
+        return msg
+
+    def settle_held(self, msg: Message, outcome: Outcome, *, delivery_failed: bool = False,
+                    undeliverable_here: bool = False) -> None:
+        """Commit: apply the outcome of a held message, as :meth:`settle` does."""
+        self.held -= 1
+        if self.deleted:
+            if msg.durable and self.durable:
+                self.broker.store.remove(self.name, msg)
+            return
+        if outcome is Outcome.ACCEPTED:
+            self._ack(msg)
+            return
+        if outcome is Outcome.REJECTED:
+            self._dead_letter(msg)
+            return
+        self._return_held([msg], failed=outcome is Outcome.MODIFIED and (delivery_failed or undeliverable_here))
+
+    def return_held(self, msgs: list[Message], *, failed: bool = True) -> None:
+        """Rollback: held messages return to the head of the queue in their original order,
+        ``failed`` counting one more failed delivery attempt (dead-lettered once exhausted)."""
+        self.held -= len(msgs)
+        if self.deleted:
+            for msg in msgs:
+                if msg.durable and self.durable:
+                    self.broker.store.remove(self.name, msg)
+            return
+        self._return_held(msgs, failed=failed)
+
+    def _return_held(self, msgs: list[Message], *, failed: bool) -> None:
+        back = 0
+        for msg in sorted(msgs, key=lambda m: m.mid):
+            if failed:
+                msg.delivery_count += 1
+            if self._exhausted(msg):
+                self._dead_letter(msg)
+                continue
+            if failed:
+                self._count_changed(msg)
+            self._return(msg)  # to its original place (see the module doc)
+            back += 1
+        if not failed:
+            self.released += back
+        if self.subs:
+            self.dispatch()
+        if self.browsers:
+            self._browse()
 
     # -- teardown ----------------------------------------------------------------------------
     def drain_all(self) -> list[Message]:

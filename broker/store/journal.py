@@ -21,9 +21,22 @@ UPDATE_DELIVERY_COUNT  queue str16, message_id u64, count u32
 (3)
 ADD_KV (4)             namespace str16, key str16, value (rest)
 DEL_KV (5)             namespace str16, key str16
+GROUP (6)              count u32, then ``count`` times: type u8, length u32, payload --
+                       an ADD_MESSAGE, ACK or UPDATE_DELIVERY_COUNT payload as above
 =====================  ===============================================================
 
-(``str16`` is a u16 length then UTF-8; ``bytes32`` a u32 length then bytes.) A message lives in
+(``str16`` is a u16 length then UTF-8; ``bytes32`` a u32 length then bytes.)
+
+A GROUP record is a committed transaction (AMQP 1.0 §4, ``broker.core.transactions``): every
+message add, ack and delivery-count change of one commit in **one** record, so one CRC covers
+them all and the group is atomic by construction -- recovery, a replica's ``apply`` and a torn
+tail see all of it or none of it (a torn GROUP at the end of the last segment is truncated like
+any torn record). Its operations share the group's seq and are applied in order. Work of a
+transaction that was never committed is never written. Compaction keeps a live message of a
+group under the group's seq; if several live messages share one, it writes them as one GROUP
+of ADD_MESSAGE operations (seqs stay strictly increasing on disk).
+
+A message lives in
 one queue: the broker writes one ADD_MESSAGE per queue a message was routed to. KV namespaces
 hold queue/address definitions, durable subscriptions and the router's persisted caches.
 
@@ -112,7 +125,7 @@ from broker.store.errors import (BadRecord, JournalClosed, JournalCorrupt, Journ
 
 __all__ = [
     "RecordType", "Record", "StoredMessage", "JournalConfig", "RecoveryReport", "Snapshot",
-    "Journal", "encode_record", "decode_record", "SYNC_MODES",
+    "Journal", "GroupOp", "encode_record", "decode_record", "SYNC_MODES",
 ]
 
 # -- wire format ---------------------------------------------------------------------------------
@@ -145,9 +158,12 @@ class RecordType(enum.IntEnum):
     UPDATE_DELIVERY_COUNT = 3
     ADD_KV = 4
     DEL_KV = 5
+    GROUP = 6
 
 
 _TYPES = frozenset(int(t) for t in RecordType)
+_GROUP_OP_TYPES = frozenset((RecordType.ADD_MESSAGE, RecordType.ACK, RecordType.UPDATE_DELIVERY_COUNT))
+_GROUP_OP_HEAD = struct.Struct(">BI")   # type, length
 
 
 def _str16(s: str) -> bytes:
@@ -186,6 +202,7 @@ class Record:
     namespace: str | None = None
     key: str | None = None
     value: bytes | None = None
+    ops: tuple["Record", ...] | None = None    # GROUP: its operations (each with the group's seq)
 
 
 def _payload_add_message(queue: str, message_id: int, delivery_count: int,
@@ -204,8 +221,38 @@ def _payload_kv(namespace: str, key: str, value: bytes = b"") -> bytes:
     return _str16(namespace) + _str16(key) + value
 
 
+def _payload_group(ops: list[tuple[int, bytes]]) -> bytes:
+    parts = [_U32.pack(len(ops))]
+    for rtype, payload in ops:
+        if rtype not in _GROUP_OP_TYPES:
+            raise LocalStoreError(f"record type {rtype} cannot be part of a group")
+        parts.append(_GROUP_OP_HEAD.pack(rtype, len(payload)))
+        parts.append(payload)
+    return b"".join(parts)
+
+
+def _decode_group(seq: int, payload: memoryview) -> Record:
+    (count,) = _U32.unpack_from(payload, 0)
+    pos = 4
+    ops = []
+    for _ in range(count):
+        rtype, n = _GROUP_OP_HEAD.unpack_from(payload, pos)
+        pos += _GROUP_OP_HEAD.size
+        if rtype not in _GROUP_OP_TYPES:
+            raise BadRecord(f"record type {rtype} inside a GROUP")
+        if pos + n > len(payload):
+            raise BadRecord("group operation runs past the end of the record")
+        ops.append(_decode_payload(rtype, seq, payload[pos:pos + n]))
+        pos += n
+    if pos != len(payload):
+        raise BadRecord("trailing bytes after GROUP")
+    return Record(RecordType.GROUP, seq, ops=tuple(ops))
+
+
 def _decode_payload(rtype: int, seq: int, payload: memoryview) -> Record:
     try:
+        if rtype == RecordType.GROUP:
+            return _decode_group(seq, payload)
         if rtype == RecordType.ADD_MESSAGE:
             queue, pos = _read_str16(payload, 0)
             mid, count = _ID_COUNT.unpack_from(payload, pos)
@@ -243,6 +290,57 @@ def _decode_payload(rtype: int, seq: int, payload: memoryview) -> Record:
     except (struct.error, UnicodeDecodeError, ValueError) as exc:
         raise BadRecord(f"bad {RecordType(rtype).name} payload: {exc}") from None
     raise BadRecord(f"unknown record type {rtype}")
+
+
+def _op_size(op: Record) -> int:
+    """Bytes one GROUP operation takes in its record (its share of the live bytes)."""
+    if op.type == RecordType.ADD_MESSAGE:
+        return _GROUP_OP_HEAD.size + len(_payload_add_message(op.queue, op.message_id, op.delivery_count,
+                                                              op.properties, op.body))
+    return _GROUP_OP_HEAD.size + 2 + len(op.queue.encode()) + 8 + (4 if op.type == RecordType.UPDATE_DELIVERY_COUNT else 0)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupOp:
+    """One operation of :meth:`Journal.append_group` (build with ``add`` / ``ack`` / ``count``)."""
+
+    type: RecordType
+    queue: str
+    message_id: int
+    body: bytes = b""
+    properties: Mapping[str, Any] | None = None
+    delivery_count: int = 0
+
+    @classmethod
+    def add(cls, queue: str, message_id: int, body: bytes, properties: Mapping[str, Any] | None = None,
+            delivery_count: int = 0) -> "GroupOp":
+        return cls(RecordType.ADD_MESSAGE, queue, message_id, bytes(body), dict(properties or {}), delivery_count)
+
+    @classmethod
+    def ack(cls, queue: str, message_id: int) -> "GroupOp":
+        return cls(RecordType.ACK, queue, message_id)
+
+    @classmethod
+    def count(cls, queue: str, message_id: int, delivery_count: int) -> "GroupOp":
+        return cls(RecordType.UPDATE_DELIVERY_COUNT, queue, message_id, delivery_count=delivery_count)
+
+    def payload(self) -> bytes:
+        if self.type == RecordType.ADD_MESSAGE:
+            return _payload_add_message(self.queue, self.message_id, self.delivery_count, self.properties,
+                                        self.body)
+        if self.type == RecordType.ACK:
+            return _payload_queue_id(self.queue, self.message_id)
+        return _payload_queue_id(self.queue, self.message_id) + _U32.pack(self.delivery_count)
+
+    def record(self, seq: int) -> Record:
+        if self.type == RecordType.ADD_MESSAGE:
+            return Record(self.type, seq, queue=self.queue, message_id=self.message_id,
+                          delivery_count=self.delivery_count, properties=dict(self.properties or {}),
+                          body=self.body)
+        if self.type == RecordType.ACK:
+            return Record(self.type, seq, queue=self.queue, message_id=self.message_id)
+        return Record(self.type, seq, queue=self.queue, message_id=self.message_id,
+                      delivery_count=self.delivery_count)
 
 
 def _parse_at(buf: bytes | memoryview, pos: int) -> tuple[int, int, int] | str:
@@ -581,7 +679,23 @@ class Journal:
             self._state_put_kv(rec.namespace, rec.key, _KV(rec.value, rec.seq, size))
         elif t == RecordType.DEL_KV:
             self._state_del_kv(rec.namespace, rec.key)
+        elif t == RecordType.GROUP:
+            for op in rec.ops or ():
+                self._apply_op(op, _op_size(op))
         self._last_seq = rec.seq
+
+    def _apply_op(self, rec: Record, size: int) -> None:
+        """One operation of a GROUP record (the record's own seq is set by the caller)."""
+        t = rec.type
+        if t == RecordType.ADD_MESSAGE:
+            self._state_add(StoredMessage(rec.queue, rec.message_id, rec.body, rec.properties or {},
+                                          rec.delivery_count, rec.seq, size))
+        elif t == RecordType.ACK:
+            if not self._state_ack(rec.queue, rec.message_id):
+                self.report.orphan_records += 1
+        elif t == RecordType.UPDATE_DELIVERY_COUNT:
+            if not self._state_count(rec.queue, rec.message_id, rec.delivery_count):
+                self.report.orphan_records += 1
 
     # -- state mutations (callers hold _lock or are single-threaded) -----------------------------
     def _state_add(self, m: StoredMessage) -> None:
@@ -688,6 +802,24 @@ class Journal:
         """Delete ``key`` from ``namespace`` (a no-op on the state if absent; still a record)."""
         return self._append(RecordType.DEL_KV, _payload_kv(namespace, key),
                             lambda seq, size: self._state_del_kv(namespace, key))
+
+    def append_group(self, ops: list["GroupOp"]) -> int:
+        """Record several message operations atomically, as one GROUP record; returns its seq.
+
+        ``ops`` are :class:`GroupOp` values (``GroupOp.add`` / ``.ack`` / ``.count``), applied in
+        order. A committed transaction is one group: after a crash (or on a replica) either
+        every operation is there or none is.
+        """
+        if not ops:
+            raise LocalStoreError("an empty group")
+        encoded = [(op.type, op.payload()) for op in ops]
+        payload = _payload_group(encoded)
+
+        def mutate(seq: int, size: int) -> None:
+            for op, (_, p) in zip(ops, encoded):
+                self._apply_op(op.record(seq), _GROUP_OP_HEAD.size + len(p))
+
+        return self._append(RecordType.GROUP, payload, mutate)
 
     # -- durability -----------------------------------------------------------------------------
     @property
@@ -849,13 +981,26 @@ class Journal:
     def _encode_live(live_state, live_kv) -> list[bytes]:
         items = sorted(live_state + live_kv, key=lambda x: x[0])
         out = []
-        for seq, item in items:
+        i = 0
+        while i < len(items):
+            seq, item = items[i]
             if isinstance(item, StoredMessage):
-                out.append(encode_record(RecordType.ADD_MESSAGE, seq, _payload_add_message(
-                    item.queue, item.message_id, item.delivery_count, item.properties, item.body)))
-            else:
-                ns, k, e = item
-                out.append(encode_record(RecordType.ADD_KV, seq, _payload_kv(ns, k, e.value)))
+                # live messages of one GROUP share its seq: keep them together in one GROUP
+                j = i + 1
+                while j < len(items) and items[j][0] == seq:
+                    j += 1
+                payloads = [_payload_add_message(m.queue, m.message_id, m.delivery_count, m.properties, m.body)
+                            for _, m in items[i:j]]
+                if j - i == 1:
+                    out.append(encode_record(RecordType.ADD_MESSAGE, seq, payloads[0]))
+                else:
+                    out.append(encode_record(RecordType.GROUP, seq, _payload_group(
+                        [(RecordType.ADD_MESSAGE, p) for p in payloads])))
+                i = j
+                continue
+            i += 1
+            ns, k, e = item
+            out.append(encode_record(RecordType.ADD_KV, seq, _payload_kv(ns, k, e.value)))
         return out
 
     def _write_compacted(self, number: int, through: int, records: list[bytes]) -> int:
