@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Make ./.venv with Lodestone and its Python dependencies (idempotent; quick when already done).
 # Sourced by etc/run-local.sh and etc/run-tests.sh; `extras` selects optional dependency groups.
-# With `test` it also installs the Node client tests' npm packages (rhea, pinned by
+# With `test` it also installs the Node client tests' npm packages (rhea and minimist, pinned by
 # clients/node/package-lock.json) with `npm ci`, when npm is on PATH (etc/run-tests.sh puts it there).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

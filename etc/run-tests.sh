@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone on a bare machine. Installs what the tests need:
 # the Python dependencies (into ./.venv), a Redis server (Debian's redis-server, when missing),
-# Node.js and npm (Debian's nodejs and npm, when missing) and rhea for the Node client tests
+# Node.js and npm (Debian's nodejs and npm, when missing) and rhea (+ minimist) for the Node client tests
 # (`npm ci` in clients/node, from its package-lock.json; see etc/bootstrap.sh).
 # Extra arguments go to pytest (e.g. `bash etc/run-tests.sh tests/unit -x`).
 set -euo pipefail
