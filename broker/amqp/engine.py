@@ -1214,43 +1214,43 @@ class AmqpEngine:
         elif _pn_delivery_settled(d):
             _pn_delivery_settle(d)
 
+    def relay_address(self, pl: ProducerLink, data: bytes) -> tuple[str | None, tuple[str, str] | None]:
+        """The anonymous relay (§3.2.4 ``to``): ``(address, None)`` where this producer may send the
+        message, else ``(None, (condition, description))``. Counts the message's activity."""
+        try:
+            address = message_to(data)
+        except Exception as exc:  # proton's MessageException family, or UnicodeDecodeError
+            self.node.counters["message_decode_error"] += 1
+            log.info("message rejected: cannot decode its properties", extra={"fields": {
+                "conn": self.conn_id, "user": self.user, "source": self.source, "error": type(exc).__name__}})
+            return None, (DECODE_ERROR, "message properties cannot be decoded (anonymous relay needs 'to')")
+        if not address:
+            return None, ("amqp:precondition-failed", "anonymous relay needs the message 'to' field")
+        rt = None
+        if self.prefixes:
+            address, rt = self._strip_prefix(address)
+        ok = pl.allowed.get(address)
+        if ok is None:
+            err = self._resolve(address, rt, "send")
+            if len(pl.allowed) < 1024:
+                pl.allowed[address] = err is None
+            if err:
+                return None, err
+        elif not ok:
+            return None, (UNAUTHORIZED, f"may not send to {address!r}")
+        # per-message activity for the relay goes straight to the connection's folded counters
+        acc = self.activity_done.setdefault((address, "produce"), [0, 0])
+        acc[0] += 1
+        acc[1] += len(data)
+        return address, None
+
     def _publish(self, pl: ProducerLink, d, data: bytes) -> None:
         address = pl.address
         if address is None:
-            # anonymous relay: the address is the message's 'to'
-            try:
-                address = message_to(data)
-            except Exception as exc:  # proton's MessageException family, or UnicodeDecodeError
-                self.node.counters["message_decode_error"] += 1
-                log.info("message rejected: cannot decode its properties", extra={"fields": {
-                    "conn": self.conn_id, "user": self.user, "source": self.source,
-                    "error": type(exc).__name__}})
-                self._reject(d, DECODE_ERROR, "message properties cannot be decoded (anonymous relay "
-                                              "needs 'to')")
+            address, err = self.relay_address(pl, data)
+            if err is not None:
+                self._reject(d, *err)
                 return
-            if not address:
-                self._reject(d, "amqp:precondition-failed", "anonymous relay needs the message 'to' field")
-                return
-            if self.prefixes:
-                address, rt = self._strip_prefix(address)
-            else:
-                rt = None
-            ok = pl.allowed.get(address)
-            if ok is None:
-                err = self._resolve(address, rt, "send")
-                ok = err is None
-                if len(pl.allowed) < 1024:
-                    pl.allowed[address] = ok
-                if err:
-                    self._reject(d, *err)
-                    return
-            elif not ok:
-                self._reject(d, UNAUTHORIZED, f"may not send to {address!r}")
-                return
-            # per-message activity for the relay goes straight to the connection's folded counters
-            acc = self.activity_done.setdefault((address, "produce"), [0, 0])
-            acc[0] += 1
-            acc[1] += len(data)
         else:
             pl.messages += 1
             pl.bytes += len(data)

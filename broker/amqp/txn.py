@@ -235,7 +235,7 @@ class TxnCoordinator:
     # -- transactional sends ------------------------------------------------------------------
     def on_transfer(self, pl: "ProducerLink", d, data: bytes) -> None:
         """A transfer carrying TransactionalState: hold it in its transaction (§4.4.1)."""
-        from broker.amqp.engine import UNAUTHORIZED, message_meta, message_to
+        from broker.amqp.engine import message_meta
         engine = self.engine
         dw = Delivery.wrap(d)
         state = dw.remote.data or []
@@ -248,31 +248,11 @@ class TxnCoordinator:
         address = pl.address
         if address is None:
             # anonymous relay: as AmqpEngine._publish, but a refusal also dooms the transaction
-            try:
-                address = message_to(data)
-            except Exception:
-                address = None
-            err = None
-            rt = None
-            if address and engine.prefixes:
-                address, rt = engine._strip_prefix(address)
-            if not address:
-                err = ("amqp:precondition-failed", "anonymous relay needs a decodable message 'to' field")
-            else:
-                ok = pl.allowed.get(address)
-                if ok is None:
-                    err = engine._resolve(address, rt, "send")
-                    if len(pl.allowed) < 1024:
-                        pl.allowed[address] = err is None
-                elif not ok:
-                    err = (UNAUTHORIZED, f"may not send to {address!r}")
+            address, err = engine.relay_address(pl, data)
             if err is not None:
                 txn.mark_rollback_only(f"a send was refused ({err[0]}: {err[1]})")
                 engine._reject(d, *err)
                 return
-            acc = engine.activity_done.setdefault((address, "produce"), [0, 0])
-            acc[0] += 1
-            acc[1] += len(data)
         else:
             pl.messages += 1
             pl.bytes += len(data)

@@ -362,35 +362,22 @@ class Broker:
         """
         addr = self.addresses.get(address)
         if self.wildcard_addresses:
-            return self._publish_wild(address, addr, body, durable, priority, expires, origin)
-        if addr is None or not addr.queues:
-            self.dropped_unrouted += 1
-            return False
+            wild = self._routes.get(address)
+            if wild is None:
+                match = self.wildcards.match
+                wild = tuple(w for name, w in self.wildcard_addresses.items()
+                             if name != address and match(name, address))
+                if len(self._routes) > 10_000:
+                    self._routes.clear()
+                self._routes[address] = wild
+            targets = ((addr,) if addr is not None else ()) + wild
+        elif addr is None:
+            targets = ()
+        else:
+            targets = (addr,)
         stored = False
         routed = False
-        for q in addr.queues.values():
-            msg = Message(self.next_mid(), body, durable, address, 0, priority, expires, origin)
-            if q.filter is not None and not q.filter(msg):
-                continue
-            routed = True
-            if q.enqueue(msg):
-                stored = True
-        if not routed:
-            self.dropped_unrouted += 1
-        return stored
-
-    def _publish_wild(self, address: str, addr: Address | None, body: bytes, durable: bool, priority: int,
-                      expires: float, origin: object) -> bool:
-        wild = self._routes.get(address)
-        if wild is None:
-            match = self.wildcards.match
-            wild = tuple(w for name, w in self.wildcard_addresses.items() if name != address and match(name, address))
-            if len(self._routes) > 10_000:
-                self._routes.clear()
-            self._routes[address] = wild
-        stored = False
-        routed = False
-        for a in ((addr,) if addr is not None else ()) + wild:
+        for a in targets:
             for q in a.queues.values():
                 msg = Message(self.next_mid(), body, durable, address, 0, priority, expires, origin)
                 if q.filter is not None and not q.filter(msg):
