@@ -13,6 +13,7 @@ from proton.reactor import Container, Copy, DurableSubscription, Filter, LinkOpt
 from proton.utils import BlockingConnection, LinkDetached
 
 from tests.brokerproc import BrokerProcess, start_broker, wait_for, write_users_file
+from tests.integration.test_broker_durability import journal_synced
 
 pytestmark = pytest.mark.slow
 
@@ -201,6 +202,8 @@ def test_durable_subscription_selector_survives_a_restart(tmp_path):
         r = c.create_receiver("news.durable", name="reds", options=[DurableSubscription(), Selector("color = 'red'")])
         r.link.detach()  # a detach (not a close) keeps the durable subscription
         c.close()
+        # a queue definition is durable once the group commit after it ran (docs/broker.md)
+        wait_for(lambda: journal_synced(b), 10)
         b.kill()  # SIGKILL: the subscription's definition (and its selector) must be in the journal
         b = BrokerProcess(b.workdir, b.config_path)
         b.start()
