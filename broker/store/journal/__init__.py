@@ -62,12 +62,13 @@ from broker.store.errors import JournalClosed, JournalFailed, LocalStoreError
 # (tests use _parse_at and _payload_group, and replace _datasync), so every import keeps working.
 from broker.store.journal.compaction import Compaction, _encode_live
 from broker.store.journal.config import SYNC_MODES, JournalConfig
-from broker.store.journal.records import (FLAG_COMPACTED, MAX_PAYLOAD_BYTES, REC_HEADER_BYTES, SEG_HEADER_BYTES,
-                                          GroupOp, Record, RecordType, _decode_group, _decode_payload,
-                                          _GROUP_OP_HEAD, _op_size, _parse_at, _parse_segment_header,
-                                          _payload_add_message, _payload_group, _payload_kv, _payload_queue_id,
-                                          _read_str16, _segment_header, _str16, _U32, decode_record,
-                                          encode_record)
+from broker.store.journal.records import (_GROUP_OP_HEAD, _GROUP_OP_TYPES, _ID_COUNT, _REC_CRC, _REC_HEAD,
+                                          _SEG_HEAD, _SEG_MAGIC, _SEG_VERSION, _TYPES, _U16, _U32, _U64,
+                                          FLAG_COMPACTED, MAX_PAYLOAD_BYTES, REC_HEADER_BYTES, SEG_HEADER_BYTES,
+                                          GroupOp, Record, RecordType, _decode_group, _decode_payload, _op_size,
+                                          _parse_at, _parse_segment_header, _payload_add_message, _payload_group,
+                                          _payload_kv, _payload_queue_id, _read_str16, _segment_header, _str16,
+                                          decode_record, encode_record)
 from broker.store.journal.recovery import Recovery, RecoveryReport
 from broker.store.journal.replication import Replication, Snapshot
 from broker.store.journal.segments import (_SEG_NAME, SegmentFiles, _datasync, _fsync_dir, _Segment,
