@@ -48,6 +48,10 @@ dropped the dirty pages, so nothing can be acknowledged any more; restart and re
 
 Two locks: ``_lock`` (short, held by appends and by the ``os.write`` part of a flush) and
 ``_flush_lock`` (serialises flushers and compaction). fsync runs outside ``_lock``.
+Every module of the package keeps to it: the live state, ``_pending``, ``_total_bytes`` and
+``_last_seq`` change only under ``_lock``; the segment list, the active fd and ``_written_seq``
+only under both; ``_synced_seq`` under ``_flush_lock``. Recovery runs inside ``open``, before
+anyone else can see the journal, and takes neither.
 """
 
 from __future__ import annotations
