@@ -33,6 +33,16 @@ turns into a write. Proton's own protocol errors (garbage after the header, over
 make the transport write a Close with the error condition and report end-of-stream; the shell
 then flushes and closes this connection only.
 
+Client mode (``client=True``, :mod:`broker.amqp.peer`): the same engine is the dialling side
+of a connection to a peer broker — ``Transport(Transport.CLIENT)`` (SASL done by
+:class:`broker.amqp.sasl.SaslClient`), our Open (container-id, ``hostname``, the ``node-id``
+property) sent first. Links are opened by the owner (:meth:`AmqpEngine.open_link`) with a handler
+object that gets the link's attach/detach, flow and deliveries (``on_attached``, ``on_detached``,
+``on_flow``, ``on_delivery``) — they live in ``self.owned``, off the producer/consumer hot path.
+A link the peer attaches on its own is refused with ``amqp:not-allowed``. A failure before the
+peer's Open closes our (already sent) Open with the error; the peer's Close condition becomes
+``error``.
+
 Before the client's Open there is no connection for proton to close in every case (a frame cut
 short by EOF, a Begin before Open, a client that never sends Open): :meth:`fail_before_open`
 then makes :meth:`take_output` finish with our header (if proton has not written it yet), an
@@ -510,8 +520,10 @@ class AmqpEngine:
     """Proton engine for one accepted connection. See the module docstring."""
 
     def __init__(self, host: "EngineHost", *, conn_id: str, principal, source: str, tls: bool,
-                 wake: Callable[[], None], anycast_prefix: str = "", multicast_prefix: str = ""):
+                 wake: Callable[[], None], anycast_prefix: str = "", multicast_prefix: str = "",
+                 client: bool = False, hostname: str | None = None):
         self.host = host
+        self.client = client
         self.settings = settings = host.settings
         self._count = host.count
         self.prefixes = tuple((p, rt) for p, rt in ((anycast_prefix, ANYCAST), (multicast_prefix, MULTICAST)) if p)
@@ -529,7 +541,7 @@ class AmqpEngine:
         self._wrote_any = False  # proton's protocol header has gone out (it is the first output)
         self._fail_open: tuple[str, str] | None = None  # see fail_before_open()
 
-        self.transport = Transport(Transport.SERVER)
+        self.transport = Transport(Transport.CLIENT if client else Transport.SERVER)
         self.transport.max_frame_size = settings.max_frame_bytes
         # §2.7.1 channel-max bounds the session table proton keeps: channels 0..max-sessions,
         # i.e. one spare channel on which a client asking for one session too many is told why
@@ -554,6 +566,17 @@ class AmqpEngine:
         self.limits = settings.limits.for_user(self.user)
         self.user_counted = False  # counted against the user's max-connections (Node)
         self.txn: TxnCoordinator | None = None  # once a coordinator link attaches (broker.amqp.txn)
+        self.owned: dict = {}  # client mode: raw pn_link_t* -> the owner's handler (open_link)
+        self._session = None   # client mode: the session our owned links use
+        self.on_open: Callable[["AmqpEngine"], None] | None = None  # client mode: told after the host
+        self.remote_properties = None  # client mode: the peer's Open properties
+        if client:
+            conn = self.connection
+            conn.container = host.container_id
+            if hostname:
+                conn.hostname = hostname
+            conn.properties = {symbol("product"): "lodestone", symbol("node-id"): host.node_id}
+            conn.open()
 
     # -- bytes in / out ------------------------------------------------------------------------
     def push(self, data: bytes) -> None:
@@ -601,6 +624,14 @@ class AmqpEngine:
         """
         if self.opened or self.closed or self._fail_open is not None:
             return False
+        if self.client:  # our Open went out first: close it with the error (§2.4.1)
+            if not self.connection.state & Endpoint.LOCAL_ACTIVE:
+                return False
+            self.error = Condition(condition, description)
+            self.connection.condition = self.error
+            self.connection.close()  # (may run inside process(): proton encodes it on take_output)
+            self.wake()
+            return True
         self._fail_open = (condition, description)
         self.error = Condition(condition, description)
         self.wake()
@@ -702,7 +733,14 @@ class AmqpEngine:
         if self._fail_open is not None:
             return  # closing before open: nothing the client sent after that matters
         t = ev.type
+        if self.owned and t in (_E_LINK_REMOTE_OPEN, _E_LINK_REMOTE_CLOSE, _E_LINK_REMOTE_DETACH) \
+                and ev.link._impl in self.owned:
+            self._owned_event(t, ev.link)
+            return
         if t is _E_LINK_REMOTE_OPEN:
+            if self.client:  # a peer attaching links of its own: not (yet) something we serve
+                self._refuse(ev.link, "amqp:not-allowed", "this connection does not accept links from the peer")
+                return
             self._attach(ev.link)
         elif t is _E_LINK_REMOTE_CLOSE:
             self._detach(ev.link, closed=True)
@@ -729,6 +767,8 @@ class AmqpEngine:
         elif t is _E_CONN_REMOTE_OPEN:
             self._open(ev.connection)
         elif t is _E_CONN_REMOTE_CLOSE:
+            if self.client and self.error is None:
+                self.error = ev.connection.remote_condition
             self._cleanup_links()
             ev.connection.close()
         elif t is _E_TRANSPORT_ERROR:
@@ -737,6 +777,14 @@ class AmqpEngine:
             self._transport_done()
 
     def _open(self, conn: Connection) -> None:
+        if self.client:  # the peer answered our Open
+            self.container_id = conn.remote_container
+            self.remote_properties = conn.remote_properties
+            self.opened = True
+            self.host.connection_opened(self)
+            if self.on_open is not None:
+                self.on_open(self)
+            return
         self.container_id = conn.remote_container
         conn.remote_hostname  # noqa: B018 - decoding it checks its UTF-8 (we do not use it)
         conn.container = self.host.container_id
@@ -745,6 +793,60 @@ class AmqpEngine:
         conn.open()
         self.opened = True
         self.host.connection_opened(self)
+
+    # -- client mode: the owner's links -----------------------------------------------------
+    def open_link(self, handler, *, name: str, sender: bool, address: str, credit: int = 0) -> Link:
+        """Client mode: attach a link of ours (a sender to ``address`` at the peer, or a receiver
+        from it, granting ``credit``); ``handler`` gets its events (see the module docstring)."""
+        if not self.client:
+            raise RuntimeError("open_link is for client-mode engines")
+        if self._session is None:
+            self._session = self.connection.session()
+            self._session.open()
+        link = self._session.sender(name) if sender else self._session.receiver(name)
+        if sender:
+            link.target.address = address
+            link.source.address = name
+        else:
+            link.source.address = address
+            link.target.address = name
+        link.snd_settle_mode = Link.SND_UNSETTLED
+        link.rcv_settle_mode = Link.RCV_FIRST
+        self.owned[link._impl] = handler
+        link.open()
+        if credit:
+            link.flow(credit)
+        self._count("links_opened")
+        self.wake()  # (may run inside process(), from on_open: the events wait for the next pass)
+        return link
+
+    def close_with(self, condition: str, description: str) -> None:
+        """Close the connection with an error without handling events now (safe inside a
+        handler called by :meth:`process`); proton writes the Close on the next take_output."""
+        if self.closed:
+            return
+        if not self.opened:
+            self.fail_before_open(condition, description)
+            return
+        if self.error is None:
+            self.error = Condition(condition, description)
+        self.connection.condition = Condition(condition, description)
+        self.connection.close()
+        self.wake()
+
+    def _owned_event(self, t, link: Link) -> None:
+        handler = self.owned[link._impl]
+        if t is _E_LINK_REMOTE_OPEN:
+            # §2.6.3: a refusal is an attach with a null terminus, followed by a detach; proton
+            # shows a null terminus as one without an address (ours always have one)
+            theirs = link.remote_target if link.is_sender else link.remote_source
+            if theirs.address is not None or theirs.dynamic:
+                handler.on_attached(link)
+            return
+        del self.owned[link._impl]
+        if link.state & Endpoint.LOCAL_ACTIVE:
+            link.close()
+        handler.on_detached(link, link.remote_condition)
 
     # -- attach ----------------------------------------------------------------------------
     def _refuse(self, link: Link, condition: str, description: str) -> None:
@@ -1120,6 +1222,9 @@ class AmqpEngine:
         """Flow on a link (raw ``pn_link_t*``): a consumer's credit changed."""
         cl = self.consumers.get(link)
         if cl is None:
+            h = self.owned.get(link)
+            if h is not None:
+                h.on_flow(Link.wrap(link))
             return
         sub = cl.sub
         credit = _pn_link_credit(link)
@@ -1175,6 +1280,10 @@ class AmqpEngine:
         if cl is None:
             if self.txn is not None and self.txn.on_delivery(link, d):
                 return  # a coordinator link's declare / discharge
+            h = self.owned.get(link)
+            if h is not None:
+                h.on_delivery(Delivery.wrap(d))
+                return
             # a link we refused or forgot: just settle what arrives
             if _pn_delivery_readable(d) and not _pn_delivery_partial(d):
                 n = _pn_delivery_pending(d)

@@ -212,3 +212,110 @@ def test_engine_modules_do_not_import_the_node(module):
             imported.update(a.name for a in node.names)
     assert not imported & {"broker.node", "broker.server", "broker.management", "broker.amqp.driver"}
     assert ".node." not in (REPO / module).read_text().replace("broker.node.Node", "")
+
+
+# -- client mode: two engines, the dialling one (client=True) against an accepting one -----------
+
+class Handler:
+    """An owner's link handler: records what the engine tells it."""
+
+    def __init__(self):
+        self.attached = []
+        self.detached = []
+        self.deliveries = []
+        self.flows = 0
+
+    def on_attached(self, link):
+        self.attached.append(link)
+
+    def on_detached(self, link, condition):
+        self.detached.append(condition)
+
+    def on_flow(self, link):
+        self.flows += 1
+
+    def on_delivery(self, d):
+        self.deliveries.append((d.tag, d.remote_state))
+        d.settle()
+
+
+def pump_pair(a: AmqpEngine, b: AmqpEngine) -> None:
+    for _ in range(30):
+        x, y = a.take_output(), b.take_output()
+        if x:
+            b.push(x)
+        if y:
+            a.push(y)
+        if not x and not y:
+            return
+
+
+def client_pair(server_host=None):
+    server_host = server_host or FakeHost()
+    dialler_host = FakeHost()
+    dialler_host.container_id, dialler_host.node_id = "dialler", "dialler-node"
+    client = AmqpEngine(dialler_host, conn_id="p1", principal=None, source="amqp://peer", tls=False,
+                        wake=lambda: None, client=True, hostname="peer.example")
+    server = AmqpEngine(server_host, conn_id="s1", principal=None, source="dialler", tls=False, wake=lambda: None)
+    opened = []
+    client.on_open = opened.append
+    pump_pair(client, server)
+    return client, server, dialler_host, server_host, opened
+
+
+def test_client_mode_opens_with_our_identity_and_learns_the_peers():
+    client, server, dh, sh, opened = client_pair()
+    assert client.opened and server.opened and opened == [client]
+    assert server.container_id == "dialler" and server.connection.remote_hostname == "peer.example"
+    assert server.connection.remote_properties["node-id"] == "dialler-node"
+    assert client.container_id == "fake-container" and client.remote_properties["node-id"] == "fake-node-id"
+    assert dh.opened == [client] and sh.opened == [server]
+
+
+def test_client_mode_sender_gets_attach_flow_and_each_acceptance():
+    client, server, dh, sh, _ = client_pair()
+    h = Handler()
+    link = client.open_link(h, name="bridge-1", sender=True, address="orders")
+    pump_pair(client, server)
+    assert h.attached == [link] and link.credit > 0 and h.flows >= 1
+    for i in range(3):
+        link.delivery(b"t%d" % i)
+        link.send(Message(body=f"m{i}").encode())
+        link.advance()
+    pump_pair(client, server)
+    assert [tag for tag, _ in h.deliveries] == ["t0", "t1", "t2"]
+    assert all(state == Delivery.ACCEPTED for _, state in h.deliveries)
+    assert sh.core.queues["orders"].depth == 3 and sh.counts["messages_in"] == 3
+    assert dh.counts["links_opened"] == 1  # the dialler's own link, counted on its host
+
+
+def test_client_mode_refused_link_is_reported_detached_with_the_condition():
+    client, server, dh, sh, _ = client_pair(FakeHost(deny={("send", "secret")}))
+    h = Handler()
+    client.open_link(h, name="bridge-x", sender=True, address="secret")
+    pump_pair(client, server)
+    assert h.attached == [] and len(h.detached) == 1
+    assert h.detached[0].name == "amqp:unauthorized-access"
+    assert not client.owned
+
+
+def test_client_mode_refuses_links_the_peer_attaches():
+    client, server, dh, sh, _ = client_pair()
+    # the accepting side's proton connection attaches a link of its own towards the dialler
+    ssn = server.connection.session()
+    ssn.open()
+    snd = ssn.sender("intruder")
+    snd.target.address = "anything"
+    snd.open()
+    pump_pair(client, server)
+    assert snd.remote_condition is not None and snd.remote_condition.name == "amqp:not-allowed"
+
+
+def test_client_mode_peer_close_condition_becomes_the_error():
+    client, server, dh, sh, _ = client_pair()
+    server.abort("amqp:connection:forced", "going down")
+    pump_pair(client, server)
+    client.close_input()
+    client.take_output()
+    assert client.closed and client.error.name == "amqp:connection:forced"
+    assert dh.closed == [client]
