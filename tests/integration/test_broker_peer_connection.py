@@ -308,3 +308,43 @@ def test_amqps_peer_verified_by_its_ca(tmp_path, trusted):
             assert outcomes == {} and isinstance(events[-1], PeerGaveUp)
     finally:
         b.stop()
+
+
+def test_peer_receiver_takes_every_message_and_accepts_after_the_callback(tmp_path):
+    b = start_broker(tmp_path)
+    node = local_node(tmp_path)
+    n = 300
+    c = BlockingConnection(app_url(b), timeout=20, allowed_mechs="PLAIN")
+    try:
+        s = c.create_sender("peer.inbox")
+        for i in range(n):
+            s.send(Message(body=f"in-{i}", durable=True))
+    finally:
+        c.close()
+    got = []
+
+    def on_message(data: bytes) -> str:
+        m = Message()
+        m.decode(data)
+        got.append(m.body)
+        # the first copy of message 7 is released: it comes back and is taken again
+        return "released" if m.body == "in-7" and got.count("in-7") == 1 else "accepted"
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            peer = PeerConnection(node, b.amqp_url, credentials=APP)
+            peer.receiver("peer.inbox", on_message, credit=50)
+            nursery.start_soon(peer.run)
+            with trio.fail_after(30):
+                while len(got) < n + 1:
+                    await trio.sleep(0.02)
+            await trio.sleep(0.5)  # the last dispositions reach the broker
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+        assert sorted(set(got)) == sorted(f"in-{i}" for i in range(n))
+        assert len(got) == n + 1 and got.count("in-7") == 2
+        assert b.queue("peer.inbox")["depth"] == 0  # every one accepted
+    finally:
+        b.stop()
