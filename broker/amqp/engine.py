@@ -517,7 +517,8 @@ class ConsumerLink:
 # -- the engine ------------------------------------------------------------------------------
 
 class AmqpEngine:
-    """Proton engine for one accepted connection. See the module docstring."""
+    """Proton engine for one connection: accepted, or dialled (``client=True``). See the module
+    docstring; ``host`` is its :class:`~broker.amqp.host.EngineHost`."""
 
     def __init__(self, host: "EngineHost", *, conn_id: str, principal, source: str, tls: bool,
                  wake: Callable[[], None], anycast_prefix: str = "", multicast_prefix: str = "",

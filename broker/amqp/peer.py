@@ -24,7 +24,8 @@ Reconnecting follows Artemis's cluster-connection retry settings (:class:`RetryS
 n-th wait is ``retry-interval × multiplier^(n-1)``, at most ``max-retry-interval``;
 ``initial-connect-attempts`` bounds the attempts before the first connection ever made,
 ``reconnect-attempts`` the attempts after one was lost (-1: forever); a connection that opens
-resets the count. What happened goes to ``on_event``: :class:`PeerConnected`,
+resets the count. What happened goes to ``on_event``: :class:`PeerConnecting` (each attempt),
+:class:`PeerConnected`,
 :class:`PeerLoginRefused` (logged once per peer until a login succeeds again, then retried with
 back-off), :class:`PeerDisconnected` (with the AMQP condition: the peer's Close, ours — e.g.
 ``amqp:connection:framing-error`` for garbage, which proton or the SASL client detects and
@@ -59,7 +60,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("lodestone.broker.peer")
 
-__all__ = ["RetrySettings", "PeerConnection", "PeerSender", "PeerReceiver", "PeerConnected", "PeerDisconnected",
+__all__ = ["RetrySettings", "PeerConnection", "PeerSender", "PeerReceiver", "PeerConnecting", "PeerConnected",
+           "PeerDisconnected",
            "PeerLoginRefused", "PeerConnectFailed", "PeerGaveUp", "open_peer_connection"]
 
 _peer_ids = itertools.count(1)
@@ -97,6 +99,13 @@ class RetrySettings:
 
 
 # -- events for the owner ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PeerConnecting:
+    """An attempt starts (the first, or one after the back-off wait)."""
+
+    attempt: int
+
 
 @dataclass(frozen=True)
 class PeerConnected:
@@ -380,6 +389,7 @@ class PeerConnection:
         failures = 0
         while True:
             self.attempts += 1
+            self._emit(PeerConnecting(self.attempts))
             opened = await self._attempt(self.attempts)
             if opened:
                 failures = 0
@@ -486,6 +496,9 @@ class PeerConnection:
         finally:
             engine.finish()
             self._wakeup = None
+            for link in self.links:  # until the next connection attaches them again
+                link.attached = False
+                link._link = None
         err = engine.error
         cond = err.name if err is not None else None
         desc = err.description if err is not None else (repr(broken) if broken else None)
