@@ -24,7 +24,7 @@ Reconnecting follows Artemis's cluster-connection retry settings (:class:`RetryS
 n-th wait is ``retry-interval × multiplier^(n-1)``, at most ``max-retry-interval``;
 ``initial-connect-attempts`` bounds the attempts before the first connection ever made,
 ``reconnect-attempts`` the attempts after one was lost (-1: forever); a connection that opens
-resets the count. What happened goes to ``on_event``: :class:`PeerConnecting` (each attempt),
+resets the count. What happened goes to ``on_event``: :class:`PeerAttemptStarted` (each attempt),
 :class:`PeerConnected`,
 :class:`PeerLoginRefused` (logged once per peer until a login succeeds again, then retried with
 back-off), :class:`PeerDisconnected` (with the AMQP condition: the peer's Close, ours — e.g.
@@ -60,7 +60,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("lodestone.broker.peer")
 
-__all__ = ["RetrySettings", "PeerConnection", "PeerSender", "PeerReceiver", "PeerConnecting", "PeerConnected",
+__all__ = ["RetrySettings", "PeerConnection", "PeerSender", "PeerReceiver", "PeerAttemptStarted", "PeerConnected",
            "PeerDisconnected",
            "PeerLoginRefused", "PeerConnectFailed", "PeerGaveUp", "open_peer_connection"]
 
@@ -101,7 +101,7 @@ class RetrySettings:
 # -- events for the owner ----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class PeerConnecting:
+class PeerAttemptStarted:
     """An attempt starts (the first, or one after the back-off wait)."""
 
     attempt: int
@@ -389,7 +389,7 @@ class PeerConnection:
         failures = 0
         while True:
             self.attempts += 1
-            self._emit(PeerConnecting(self.attempts))
+            self._emit(PeerAttemptStarted(self.attempts))
             opened = await self._attempt(self.attempts)
             if opened:
                 failures = 0

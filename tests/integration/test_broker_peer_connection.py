@@ -18,7 +18,7 @@ from proton.utils import BlockingConnection
 from broker.amqp.peer import (
     PeerConnectFailed,
     PeerConnected,
-    PeerConnecting,
+    PeerAttemptStarted,
     PeerConnection,
     PeerDisconnected,
     PeerGaveUp,
@@ -125,7 +125,7 @@ def test_wrong_password_is_reported_and_retried_with_growing_intervals(tmp_path,
         # logged once per peer, not once per attempt
         assert sum("refused our login" in r.getMessage() for r in caplog.records) == 1
         # from each refusal to the next attempt: the back-off, 0.2, 0.4, 0.8, 1.0 (capped), 1.0 s
-        starts = [t for t, ev in stamps if isinstance(ev, PeerConnecting)]
+        starts = [t for t, ev in stamps if isinstance(ev, PeerAttemptStarted)]
         assert len(starts) == 6
         waits = [start - t_refused for (t_refused, _), start in zip(refused, starts[1:])]
         expected = [retry.delay_s(k) for k in range(1, 6)]
