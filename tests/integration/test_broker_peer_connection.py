@@ -7,6 +7,8 @@ unmodified python-qpid-proton client (BlockingConnection) what arrived there.
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import time
 
@@ -216,16 +218,20 @@ def test_sigkilled_peer_restarted_gets_every_unacknowledged_message_again(tmp_pa
             kill_at = n // 3 + 200
             for i in range(n):
                 snd.send(body(i), i)
-                if i % 50 == 0 and not n // 3 <= i < kill_at:
-                    await trio.sleep(0)  # let the pump run
+                if i % 50 == 0:
+                    await trio.sleep(0.001)  # let the pump run
                 if i == n // 3:  # the stream is flowing: accepted messages come back
                     with trio.fail_after(20):
                         while len(accepted) < n // 10:
                             await trio.sleep(0.005)
-                if i == kill_at:  # 200 more written in one go: they are in flight at the kill
-                    await trio.sleep(0)
+                    # freeze the broker: what we write from now on is certainly not acknowledged
+                    # when it is killed (mid-stream, with transfers on the wire)
+                    os.kill(b.proc.pid, signal.SIGSTOP)
+                if i == kill_at:
+                    await trio.sleep(0.05)
                     killed_at["accepted"] = len(accepted)
                     killed_at["unacked"] = len(snd.unacked)
+                    killed_at["in_flight"] = len(snd._transferred)  # written, not acknowledged
                     await trio.to_thread.run_sync(b.kill)
                     await trio.sleep(0.3)
                     await trio.to_thread.run_sync(b.start)
@@ -239,9 +245,10 @@ def test_sigkilled_peer_restarted_gets_every_unacknowledged_message_again(tmp_pa
     try:
         peer, snd = trio.run(main)
         assert b.port == port
-        assert killed_at["unacked"] > 0  # the kill did land with messages in flight
+        assert killed_at["in_flight"] > 0  # the kill did land with messages in flight
         connected = [e for e in events if isinstance(e, PeerConnected)]
-        assert len(connected) >= 2 and connected[-1].reconnect and connected[-1].resent > 0
+        assert len(connected) == 2 and connected[-1].reconnect
+        assert connected[-1].resent == killed_at["in_flight"]  # every one of them sent again
         assert any(isinstance(e, PeerDisconnected) for e in events)
         got = receive_all(b, "peer.crash")
         want = {f"m-{i}" for i in range(n)}
