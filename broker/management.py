@@ -34,7 +34,7 @@ from broker.http import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from broker.server import Node
+    from broker.node import Node
 
 __all__ = ["make_handler", "MANAGEMENT_ADDRESS", "openapi_document"]
 

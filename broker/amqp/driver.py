@@ -13,12 +13,13 @@ node's connection nursery, so shutdown can reach every connection). A connection
    protocol header gets our protocol header (§2.2) and a close; a malformed SASL frame (or EOF
    inside one) after our sasl-mechanisms gets ``sasl-outcome(sys-perm)``, SASL's only way to
    end an exchange (§5.3.3.6). Only this connection is affected.
-3. The AMQP engine (:class:`broker.amqp.engine.AmqpEngine`): the reader task reads the socket
-   dry each pass (one large ``receive_some``) and pushes everything into proton; a writer task
-   sends whatever proton wants to write whenever the engine (or another connection delivering
-   to one of our consumers) wakes it; a ticker runs proton's idle-timeout timer. When proton
-   closes the transport (peer Close, protocol error, idle timeout) the writer flushes the final
-   frames and the connection ends.
+3. The AMQP engine (:class:`broker.amqp.engine.AmqpEngine`, its host the node) run by
+   :func:`broker.amqp.pump.pump_engine` (shared with the peer connections this node dials): the
+   reader task reads the socket dry each pass (one large ``receive_some``) and pushes everything
+   into proton; a writer task sends whatever proton wants to write whenever the engine (or
+   another connection delivering to one of our consumers) wakes it; a ticker runs proton's
+   idle-timeout timer. When proton closes the transport (peer Close, protocol error, idle
+   timeout) the writer flushes the final frames and the connection ends.
 
 A client that has authenticated but sends no Open within ``[amqp] handshake-timeout-s`` gets
 ``Close(amqp:connection:forced)`` (after our header and a failed Open). Whenever this side ends a
@@ -41,6 +42,7 @@ import trio
 
 from broker.amqp.engine import AmqpEngine
 from broker.amqp.frames import FRAME_SASL, NEED_DATA, SASL_HEADER, SaslOutcome, encode_frame, refuse_frames
+from broker.amqp.pump import RECV_BYTES, pump_engine
 from broker.amqp.sasl import (
     AmqpHeaderReceived,
     AuthFailed,
@@ -58,15 +60,13 @@ from broker.trioutil import Wakeup
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.config import AcceptorConfig
-    from broker.server import Node
+    from broker.node import Node
 
 log = logging.getLogger("lodestone.broker.amqp")
 
 __all__ = ["serve_amqp", "handle_connection", "make_ssl_context"]
 
 HANDSHAKE_TIMEOUT_S = 10.0  # the default of [amqp] handshake-timeout-s
-RECV_BYTES = 256 * 1024
-CLOSE_GRACE_S = 5.0
 LINGER_S = 2.0
 REFUSAL_TIMEOUT_S = 2.0  # a connection over a limit gets this long to hear its refusal
 _conn_ids = itertools.count(1)
@@ -431,49 +431,8 @@ async def _pump(node: "Node", stream, conn_id: str, principal, source: str, tls:
                         multicast_prefix=acceptor.multicast_prefix if acceptor is not None else "")
     node.engine_started(engine)
     try:
-        async with trio.open_nursery() as nursery:
-
-            async def writer() -> None:
-                while True:
-                    await wakeup.wait()
-                    out = engine.take_output()
-                    if out:
-                        await stream.send_all(out)
-                    if engine.closed:
-                        nursery.cancel_scope.cancel()
-                        return
-
-            async def ticker() -> None:
-                while True:
-                    deadline = engine.tick(trio.current_time())
-                    wakeup.set()
-                    now = trio.current_time()
-                    await trio.sleep(max(deadline - now, 0.05) if deadline else 1.0)
-
-            async def open_deadline() -> None:
-                await trio.sleep(node.cfg.handshake_timeout_s)
-                if engine.fail_before_open("amqp:connection:forced",
-                                           f"no open frame within {node.cfg.handshake_timeout_s:g} s"):
-                    node.counters["open_timeout"] += 1
-
-            nursery.start_soon(writer)
-            nursery.start_soon(ticker)
-            if not engine.opened:
-                nursery.start_soon(open_deadline)
-            if leftover:
-                engine.push(leftover)
-                wakeup.set()
-            while not engine.closed:
-                data = await stream.receive_some(RECV_BYTES)
-                if not data:
-                    engine.close_input()
-                    wakeup.set()
-                    break
-                engine.push(data)
-                wakeup.set()
-            # let the writer flush proton's last frames (Close with an error, if any)
-            await trio.sleep(CLOSE_GRACE_S)
-            nursery.cancel_scope.cancel()
+        await pump_engine(engine, stream, wakeup, leftover=leftover, open_timeout_s=node.cfg.handshake_timeout_s,
+                          on_open_timeout=lambda: node.count("open_timeout"))
     except* (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError) as group:
         # the peer reset or vanished (a TLS peer without close_notify too): this connection only
         node.counters["connection_broken"] += 1

@@ -16,7 +16,7 @@ pushes them into the transport and then handles every collector event:
   then open the link; refuse with ``amqp:unauthorized-access`` / ``amqp:not-found`` otherwise;
 * a complete incoming transfer on a producer link → ``Broker.publish``; the transfer is accepted
   and settled at once, or — if the message went to the journal — after the group-commit fsync
-  that covers it (``node.await_sync``);
+  that covers it (``host.await_sync``);
 * flow on a consumer link → the core's :class:`~broker.core.queues.Subscription` gets the credit
   and the queue dispatches; each handed-out message becomes an outgoing transfer (``_sink``);
 * a disposition from a consumer → ``Queue.settle`` with the mapped outcome (§3.4);
@@ -32,6 +32,16 @@ producer's message dispatched to our consumer) marks us dirty through ``wake``, 
 turns into a write. Proton's own protocol errors (garbage after the header, oversized frames)
 make the transport write a Close with the error condition and report end-of-stream; the shell
 then flushes and closes this connection only.
+
+Client mode (``client=True``, :mod:`broker.amqp.peer`): the same engine is the dialling side
+of a connection to a peer broker — ``Transport(Transport.CLIENT)`` (SASL done by
+:class:`broker.amqp.sasl.SaslClient`), our Open (container-id, ``hostname``, the ``node-id``
+property) sent first. Links are opened by the owner (:meth:`AmqpEngine.open_link`) with a handler
+object that gets the link's attach/detach, flow and deliveries (``on_attached``, ``on_detached``,
+``on_flow``, ``on_delivery``) — they live in ``self.owned``, off the producer/consumer hot path.
+A link the peer attaches on its own is refused with ``amqp:not-allowed``. A failure before the
+peer's Open closes our (already sent) Open with the error; the peer's Close condition becomes
+``error``.
 
 Before the client's Open there is no connection for proton to close in every case (a frame cut
 short by EOF, a Begin before Open, a client that never sends Open): :meth:`fail_before_open`
@@ -63,7 +73,7 @@ from broker.core.filters import SelectorError, consumer_filter
 from broker.core.queues import Subscription
 
 if TYPE_CHECKING:  # pragma: no cover
-    from broker.server import Node
+    from broker.amqp.host import EngineHost
 
 log = logging.getLogger("lodestone.broker.amqp")
 
@@ -507,13 +517,18 @@ class ConsumerLink:
 # -- the engine ------------------------------------------------------------------------------
 
 class AmqpEngine:
-    """Proton engine for one accepted connection. See the module docstring."""
+    """Proton engine for one connection: accepted, or dialled (``client=True``). See the module
+    docstring; ``host`` is its :class:`~broker.amqp.host.EngineHost`."""
 
-    def __init__(self, node: "Node", *, conn_id: str, principal, source: str, tls: bool,
-                 wake: Callable[[], None], anycast_prefix: str = "", multicast_prefix: str = ""):
-        self.node = node
+    def __init__(self, host: "EngineHost", *, conn_id: str, principal, source: str, tls: bool,
+                 wake: Callable[[], None], anycast_prefix: str = "", multicast_prefix: str = "",
+                 client: bool = False, hostname: str | None = None):
+        self.host = host
+        self.client = client
+        self.settings = settings = host.settings
+        self._count = host.count
         self.prefixes = tuple((p, rt) for p, rt in ((anycast_prefix, ANYCAST), (multicast_prefix, MULTICAST)) if p)
-        self.core = node.core
+        self.core = host.core
         self.conn_id = conn_id
         self.principal = principal
         self.user = getattr(principal, "user", None) if principal is not None else None
@@ -527,20 +542,20 @@ class AmqpEngine:
         self._wrote_any = False  # proton's protocol header has gone out (it is the first output)
         self._fail_open: tuple[str, str] | None = None  # see fail_before_open()
 
-        self.transport = Transport(Transport.SERVER)
-        self.transport.max_frame_size = node.cfg.max_frame_bytes
+        self.transport = Transport(Transport.CLIENT if client else Transport.SERVER)
+        self.transport.max_frame_size = settings.max_frame_bytes
         # §2.7.1 channel-max bounds the session table proton keeps: channels 0..max-sessions,
         # i.e. one spare channel on which a client asking for one session too many is told why
         # (End with amqp:resource-limit-exceeded, see _slow_event); beyond it proton answers
         # with a framing error
-        self.transport.channel_max = min(node.cfg.max_sessions, 65535)
-        if node.cfg.idle_timeout_s:
-            self.transport.idle_timeout = node.cfg.idle_timeout_s
+        self.transport.channel_max = min(settings.max_sessions, 65535)
+        if settings.idle_timeout_s:
+            self.transport.idle_timeout = settings.idle_timeout_s
         self.connection = Connection()
         self.collector = Collector()
         self.connection.collect(self.collector)
         self.transport.bind(self.connection)
-        self.window = node.cfg.producer_window
+        self.window = settings.producer_window
         # keyed by the raw pn_link_t* (cffi pointers hash and compare by address)
         self.producers: dict[object, ProducerLink] = {}
         self.consumers: dict[object, ConsumerLink] = {}
@@ -549,9 +564,20 @@ class AmqpEngine:
         self.activity_done: dict[tuple[str, str], list[int]] = {}
         self.sessions = 0  # sessions open now ([amqp] max-sessions)
         self.refused_links: set = set()  # raw pn_link_t* we refused, until the client detaches them
-        self.limits = node.cfg.limits.for_user(self.user)
+        self.limits = settings.limits.for_user(self.user)
         self.user_counted = False  # counted against the user's max-connections (Node)
         self.txn: TxnCoordinator | None = None  # once a coordinator link attaches (broker.amqp.txn)
+        self.owned: dict = {}  # client mode: raw pn_link_t* -> the owner's handler (open_link)
+        self._session = None   # client mode: the session our owned links use
+        self.on_open: Callable[["AmqpEngine"], None] | None = None  # client mode: told after the host
+        self.remote_properties = None  # client mode: the peer's Open properties
+        if client:
+            conn = self.connection
+            conn.container = host.container_id
+            if hostname:
+                conn.hostname = hostname
+            conn.properties = {symbol("product"): "lodestone", symbol("node-id"): host.node_id}
+            conn.open()
 
     # -- bytes in / out ------------------------------------------------------------------------
     def push(self, data: bytes) -> None:
@@ -599,6 +625,14 @@ class AmqpEngine:
         """
         if self.opened or self.closed or self._fail_open is not None:
             return False
+        if self.client:  # our Open went out first: close it with the error (§2.4.1)
+            if not self.connection.state & Endpoint.LOCAL_ACTIVE:
+                return False
+            self.error = Condition(condition, description)
+            self.connection.condition = self.error
+            self.connection.close()  # (may run inside process(): proton encodes it on take_output)
+            self.wake()
+            return True
         self._fail_open = (condition, description)
         self.error = Condition(condition, description)
         self.wake()
@@ -621,7 +655,7 @@ class AmqpEngine:
             if out:
                 self._wrote_any = True
             out.append(close_frames(*self._fail_open, header_sent=self._wrote_any, open_sent=False,
-                                    container_id=self.node.container_id))
+                                    container_id=self.host.container_id))
             self._fail_open = None
             self._transport_done()
         elif out and not self._wrote_any:
@@ -650,7 +684,7 @@ class AmqpEngine:
         if self.closed or (self.error is not None and self.error.name == DECODE_ERROR):
             return
         # the connection's close line (Node.connection_closed) logs condition and description
-        self.node.counters["decode_error"] += 1
+        self._count("decode_error")
         self.error = Condition(DECODE_ERROR, description)
         if not self.opened:
             self.fail_before_open(DECODE_ERROR, description)
@@ -665,8 +699,7 @@ class AmqpEngine:
 
     def limit_exceeded(self, limit: str, value: int, what: str, *, log_line: bool = True) -> str:
         """Count and log one refusal by a resource limit; returns the AMQP error description."""
-        node = self.node
-        node.counters[f"resource_limit_{limit.replace('-', '_')}"] += 1
+        self._count(f"resource_limit_{limit.replace('-', '_')}")
         description = f"{what}: {limit} {value} reached"
         if log_line:
             log.info("resource limit exceeded", extra={"fields": {
@@ -701,7 +734,14 @@ class AmqpEngine:
         if self._fail_open is not None:
             return  # closing before open: nothing the client sent after that matters
         t = ev.type
+        if self.owned and t in (_E_LINK_REMOTE_OPEN, _E_LINK_REMOTE_CLOSE, _E_LINK_REMOTE_DETACH) \
+                and ev.link._impl in self.owned:
+            self._owned_event(t, ev.link)
+            return
         if t is _E_LINK_REMOTE_OPEN:
+            if self.client:  # a peer attaching links of its own: not (yet) something we serve
+                self._refuse(ev.link, "amqp:not-allowed", "this connection does not accept links from the peer")
+                return
             self._attach(ev.link)
         elif t is _E_LINK_REMOTE_CLOSE:
             self._detach(ev.link, closed=True)
@@ -712,7 +752,7 @@ class AmqpEngine:
                 self.fail_before_open(ILLEGAL_STATE, "begin received before open")
                 return
             session = ev.session
-            limit = self.node.cfg.max_sessions
+            limit = self.settings.max_sessions
             session.open()
             if self.sessions >= limit:
                 # §2.7.2/§2.7.7: answer the begin, then end the session with the error
@@ -728,6 +768,8 @@ class AmqpEngine:
         elif t is _E_CONN_REMOTE_OPEN:
             self._open(ev.connection)
         elif t is _E_CONN_REMOTE_CLOSE:
+            if self.client and self.error is None:
+                self.error = ev.connection.remote_condition
             self._cleanup_links()
             ev.connection.close()
         elif t is _E_TRANSPORT_ERROR:
@@ -736,14 +778,76 @@ class AmqpEngine:
             self._transport_done()
 
     def _open(self, conn: Connection) -> None:
+        if self.client:  # the peer answered our Open
+            self.container_id = conn.remote_container
+            self.remote_properties = conn.remote_properties
+            self.opened = True
+            self.host.connection_opened(self)
+            if self.on_open is not None:
+                self.on_open(self)
+            return
         self.container_id = conn.remote_container
         conn.remote_hostname  # noqa: B018 - decoding it checks its UTF-8 (we do not use it)
-        conn.container = self.node.container_id
+        conn.container = self.host.container_id
         conn.offered_capabilities = [symbol("ANONYMOUS-RELAY")]
-        conn.properties = {symbol("product"): "lodestone", symbol("node-id"): self.node.node_id}
+        conn.properties = {symbol("product"): "lodestone", symbol("node-id"): self.host.node_id}
         conn.open()
         self.opened = True
-        self.node.connection_opened(self)
+        self.host.connection_opened(self)
+
+    # -- client mode: the owner's links -----------------------------------------------------
+    def open_link(self, handler, *, name: str, sender: bool, address: str, credit: int = 0) -> Link:
+        """Client mode: attach a link of ours (a sender to ``address`` at the peer, or a receiver
+        from it, granting ``credit``); ``handler`` gets its events (see the module docstring)."""
+        if not self.client:
+            raise RuntimeError("open_link is for client-mode engines")
+        if self._session is None:
+            self._session = self.connection.session()
+            self._session.open()
+        link = self._session.sender(name) if sender else self._session.receiver(name)
+        if sender:
+            link.target.address = address
+            link.source.address = name
+        else:
+            link.source.address = address
+            link.target.address = name
+        link.snd_settle_mode = Link.SND_UNSETTLED
+        link.rcv_settle_mode = Link.RCV_FIRST
+        self.owned[link._impl] = handler
+        link.open()
+        if credit:
+            link.flow(credit)
+        self._count("links_opened")
+        self.wake()  # (may run inside process(), from on_open: the events wait for the next pass)
+        return link
+
+    def close_with(self, condition: str, description: str) -> None:
+        """Close the connection with an error without handling events now (safe inside a
+        handler called by :meth:`process`); proton writes the Close on the next take_output."""
+        if self.closed:
+            return
+        if not self.opened:
+            self.fail_before_open(condition, description)
+            return
+        if self.error is None:
+            self.error = Condition(condition, description)
+        self.connection.condition = Condition(condition, description)
+        self.connection.close()
+        self.wake()
+
+    def _owned_event(self, t, link: Link) -> None:
+        handler = self.owned[link._impl]
+        if t is _E_LINK_REMOTE_OPEN:
+            # §2.6.3: a refusal is an attach with a null terminus, followed by a detach; proton
+            # shows a null terminus as one without an address (ours always have one)
+            theirs = link.remote_target if link.is_sender else link.remote_source
+            if theirs.address is not None or theirs.dynamic:
+                handler.on_attached(link)
+            return
+        del self.owned[link._impl]
+        if link.state & Endpoint.LOCAL_ACTIVE:
+            link.close()
+        handler.on_detached(link, link.remote_condition)
 
     # -- attach ----------------------------------------------------------------------------
     def _refuse(self, link: Link, condition: str, description: str) -> None:
@@ -757,7 +861,7 @@ class AmqpEngine:
         link.open()
         link.close()
         self.refused_links.add(link._impl)
-        limit = self.node.cfg.max_links
+        limit = self.settings.max_links
         if len(self.refused_links) > limit and self.connection.state & Endpoint.LOCAL_ACTIVE:
             # inside process(): close without re-entering it (abort() would)
             self.error = Condition(RESOURCE_LIMIT, self.limit_exceeded(
@@ -770,7 +874,7 @@ class AmqpEngine:
     def _attach(self, link: Link) -> None:
         # decode every string of the attach we might log or use (UnicodeDecodeError → decode-error)
         link.name, link.remote_source.address, link.remote_target.address  # noqa: B018
-        limit = self.node.cfg.max_links
+        limit = self.settings.max_links
         n = len(self.producers) + len(self.consumers) + (len(self.txn.links) if self.txn is not None else 0)
         if n >= limit:
             self._refuse(link, RESOURCE_LIMIT, self.limit_exceeded(
@@ -811,7 +915,6 @@ class AmqpEngine:
     def _attach_producer(self, link: Link) -> None:
         rtgt = link.remote_target
         asked = rtgt.address
-        node = self.node
         caps = _capabilities(rtgt)
         if rtgt.dynamic:
             self._refuse(link, NOT_IMPLEMENTED, "a dynamic target (a sender creating a temporary node) is not "
@@ -836,16 +939,16 @@ class AmqpEngine:
         pl.routing_type = rt if address else None
         self.producers[link._impl] = pl
         link.flow(self.window)
-        node.links_opened += 1
+        self._count("links_opened")
 
     def _resolve(self, address: str, routing_type: str | None, permission: str) -> tuple[str, str] | None:
         """Check ``permission`` on ``address`` and make it exist; an error tuple or None."""
-        node = self.node
-        if not node.authorize(self.principal, permission, address):
+        host = self.host
+        if not host.authorize(self.principal, permission, address):
             return UNAUTHORIZED, f"user {self.user or '<anonymous>'} may not {permission} on {address!r}"
         core = self.core
         need = core.needs_create(address, routing_type)
-        may_create = not need or node.authorize(self.principal, "createAddress", address)
+        may_create = not need or host.authorize(self.principal, "createAddress", address)
         if need and may_create and core.creates_queue(address, routing_type):
             err = self._queue_quota()
             if err:
@@ -858,7 +961,7 @@ class AmqpEngine:
                                       f"{address!r}")
             return NOT_FOUND, exc.description
         if need:
-            node.address_created(address)
+            host.address_created(address)
         return None
 
     def _queue_quota(self) -> tuple[str, str] | None:
@@ -949,7 +1052,7 @@ class AmqpEngine:
                            browser=browse)
         cl.sub = sub
         self.consumers[link._impl] = cl
-        self.node.links_opened += 1
+        self._count("links_opened")
         sub.credit = link.credit
         q.add_subscription(sub)
 
@@ -962,15 +1065,15 @@ class AmqpEngine:
     def _dynamic_queue(self, link: Link):
         """A dynamic source (§3.5.3 ``dynamic``): a temporary queue with a unique address that
         lives as long as the link's consumer (Artemis's temporary queue for a dynamic node)."""
-        node = self.node
+        host = self.host
         name = f"temp.{uuid.uuid4()}"
-        if not node.authorize(self.principal, "createAddress", name):
+        if not host.authorize(self.principal, "createAddress", name):
             raise _Refused(UNAUTHORIZED, f"user {self.user or '<anonymous>'} may not createAddress "
                                          f"(a temporary queue)")
         err = self._queue_quota()
         if err:
             raise _Refused(*err)
-        node.address_created(name)
+        host.address_created(name)
         return self.core.temporary_queue(name, owner=self.user)
 
     def _subscription_queue(self, link: Link, address: str, durable: bool, selector: str | None, no_local: bool):
@@ -995,7 +1098,7 @@ class AmqpEngine:
                     holder = other.owner
                     if not isinstance(holder, ConsumerLink) or holder.engine is None or holder.engine is self:
                         continue  # (the same connection twice: refused as attached already, below)
-                    if not self.node.cfg.link_stealing:
+                    if not self.settings.link_stealing:
                         raise _Refused(RESOURCE_LOCKED, f"subscription {sub_name!r} is attached by another "
                                                         f"connection (link-stealing is off)")
                     holder.engine.steal(holder, f"subscription {sub_name!r} attached by connection {self.conn_id}")
@@ -1021,7 +1124,7 @@ class AmqpEngine:
         ``amqp:link:stolen`` (§2.8.15) — the subscription itself stays (it is not closed)."""
         if self.consumers.get(cl.impl) is not cl:
             return
-        self.node.counters["links_stolen"] += 1
+        self._count("links_stolen")
         log.info("link stolen", extra={"fields": {"conn": self.conn_id, "container_id": self.container_id,
                                                    "link": cl.link.name, "why": why}})
         self._forget_link(cl.link, closed=False)
@@ -1093,7 +1196,7 @@ class AmqpEngine:
         self._cleanup_links()
         if self.error is None and self.transport.condition is not None:
             self.error = self.transport.condition
-        self.node.connection_closed(self)
+        self.host.connection_closed(self)
 
     # -- activity ------------------------------------------------------------------------------
     def take_activity(self) -> dict[tuple[str, str], list[int]]:
@@ -1120,6 +1223,9 @@ class AmqpEngine:
         """Flow on a link (raw ``pn_link_t*``): a consumer's credit changed."""
         cl = self.consumers.get(link)
         if cl is None:
+            h = self.owned.get(link)
+            if h is not None:
+                h.on_flow(Link.wrap(link))
             return
         sub = cl.sub
         credit = _pn_link_credit(link)
@@ -1175,6 +1281,10 @@ class AmqpEngine:
         if cl is None:
             if self.txn is not None and self.txn.on_delivery(link, d):
                 return  # a coordinator link's declare / discharge
+            h = self.owned.get(link)
+            if h is not None:
+                h.on_delivery(Delivery.wrap(d))
+                return
             # a link we refused or forgot: just settle what arrives
             if _pn_delivery_readable(d) and not _pn_delivery_partial(d):
                 n = _pn_delivery_pending(d)
@@ -1220,7 +1330,7 @@ class AmqpEngine:
         try:
             address = message_to(data)
         except Exception as exc:  # proton's MessageException family, or UnicodeDecodeError
-            self.node.counters["message_decode_error"] += 1
+            self._count("message_decode_error")
             log.info("message rejected: cannot decode its properties", extra={"fields": {
                 "conn": self.conn_id, "user": self.user, "source": self.source, "error": type(exc).__name__}})
             return None, (DECODE_ERROR, "message properties cannot be decoded (anonymous relay needs 'to')")
@@ -1256,12 +1366,12 @@ class AmqpEngine:
             pl.bytes += len(data)
         durable, priority, expires = message_meta(data)
         stored = self.core.publish(address, data, durable, priority, expires, self.conn_id)
-        self.node.messages_in += 1
+        self._count("messages_in")
         if _pn_delivery_settled(d):  # pre-settled by the producer (at-most-once): nothing to answer
             _pn_delivery_settle(d)
         elif stored:
             lib.pn_incref(d)  # keep the delivery alive until the fsync answer (see synced())
-            self.node.await_sync(self, d)
+            self.host.await_sync(self, d)
         else:
             _pn_delivery_update(d, _ACCEPTED)
             _pn_delivery_settle(d)

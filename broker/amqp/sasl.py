@@ -24,6 +24,24 @@ header and whatever it pipelined after it) for handing to proton's Transport (cr
 SASL layer). Mechanisms needing challenges (SCRAM, GSSAPI) are not implemented: a
 ``sasl-response`` from the client is a protocol error.
 
+Theory of operation — ``SaslClient``
+------------------------------------
+The broker's own side of a connection it dials (a cluster peer, :mod:`broker.amqp.peer`). It
+writes the SASL header at once, reads the server's SASL header and sasl-mechanisms, answers with
+one sasl-init — PLAIN with the configured credential, or ANONYMOUS without one — and reads the
+sasl-outcome::
+
+    AWAIT_HEADER --SASL hdr--> AWAIT_MECHANISMS --mechanisms (ours offered)--> AWAIT_OUTCOME
+                                  | (ours not offered: LoginRefused(SYS_PERM), FAILED)
+    AWAIT_OUTCOME --outcome ok--> DONE (LoginAccepted(leftover))
+                  --outcome ≠ ok--> FAILED (LoginRefused(code))
+
+A server that answers with anything but the SASL header raises ``NotThisProtocol``; a frame out
+of turn (a sasl-challenge: neither PLAIN nor ANONYMOUS has one) raises ``SaslProtocolError``;
+both carry ``amqp:connection:framing-error``. After ``LoginAccepted`` the stream belongs to
+proton's client Transport (created without a SASL layer), which writes the AMQP header first;
+``leftover`` holds any server bytes after the outcome.
+
 Theory of operation — ``SaslClientReplay``
 ------------------------------------------
 The router authenticates a client itself, then opens an upstream connection to a broker and
@@ -65,7 +83,8 @@ from broker.errors import (
 __all__ = [
     "SaslServer", "SaslClientReplay", "SaslHeaderReceived", "AuthRequested", "AuthFailed",
     "AmqpHeaderReceived", "NoSasl", "UpstreamAuthOk", "UpstreamAuthFailed", "parse_plain",
-    "check_protocol_header", "NEED_DATA", "SaslState",
+    "check_protocol_header", "NEED_DATA", "SaslState", "SaslClient", "SaslClientState", "LoginAccepted",
+    "LoginRefused", "plain_response",
 ]
 
 _PREFIX = b"AMQP"
@@ -126,6 +145,27 @@ class UpstreamAuthFailed:
 
     code: int
     leftover: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class LoginAccepted:
+    """The server accepted our sasl-init; ``leftover`` is any server bytes after the outcome."""
+
+    leftover: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class LoginRefused:
+    """The server refused our login (``code`` of its sasl-outcome, §5.3.3.6), or does not offer
+    our mechanism (reported as ``SYS_PERM``: retrying as-is will not help)."""
+
+    code: int
+    description: str
+
+    @property
+    def auth(self) -> bool:
+        """True for ``auth`` (bad credentials), the outcome an operator must fix."""
+        return self.code == SaslOutcome.AUTH
 
 
 class SaslState(enum.Enum):
@@ -415,3 +455,90 @@ class SaslClientReplay:
                 return UpstreamAuthFailed(perf.code, leftover)
         return NEED_DATA
 
+
+
+# -- the client ----------------------------------------------------------------------------------
+
+
+class SaslClientState(enum.Enum):
+    AWAIT_HEADER = "AWAIT_HEADER"
+    AWAIT_MECHANISMS = "AWAIT_MECHANISMS"
+    AWAIT_OUTCOME = "AWAIT_OUTCOME"
+    DONE = "DONE"
+    FAILED = "FAILED"
+
+
+_OUTCOME_TEXT = {SaslOutcome.AUTH: "authentication failed", SaslOutcome.SYS: "system error",
+                 SaslOutcome.SYS_PERM: "permanent system error", SaslOutcome.SYS_TEMP: "temporary system error"}
+
+
+def plain_response(user: str, password: str, authzid: str = "") -> bytes:
+    """A SASL PLAIN initial response (RFC 4616: ``authzid NUL authcid NUL passwd``)."""
+    return f"{authzid}\x00{user}\x00{password}".encode("utf-8")
+
+
+class SaslClient:
+    """Client side of the SASL exchange (§5.3) for connections the broker dials; see the module
+    docstring. ``credentials`` (user, password) selects PLAIN; None selects ANONYMOUS."""
+
+    def __init__(self, credentials: tuple[str, str] | None = None, *, hostname: str | None = None,
+                 max_frame_bytes: int = 65536):
+        self.mechanism = "PLAIN" if credentials is not None else "ANONYMOUS"
+        self._response = plain_response(*credentials) if credentials is not None else b""
+        self.hostname = hostname
+        self.state = SaslClientState.AWAIT_HEADER
+        self._reader = FrameReader(max(max_frame_bytes, 512))
+        self._out = bytearray(SASL_HEADER)
+        #: The mechanisms the server offered, once known.
+        self.server_mechanisms: tuple[str, ...] | None = None
+
+    def receive_data(self, data: bytes) -> None:
+        """Feed bytes received from the server."""
+        if self.state in (SaslClientState.DONE, SaslClientState.FAILED):
+            raise LocalProtocolError(f"SASL client is {self.state.value}: nothing more to read")
+        self._reader.receive_data(data)
+
+    def data_to_send(self) -> bytes:
+        """Return and clear the bytes to write to the server."""
+        out = bytes(self._out)
+        self._out.clear()
+        return out
+
+    def next_event(self):
+        """Return ``LoginAccepted``, ``LoginRefused`` or ``NEED_DATA``; raises a Remote error."""
+        r = self._reader
+        st = SaslClientState
+        if self.state is st.AWAIT_HEADER:
+            if check_protocol_header(r.peek(r.buffered), (SASL_HEADER,), b"") is None:
+                return NEED_DATA
+            r.next_protocol_header()
+            self.state = st.AWAIT_MECHANISMS
+        while self.state in (st.AWAIT_MECHANISMS, st.AWAIT_OUTCOME):
+            frame = r.next_event()
+            if frame is NEED_DATA:
+                return NEED_DATA
+            if not frame.body:
+                continue  # an empty frame (§2.3.2) carries nothing
+            perf = _decode_sasl(frame)
+            if self.state is st.AWAIT_MECHANISMS:
+                if not isinstance(perf, SaslMechanisms):
+                    raise SaslProtocolError(f"server sent {_name(perf)}, expected sasl-mechanisms")
+                self.server_mechanisms = tuple(str(m) for m in perf.sasl_server_mechanisms)
+                if self.mechanism not in self.server_mechanisms:
+                    self.state = st.FAILED
+                    return LoginRefused(SaslOutcome.SYS_PERM, f"server does not offer {self.mechanism} "
+                                                              f"(offers {', '.join(self.server_mechanisms)})")
+                self._out += encode_frame(FRAME_SASL, 0, SaslInit(Symbol(self.mechanism), self._response,
+                                                                  self.hostname))
+                self.state = st.AWAIT_OUTCOME
+            else:
+                if isinstance(perf, SaslChallenge):
+                    raise SaslProtocolError(f"server sent a sasl-challenge, which {self.mechanism} does not have")
+                if not isinstance(perf, SaslOutcome):
+                    raise SaslProtocolError(f"server sent {_name(perf)}, expected sasl-outcome")
+                if perf.code == SaslOutcome.OK:
+                    self.state = st.DONE
+                    return LoginAccepted(r.take_leftover())
+                self.state = st.FAILED
+                return LoginRefused(perf.code, _OUTCOME_TEXT.get(perf.code, f"outcome code {perf.code}"))
+        return NEED_DATA

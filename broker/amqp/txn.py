@@ -18,7 +18,7 @@ without transactions never carry it.
   the connection → rejected ``amqp:resource-limit-exceeded``.
 * **Discharge** (0x32, §4.5.3): ``fail=false`` commits, ``fail=true`` rolls back; answered
   ``accepted`` — after the journal fsync covering the commit's GROUP record when it wrote one
-  (``node.await_sync``, the producers' group commit). An unknown txn-id → rejected
+  (``host.await_sync``, the producers' group commit). An unknown txn-id → rejected
   ``amqp:transaction:unknown-id``; a commit that had to roll back (a send inside it was refused)
   → rejected ``amqp:transaction:rollback``.
 * **Transactional send** (a transfer whose state is ``TransactionalState``, 0x34, §4.4.1): held
@@ -120,7 +120,7 @@ class TxnCoordinator:
         link.open()
         link.flow(engine.window)
         self.links[link._impl] = link
-        engine.node.links_opened += 1
+        engine._count("links_opened")
 
     def forget_link(self, link: Link) -> None:
         """A coordinator link detached: its open transactions roll back."""
@@ -138,7 +138,7 @@ class TxnCoordinator:
 
     def _rolled_back(self, results) -> None:
         for r in results:
-            self.engine.node.counters["transactions_rolled_back"] += 1
+            self.engine._count("transactions_rolled_back")
             self._settle_tokens(r.tokens, committed=False)
 
     # -- deliveries on a coordinator link ------------------------------------------------------
@@ -187,7 +187,7 @@ class TxnCoordinator:
             self.engine.limit_exceeded("max-transactions", self.table.limit, "connection")
             self._answer_rejected(dw, exc.condition, exc.description)
             return
-        self.engine.node.counters["transactions_declared"] += 1
+        self.engine._count("transactions_declared")
         if dw.settled:
             dw.settle()
             return
@@ -204,22 +204,21 @@ class TxnCoordinator:
         except UnknownTransaction as exc:
             self._answer_rejected(dw, exc.condition, exc.description)
             return
-        counters = engine.node.counters
         self._settle_tokens(result.tokens, committed=result.committed)
         if not result.committed:
-            counters["transactions_rolled_back"] += 1
+            engine._count("transactions_rolled_back")
             if result.error is not None:
                 self._answer_rejected(dw, result.error.condition, result.error.description)
                 return
         else:
-            counters["transactions_committed"] += 1
-            engine.node.messages_in += result.published
+            engine._count("transactions_committed")
+            engine._count("messages_in", result.published)
         if dw.settled:
             dw.settle()
         elif result.stored:
             d = dw._impl
             lib.pn_incref(d)       # until the fsync answer (engine.synced accepts and settles it)
-            engine.node.await_sync(engine, d)
+            engine.host.await_sync(engine, d)
         else:
             dw.update(Delivery.ACCEPTED)
             dw.settle()

@@ -8,7 +8,7 @@ from proton import Collector, Connection, Delivery, Described, Message, Terminus
 
 from broker.amqp.engine import AmqpEngine
 from broker.config import load_config
-from broker.server import Node
+from broker.node import Node
 from broker.store.journal import Journal
 from tests.brokerproc import write_config
 

@@ -1,0 +1,527 @@
+"""Connections this broker dials to a peer broker (cluster bridges, later replication/mirroring).
+
+Theory of operation
+-------------------
+A :class:`PeerConnection` keeps one AMQP connection to ``amqp://host:port`` (``amqps`` with a
+CA file) alive for its owner. :meth:`PeerConnection.run` loops: dial (TCP, then TLS), log in with
+the sans-IO :class:`broker.amqp.sasl.SaslClient` (PLAIN with the cluster credential, or
+ANONYMOUS), then run a client-mode :class:`broker.amqp.engine.AmqpEngine` (its host: the node,
+or any :class:`broker.amqp.host.EngineHost`) with the same socket pump as accepted connections
+(:func:`broker.amqp.pump.pump_engine`: read the socket dry, writer on wake, proton's heartbeats
+and idle timeout through ``tick``). Our Open carries our container-id and the Open property
+``node-id``.
+
+The owner's links survive reconnects: :meth:`PeerConnection.sender` and
+:meth:`PeerConnection.receiver` register a :class:`PeerSender` / :class:`PeerReceiver` that is
+attached on every connection. A sender is at-least-once: every message stays *unacknowledged*
+until the remote settles it; ``on_outcome(token, state)`` tells the owner when it was accepted
+(or rejected/released/modified). When a connection is lost, the unacknowledged messages are sent
+again, in order, on the next one (so the remote may see duplicates; duplicate detection comes
+with the bridges), and the owner is told through ``on_event(PeerConnected(reconnect=True,
+resent=n))``.
+
+Reconnecting follows Artemis's cluster-connection retry settings (:class:`RetrySettings`): the
+n-th wait is ``retry-interval × multiplier^(n-1)``, at most ``max-retry-interval``;
+``initial-connect-attempts`` bounds the attempts before the first connection ever made,
+``reconnect-attempts`` the attempts after one was lost (-1: forever); a connection that opens
+resets the count. What happened goes to ``on_event``: :class:`PeerAttemptStarted` (each attempt),
+:class:`PeerConnected`,
+:class:`PeerLoginRefused` (logged once per peer until a login succeeds again, then retried with
+back-off), :class:`PeerDisconnected` (with the AMQP condition: the peer's Close, ours — e.g.
+``amqp:connection:framing-error`` for garbage, which proton or the SASL client detects and
+answers — or none for a plain socket loss), :class:`PeerConnectFailed`, and :class:`PeerGaveUp`
+when the attempts are spent.
+
+Only this module's shell uses the clock and the network; the back-off arithmetic is pure
+(:meth:`RetrySettings.delay_s`, :meth:`RetrySettings.may_retry`).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import ssl
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+from urllib.parse import urlsplit
+
+import trio
+from proton import Delivery, Link
+
+from broker.amqp.engine import AmqpEngine
+from broker.amqp.pump import RECV_BYTES, pump_engine
+from broker.amqp.sasl import NEED_DATA, LoginAccepted, LoginRefused, SaslClient
+from broker.errors import RemoteProtocolError
+from broker.trioutil import Wakeup
+
+if TYPE_CHECKING:  # pragma: no cover
+    from broker.amqp.host import EngineHost
+
+log = logging.getLogger("lodestone.broker.peer")
+
+__all__ = ["RetrySettings", "PeerConnection", "PeerSender", "PeerReceiver", "PeerAttemptStarted", "PeerConnected",
+           "PeerDisconnected",
+           "PeerLoginRefused", "PeerConnectFailed", "PeerGaveUp", "open_peer_connection"]
+
+_peer_ids = itertools.count(1)
+_OUTCOMES = {Delivery.ACCEPTED: "accepted", Delivery.REJECTED: "rejected", Delivery.RELEASED: "released",
+             Delivery.MODIFIED: "modified"}
+
+
+# -- settings (pure) -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RetrySettings:
+    """Artemis's cluster-connection retry settings (defaults as Artemis has them)."""
+
+    retry_interval_ms: int = 500
+    retry_interval_multiplier: float = 1.0
+    max_retry_interval_ms: int = 2000
+    reconnect_attempts: int = -1         # after a connection was lost; -1: forever
+    initial_connect_attempts: int = -1   # before the first connection; -1: forever
+
+    def __post_init__(self):
+        if self.retry_interval_ms < 0 or self.max_retry_interval_ms < 0:
+            raise ValueError("retry intervals must be >= 0")
+        if self.retry_interval_multiplier < 1.0:
+            raise ValueError("retry-interval-multiplier must be >= 1.0")
+
+    def delay_s(self, failures: int) -> float:
+        """The wait after the ``failures``-th failed attempt in a row (1-based), in seconds."""
+        ms = self.retry_interval_ms * self.retry_interval_multiplier ** max(failures - 1, 0)
+        return min(ms, self.max_retry_interval_ms) / 1000.0
+
+    def may_retry(self, failures: int, *, connected_before: bool) -> bool:
+        """Whether another attempt follows ``failures`` failed attempts in a row."""
+        limit = self.reconnect_attempts if connected_before else self.initial_connect_attempts
+        return limit < 0 or failures < limit
+
+
+# -- events for the owner ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PeerAttemptStarted:
+    """An attempt starts (the first, or one after the back-off wait)."""
+
+    attempt: int
+
+
+@dataclass(frozen=True)
+class PeerConnected:
+    """The peer's Open arrived. ``reconnect``: an earlier connection existed; ``resent``: the
+    messages written on an earlier connection and not acknowledged, sent again on this one."""
+
+    attempt: int
+    reconnect: bool
+    resent: int
+    container_id: str | None
+    node_id: str | None
+
+
+@dataclass(frozen=True)
+class PeerLoginRefused:
+    """The peer's SASL outcome was not ok (``auth``: wrong credential)."""
+
+    attempt: int
+    code: int
+    description: str
+
+    @property
+    def auth(self) -> bool:
+        return self.code == 1
+
+
+@dataclass(frozen=True)
+class PeerDisconnected:
+    """An open connection ended (``condition`` None: the socket just went)."""
+
+    condition: str | None
+    description: str | None
+
+
+@dataclass(frozen=True)
+class PeerConnectFailed:
+    """The attempt failed before the peer's Open (refused, TLS, garbage, timeout)."""
+
+    attempt: int
+    condition: str | None
+    description: str
+
+
+@dataclass(frozen=True)
+class PeerGaveUp:
+    """The retry settings allow no more attempts; :meth:`PeerConnection.run` returns."""
+
+    attempts: int
+
+
+# -- the owner's links -------------------------------------------------------------------------------
+
+class PeerSender:
+    """A sending link to an address at the peer; at-least-once (see the module docstring).
+
+    ``send(body, token)`` queues an encoded AMQP message; ``on_outcome(token, state)`` is called
+    once the remote settles it (``state``: accepted, rejected, released, modified). Messages not
+    settled yet are in :attr:`unacked` (token → body) and are sent again after a reconnect.
+    """
+
+    def __init__(self, peer: "PeerConnection", address: str, name: str, on_outcome: Callable[[Any, str], None]):
+        self.peer = peer
+        self.address = address
+        self.name = name
+        self.on_outcome = on_outcome
+        self.unacked: "collections.OrderedDict[Any, bytes]" = collections.OrderedDict()
+        self._queued: collections.deque = collections.deque()  # tokens waiting for credit / a link
+        self._link: Link | None = None
+        self._inflight: dict = {}   # delivery tag -> token
+        self._transferred: set = set()  # unacknowledged tokens written on some connection
+        self._tags = itertools.count(1)
+        self.attached = False
+        self.sent = 0      # transfers written (resends included)
+        self.accepted = 0
+
+    def send(self, body: bytes, token: Any) -> None:
+        """Send one encoded message; ``token`` names it in ``on_outcome`` (must be unique)."""
+        if token in self.unacked:
+            raise ValueError(f"token {token!r} is already unacknowledged")
+        self.unacked[token] = bytes(body)
+        self._queued.append(token)
+        self._pump()
+
+    # engine handler interface (client mode)
+    def on_attached(self, link: Link) -> None:
+        self.attached = True
+        self._pump()
+
+    def on_detached(self, link: Link, condition) -> None:
+        self.attached = False
+        self._link = None
+        self.peer._link_detached(self, condition)
+
+    def on_flow(self, link: Link) -> None:
+        self._pump()
+
+    def on_delivery(self, d: Delivery) -> None:
+        if not (d.updated or d.settled) or d.remote_state == Delivery.RECEIVED:
+            return
+        token = self._inflight.pop(d.tag, None)
+        state = _OUTCOMES.get(d.remote_state)
+        d.settle()
+        if token is None or state is None:
+            return
+        if state == "accepted" or state == "rejected":
+            self.unacked.pop(token, None)
+            self._transferred.discard(token)
+            if state == "accepted":
+                self.accepted += 1
+        else:  # released/modified: the remote did not take it; send it again
+            self._queued.append(token)
+        self.on_outcome(token, state)
+        self._pump()
+
+    # the connection's side
+    def _attach(self, engine: AmqpEngine) -> int:
+        """A new connection: attach again and queue every unacknowledged message (in order);
+        returns how many of them were written before (the ones sent again)."""
+        self._inflight.clear()
+        self._queued = collections.deque(self.unacked)
+        self._link = engine.open_link(self, name=self.name, sender=True, address=self.address)
+        return len(self._transferred)
+
+    def _pump(self) -> None:
+        link = self._link
+        if link is None or not self.attached:
+            return
+        moved = False
+        while self._queued and link.credit > 0:
+            token = self._queued.popleft()
+            body = self.unacked.get(token)
+            if body is None:
+                continue
+            d = link.delivery(b"%x" % next(self._tags))
+            link.send(body)
+            link.advance()
+            self._inflight[d.tag] = token
+            self._transferred.add(token)
+            self.sent += 1
+            moved = True
+        if moved:
+            self.peer._wake()
+
+
+class PeerReceiver:
+    """A receiving link from an address at the peer: ``on_message(body) -> state`` for each
+    message ("accepted" by default; "released"/"rejected" also understood); the disposition is
+    sent after the callback returns (at-least-once). Credit is topped up to ``credit``."""
+
+    def __init__(self, peer: "PeerConnection", address: str, name: str, on_message: Callable[[bytes], str | None],
+                 credit: int):
+        self.peer = peer
+        self.address = address
+        self.name = name
+        self.on_message = on_message
+        self.credit = credit
+        self._link: Link | None = None
+        self.attached = False
+        self.received = 0
+
+    def on_attached(self, link: Link) -> None:
+        self.attached = True
+
+    def on_detached(self, link: Link, condition) -> None:
+        self.attached = False
+        self._link = None
+        self.peer._link_detached(self, condition)
+
+    def on_flow(self, link: Link) -> None:
+        pass
+
+    def on_delivery(self, d: Delivery) -> None:
+        link = d.link
+        if d.partial or not d.readable:
+            return
+        body = link.recv(d.pending)
+        link.advance()
+        self.received += 1
+        state = self.on_message(body) or "accepted"
+        if not d.settled:
+            d.update({"accepted": Delivery.ACCEPTED, "released": Delivery.RELEASED,
+                      "rejected": Delivery.REJECTED}.get(state, Delivery.ACCEPTED))
+        d.settle()
+        if link.credit < self.credit // 2:
+            link.flow(self.credit - link.credit)
+        self.peer._wake()
+
+    def _attach(self, engine: AmqpEngine) -> int:
+        self._link = engine.open_link(self, name=self.name, sender=False, address=self.address, credit=self.credit)
+        return 0
+
+
+# -- the connection --------------------------------------------------------------------------------
+
+class _LoginRefused(Exception):
+    def __init__(self, ev: LoginRefused):
+        super().__init__(ev.description)
+        self.ev = ev
+
+
+class PeerConnection:
+    """One peer connection kept alive by :meth:`run` (see the module docstring).
+
+    ``url``: ``amqp://host:port`` or ``amqps://host:port`` (then ``ca_file`` verifies the peer,
+    or ``ssl_context`` is used as given). ``credentials``: (user, password) for PLAIN, None for
+    ANONYMOUS. ``on_event`` gets the connection's events (PeerConnected, …).
+    """
+
+    def __init__(self, host: "EngineHost", url: str, *, credentials: tuple[str, str] | None = None,
+                 retry: RetrySettings = RetrySettings(), ca_file: str | None = None,
+                 ssl_context: ssl.SSLContext | None = None, name: str | None = None,
+                 on_event: Callable[[object], None] | None = None):
+        parts = urlsplit(url)
+        if parts.scheme not in ("amqp", "amqps") or not parts.hostname:
+            raise ValueError(f"peer url {url!r}: expected amqp://host:port or amqps://host:port")
+        self.host = host
+        self.url = url
+        self.hostname = parts.hostname
+        self.port = parts.port or (5671 if parts.scheme == "amqps" else 5672)
+        self.tls = parts.scheme == "amqps"
+        if self.tls and ssl_context is None:
+            ssl_context = ssl.create_default_context(cafile=ca_file)
+        self.ssl_context = ssl_context
+        self.credentials = credentials
+        self.retry = retry
+        self.name = name or f"peer-{next(_peer_ids)}"
+        self.on_event = on_event or (lambda ev: None)
+        self.links: list = []
+        self.engine: AmqpEngine | None = None
+        self.attempts = 0            # every attempt made
+        self.connections = 0         # connections that opened
+        self.auth_failures = 0
+        self._auth_logged = False
+        self._wakeup: Wakeup | None = None
+        self._names = itertools.count(1)
+
+    # -- the owner's API ------------------------------------------------------------------------
+    def sender(self, address: str, on_outcome: Callable[[Any, str], None], *, name: str | None = None) -> PeerSender:
+        """A sender to ``address`` at the peer, attached on every connection (at-least-once)."""
+        s = PeerSender(self, address, name or f"{self.name}-snd-{next(self._names)}", on_outcome)
+        self._add_link(s)
+        return s
+
+    def receiver(self, address: str, on_message: Callable[[bytes], str | None], *, credit: int = 100,
+                 name: str | None = None) -> PeerReceiver:
+        """A receiver from ``address`` at the peer, attached on every connection."""
+        r = PeerReceiver(self, address, name or f"{self.name}-rcv-{next(self._names)}", on_message, credit)
+        self._add_link(r)
+        return r
+
+    @property
+    def connected(self) -> bool:
+        e = self.engine
+        return e is not None and e.opened and not e.closed
+
+    def _add_link(self, link) -> None:
+        self.links.append(link)
+        if self.connected:
+            link._attach(self.engine)
+            self._wake()
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def _link_detached(self, link, condition) -> None:
+        if condition is not None and self.engine is not None and not self.engine.closed:
+            # the peer refused or closed one of our links: the link is needed, so start over
+            log.warning("peer detached a link; reconnecting", extra={"fields": {
+                "peer": self.name, "link": link.name, "condition": condition.name,
+                "description": condition.description}})
+            self.engine.close_with("amqp:connection:forced", f"link {link.name} detached: {condition.name}")
+
+    def _emit(self, ev) -> None:
+        self.on_event(ev)
+
+    # -- the loop -------------------------------------------------------------------------------
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Connect and stay connected per :attr:`retry`; returns once the attempts are spent."""
+        task_status.started(self)
+        failures = 0
+        while True:
+            self.attempts += 1
+            self._emit(PeerAttemptStarted(self.attempts))
+            opened = await self._attempt(self.attempts)
+            if opened:
+                failures = 0
+            failures += 1
+            if not self.retry.may_retry(failures, connected_before=self.connections > 0):
+                log.warning("peer connection: giving up", extra={"fields": {
+                    "peer": self.name, "url": self.url, "attempts": self.attempts}})
+                self._emit(PeerGaveUp(self.attempts))
+                return
+            await trio.sleep(self.retry.delay_s(failures))
+
+    async def _attempt(self, attempt: int) -> bool:
+        """One connection attempt, kept up until it ends; True if the peer's Open arrived."""
+        settings = self.host.settings
+        stream = None
+        try:
+            with trio.fail_after(settings.handshake_timeout_s):
+                stream = await trio.open_tcp_stream(self.hostname, self.port)
+                try:
+                    stream.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_NODELAY, 1)
+                except OSError:
+                    pass
+                if self.tls:
+                    stream = trio.SSLStream(stream, self.ssl_context, server_hostname=self.hostname)
+                    await stream.do_handshake()
+                leftover = await self._login(stream)
+            return await self._run_engine(stream, leftover, attempt)
+        except _LoginRefused as exc:
+            self.auth_failures += 1
+            ev = PeerLoginRefused(attempt, exc.ev.code, exc.ev.description)
+            self.host.count("peer_login_refused")
+            if not self._auth_logged:  # once per peer until a login succeeds again
+                self._auth_logged = True
+                log.warning("peer refused our login (retrying with back-off; further refusals are "
+                            "counted, not logged)", extra={"fields": {
+                                "peer": self.name, "url": self.url, "code": exc.ev.code,
+                                "description": exc.ev.description}})
+            self._emit(ev)
+        except RemoteProtocolError as exc:  # garbage during the handshake: cut off
+            self.host.count("peer_protocol_error")
+            log.info("peer connection: protocol error", extra={"fields": {
+                "peer": self.name, "condition": exc.condition, "description": exc.description}})
+            self._emit(PeerConnectFailed(attempt, exc.condition, exc.description))
+        except trio.TooSlowError:
+            self.host.count("peer_connect_timeout")
+            self._emit(PeerConnectFailed(attempt, None, "handshake timeout"))
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError) as exc:
+            self.host.count("peer_connect_failed")
+            log.debug("peer connection failed: %r", exc, extra={"fields": {"peer": self.name}})
+            self._emit(PeerConnectFailed(attempt, None, _describe(exc)))
+        finally:
+            if stream is not None:
+                await trio.aclose_forcefully(stream)
+        return False
+
+    async def _login(self, stream) -> bytes:
+        sasl = SaslClient(self.credentials, hostname=self.hostname,
+                          max_frame_bytes=self.host.settings.max_frame_bytes)
+        await stream.send_all(sasl.data_to_send())
+        while True:
+            ev = sasl.next_event()
+            out = sasl.data_to_send()
+            if out:
+                await stream.send_all(out)
+            if ev is NEED_DATA:
+                data = await stream.receive_some(RECV_BYTES)
+                if not data:
+                    raise trio.BrokenResourceError("peer closed the connection during SASL")
+                sasl.receive_data(data)
+            elif isinstance(ev, LoginAccepted):
+                return ev.leftover
+            else:
+                raise _LoginRefused(ev)
+
+    async def _run_engine(self, stream, leftover: bytes, attempt: int) -> bool:
+        wakeup = Wakeup()
+        engine = AmqpEngine(self.host, conn_id=f"{self.name}-{attempt}", principal=None, source=self.url,
+                            tls=self.tls, wake=wakeup.set, client=True, hostname=self.hostname)
+        opened = False
+        reconnect = self.connections > 0
+
+        def connection_opened(_engine) -> None:
+            nonlocal opened
+            opened = True
+            self.connections += 1
+            self._auth_logged = False
+            resent = sum(link._attach(engine) for link in self.links)
+            props = engine.remote_properties or {}
+            log.info("peer connection open", extra={"fields": {
+                "peer": self.name, "url": self.url, "container_id": engine.container_id,
+                "reconnect": reconnect, "resent": resent}})
+            self._emit(PeerConnected(attempt, reconnect, resent, engine.container_id,
+                                     props.get("node-id") if isinstance(props, dict) else None))
+
+        engine.on_open = connection_opened
+        self.engine = engine
+        self._wakeup = wakeup
+        broken = None
+        try:
+            await pump_engine(engine, stream, wakeup, leftover=leftover,
+                              open_timeout_s=self.host.settings.handshake_timeout_s, close_grace_s=1.0)
+        except* (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError) as group:
+            broken = group.exceptions[0]
+        finally:
+            engine.finish()
+            self._wakeup = None
+            for link in self.links:  # until the next connection attaches them again
+                link.attached = False
+                link._link = None
+        err = engine.error
+        cond = err.name if err is not None else None
+        desc = err.description if err is not None else (repr(broken) if broken else None)
+        if opened:
+            log.info("peer connection closed", extra={"fields": {
+                "peer": self.name, "condition": cond, "description": desc}})
+            self._emit(PeerDisconnected(cond, desc))
+        else:
+            if cond is not None:
+                self.host.count("peer_protocol_error")
+            self._emit(PeerConnectFailed(attempt, cond, desc or "closed before open"))
+        return opened
+
+
+def _describe(exc: BaseException) -> str:
+    """The error and what caused it (trio's BrokenResourceError wraps the ssl/OS error)."""
+    cause = exc.__cause__ or exc.__context__
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return f"{text} ({type(cause).__name__}: {cause})" if cause is not None else text
+
+
+def open_peer_connection(nursery: trio.Nursery, host: "EngineHost", url: str, **kw) -> PeerConnection:
+    """Start a :class:`PeerConnection` in ``nursery`` and return it (its links can be added at once)."""
+    peer = PeerConnection(host, url, **kw)
+    nursery.start_soon(peer.run)
+    return peer

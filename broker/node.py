@@ -1,0 +1,354 @@
+"""The broker node: what the engines and the management API talk to (it holds no sockets).
+
+Theory of operation
+-------------------
+:class:`Node` owns the message core (:class:`broker.core.addresses.Broker`) over the journal
+(:class:`JournalStore` adapts one to the other), the node-wide counters, the engines of every
+open connection and the group-commit waiters. It is the :class:`broker.amqp.host.EngineHost`
+of every engine the node runs — accepted connections (:mod:`broker.amqp.driver`) and the
+connections it dials to peers (:mod:`broker.amqp.peer`) — and the state the management API
+and ``/metrics`` read. :func:`broker.server.run_node` builds one and runs its background tasks
+(:meth:`Node.committer`, :meth:`Node.expiry_scanner`, :meth:`Node.activity_flusher`).
+
+Group commit: the core writes journal records (in memory) as it goes; the committer task runs
+``Journal.flush`` (write + one fsync) in a worker thread whenever records are pending and, when
+it returns, accepts every durable send that waited for it. Appends made while a flush runs go
+into the next one, so one fsync covers a whole batch of producers.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import trio
+
+from broker.activity import ActivityLog, iso_utc
+from broker.amqp.host import EngineSettings
+from broker.auth import LoginGate
+from broker.core.addresses import Broker
+from broker.core.deliveries import DEFAULT_PRIORITY, Message
+from broker.core.filters import compile_queue_filter
+from broker.core.limits import OncePer, SourceLimiter
+from broker.store.journal import GroupOp
+from broker.trioutil import Wakeup
+
+if TYPE_CHECKING:  # pragma: no cover
+    from broker.amqp.engine import AmqpEngine
+    from broker.config import BrokerConfig
+
+log = logging.getLogger("lodestone.broker")
+
+__all__ = ["Node", "JournalStore", "QUEUES_NS"]
+
+QUEUES_NS = "queues"
+
+
+def _wall_ms() -> float:
+    """The core's clock for message expiry: milliseconds since the epoch (AMQP timestamps)."""
+    return time.time() * 1000.0
+
+
+class JournalStore:
+    """Adapts the journal to the core's ``Store`` protocol and tells the committer about writes."""
+
+    def __init__(self, journal, on_write):
+        self.journal = journal
+        self.on_write = on_write
+
+    def add(self, queue: str, msg: Message) -> None:
+        props = {"address": msg.address} if msg.address != queue else None
+        if msg.expires or msg.priority != DEFAULT_PRIORITY:  # what recovery cannot read from the body
+            props = props or {}
+            if msg.expires:
+                props["expires"] = msg.expires
+            if msg.priority != DEFAULT_PRIORITY:
+                props["priority"] = msg.priority
+        self.journal.add_message(queue, msg.mid, msg.body, props, msg.delivery_count)
+        self.on_write()
+
+    def remove(self, queue: str, msg: Message) -> None:
+        self.journal.ack(queue, msg.mid)
+        self.on_write()
+
+    def delivery_count_changed(self, queue: str, msg: Message) -> None:
+        # a failed attempt came back to the queue: keep the count so max-delivery-count holds
+        # across a restart (recovery hands it to Broker.restore_message)
+        self.journal.update_delivery_count(queue, msg.mid, msg.delivery_count)
+        self.on_write()
+
+    def queue_created(self, definition: dict) -> None:
+        self.journal.put_kv(QUEUES_NS, definition["name"], json.dumps(definition).encode())
+        self.on_write()
+
+    def queue_deleted(self, name: str) -> None:
+        self.journal.delete_kv(QUEUES_NS, name)
+        self.on_write()
+
+    # -- transactions: a commit's message operations become one GROUP record -----------------
+    def begin_group(self) -> None:
+        """Collect add/remove/count changes until :meth:`end_group` (a transaction's commit).
+
+        The collecting methods shadow the class's as instance attributes, so the writes of
+        non-transactional traffic pay nothing for this."""
+        ops: list[GroupOp] = []
+        self._group = ops
+        self.add = lambda queue, msg: ops.append(GroupOp.add(
+            queue, msg.mid, msg.body, {"address": msg.address} if msg.address != queue else None,
+            msg.delivery_count))
+        self.remove = lambda queue, msg: ops.append(GroupOp.ack(queue, msg.mid))
+        self.delivery_count_changed = lambda queue, msg: ops.append(GroupOp.count(queue, msg.mid,
+                                                                                  msg.delivery_count))
+
+    def end_group(self) -> bool:
+        """Write the collected operations as one atomic journal record; True if there were any."""
+        ops = self.__dict__.pop("_group", None)
+        for name in ("add", "remove", "delivery_count_changed"):
+            self.__dict__.pop(name, None)
+        if not ops:
+            return False
+        self.journal.append_group(ops)
+        self.on_write()
+        return True
+
+
+class Node:
+    """One running broker node: an :class:`~broker.amqp.host.EngineHost` (see the module docstring)."""
+
+    def __init__(self, cfg: "BrokerConfig", security, node_id: str, journal=None):
+        self.cfg = cfg
+        self.settings = EngineSettings.from_config(cfg)  # what every engine of this node runs with
+        self.security = security
+        self.node_id = node_id
+        self.short_id = node_id[:8]
+        self.container_id = f"lodestone-{cfg.name}-{self.short_id}"
+        self.journal = journal
+        self._dirty = Wakeup()
+        store = JournalStore(journal, self._dirty.set) if journal is not None else None
+        self.core = Broker(cfg.settings, store, clock=_wall_ms, wildcards=cfg.wildcards)
+        self.core.compile_filter = compile_queue_filter
+        self.engines: dict[str, "AmqpEngine"] = {}
+        self.opened_at: dict[str, float] = {}
+        self.window_start: dict[str, float] = {}
+        self.sync_waiters: dict["AmqpEngine", list] = {}
+        self.counters: collections.Counter = collections.Counter()
+        self.user_connections: collections.Counter = collections.Counter()  # per user ([resource-limits])
+        self.messages_in = 0
+        self.links_opened = 0
+        self.active = False
+        self.started_at = time.time()
+        self.started_mono = time.monotonic()
+        self.connection_nursery: trio.Nursery | None = None
+        self.activity: ActivityLog | None = None
+        self.recovery: dict = {}
+        # authentication and per-source admission (broker.auth, broker.core.limits)
+        self.login_gate = LoginGate(security, name=cfg.name) if security is not None else None
+        self.source_limiters = {a.name: SourceLimiter(a.limits) for a in cfg.acceptors}
+        self.acceptor_active: collections.Counter = collections.Counter()
+        self.log_once = OncePer(security.login.log_interval_s if security is not None else 60.0)
+
+    # -- recovery --------------------------------------------------------------------------
+    def recover(self) -> dict:
+        """Rebuild queues and messages from the journal (call before serving)."""
+        j = self.journal
+        if j is None:
+            return {}
+        core = self.core
+        for name, raw in sorted(j.kv(QUEUES_NS).items()):
+            try:
+                core.restore_queue(json.loads(raw))
+            except (ValueError, KeyError) as exc:
+                log.error("unreadable queue definition %r in the journal: %s", name, exc)
+        restored = orphans = 0
+        for qname, msgs in j.live_messages().items():
+            q = core.queues.get(qname)
+            for m in msgs:
+                props = m.properties or {}
+                address = props.get("address") or (q.address if q else qname)
+                priority = props.get("priority", DEFAULT_PRIORITY)
+                expires = props.get("expires", 0)
+                if not isinstance(priority, int) or not isinstance(expires, (int, float)):
+                    priority, expires = DEFAULT_PRIORITY, 0
+                if core.restore_message(qname, m.message_id, m.body, address, m.delivery_count, priority, expires):
+                    restored += 1
+                else:
+                    orphans += 1
+                    j.ack(qname, m.message_id)
+        rep = j.report
+        self.recovery = {"messages": restored, "orphans_dropped": orphans, "queues": len(core.queues),
+                         "torn_bytes_truncated": rep.torn_bytes_truncated, "problems": list(rep.problems)}
+        for p in rep.problems:
+            log.warning("journal recovery: %s", p)
+        log.info("recovered from journal", extra={"fields": {
+            "messages": restored, "queues": len(core.queues), "torn_bytes": rep.torn_bytes_truncated,
+            "records": rep.records_read}})
+        return self.recovery
+
+    def declare_configured_addresses(self) -> None:
+        for decl in self.cfg.addresses:
+            self.core.declare_address(decl.name, decl.routing_types)
+            if decl.filter is not None:
+                self.core.set_queue_filter(decl.name, compile_queue_filter(decl.filter), decl.filter)
+
+    # -- the engines' host (broker.amqp.host.EngineHost) ---------------------------------------
+    def count(self, event: str, n: int = 1) -> None:
+        """Count an engine's outcome. ``messages_in`` and ``links_opened`` are the node's own
+        series (``/metrics`` ``messages_in_total``, the management API); the rest are events."""
+        if event == "messages_in":
+            self.messages_in += n
+        elif event == "links_opened":
+            self.links_opened += n
+        else:
+            self.counters[event] += n
+
+    def authorize(self, principal, permission: str, address: str) -> bool:
+        ok = self.security.check(principal, permission, address)
+        if not ok:
+            self.counters[f"denied_{permission}"] += 1
+        return ok
+
+    def address_created(self, address: str) -> None:
+        self.counters["addresses_auto_created"] += 1
+
+    def await_sync(self, engine: "AmqpEngine", delivery) -> None:
+        """Accept ``delivery`` once the journal records written so far are durable."""
+        lst = self.sync_waiters.get(engine)
+        if lst is None:
+            self.sync_waiters[engine] = [delivery]
+        else:
+            lst.append(delivery)
+        self._dirty.set()
+
+    def engine_started(self, engine: "AmqpEngine") -> None:
+        self.engines[engine.conn_id] = engine
+        self.opened_at[engine.conn_id] = time.time()
+        self.window_start[engine.conn_id] = time.time()
+        self.counters["connections_accepted"] += 1
+        limit = engine.limits.max_connections
+        have = self.user_connections[engine.user]
+        if 0 <= limit <= have:
+            # the client's Open gets a failed Open + Close (the close line logs it)
+            engine.fail_before_open("amqp:resource-limit-exceeded", engine.limit_exceeded(
+                "max-connections", limit, f"user {engine.user or '<anonymous>'} has {have} connections open",
+                log_line=False))
+            return
+        self.user_connections[engine.user] += 1
+        engine.user_counted = True
+
+    def engine_finished(self, engine: "AmqpEngine") -> None:
+        if engine.user_counted:
+            engine.user_counted = False
+            left = self.user_connections[engine.user] - 1
+            if left > 0:
+                self.user_connections[engine.user] = left
+            else:
+                del self.user_connections[engine.user]
+        self.engines.pop(engine.conn_id, None)
+        self.opened_at.pop(engine.conn_id, None)
+        self.window_start.pop(engine.conn_id, None)
+        waiting = self.sync_waiters.pop(engine, None)
+        if waiting:
+            engine.synced(waiting)  # closed: only releases the deliveries
+
+    def connection_opened(self, engine: "AmqpEngine") -> None:
+        log.info("connection open", extra={"fields": {
+            "conn": engine.conn_id, "container_id": engine.container_id, "user": engine.user,
+            "source": engine.source, "tls": engine.tls}})
+
+    def connection_closed(self, engine: "AmqpEngine") -> None:
+        self._flush_activity(engine, final=True)
+        err = engine.error
+        fields = {"conn": engine.conn_id, "container_id": engine.container_id, "user": engine.user,
+                  "source": engine.source}
+        if err is not None:
+            fields["condition"] = err.name
+            fields["description"] = err.description
+            self.counters["connection_errors"] += 1
+        if engine.opened:
+            log.info("connection close", extra={"fields": fields})
+        elif err is not None:
+            log.info("connection failed before open", extra={"fields": fields})
+
+    # -- activity log ------------------------------------------------------------------------
+    def _flush_activity(self, engine: "AmqpEngine", *, final: bool = False) -> None:
+        if self.activity is None:
+            return
+        now = time.time()
+        start = self.window_start.get(engine.conn_id, now)
+        counters = engine.take_activity()
+        self.activity.write(engine.describe(), start, now, counters, final=final)
+        self.window_start[engine.conn_id] = now
+
+    def flush_all_activity(self) -> None:
+        for engine in list(self.engines.values()):
+            if not engine.closed:
+                self._flush_activity(engine)
+
+    # -- management views ------------------------------------------------------------------
+    def connections(self) -> list[dict]:
+        out = []
+        for e in self.engines.values():
+            if not e.opened or e.closed:
+                continue
+            d = e.describe()
+            d["opened_at"] = iso_utc(self.opened_at.get(e.conn_id, self.started_at))
+            out.append(d)
+        return out
+
+    @property
+    def connection_count(self) -> int:
+        return sum(1 for e in self.engines.values() if e.opened and not e.closed)
+
+    # -- background tasks --------------------------------------------------------------------
+    async def committer(self) -> None:
+        """Group commit: flush+fsync whatever is pending, then accept the sends that waited."""
+        j = self.journal
+        while True:
+            await self._dirty.wait()
+            waiters, self.sync_waiters = self.sync_waiters, {}
+            try:
+                await trio.to_thread.run_sync(j.flush)
+            except Exception as exc:  # disk full, I/O error: refuse the sends, keep serving
+                log.error("journal flush failed: %s", exc)
+                self.counters["journal_flush_failed"] += 1
+                for engine, ds in waiters.items():
+                    engine.sync_failed(ds, f"journal write failed: {exc}")
+                continue
+            self.counters["journal_flushes"] += 1
+            for engine, ds in waiters.items():
+                engine.synced(ds)
+
+    async def expiry_scanner(self) -> None:
+        """Artemis's ``message-expiry-scan-period``: expired messages leave queues nobody reads.
+
+        Dispatch never hands out an expired message anyway; the scan makes queue depths (and
+        the expiry address) true without consumers. It walks the queues in slices so producers
+        and consumers keep being served during a scan of many queues.
+        """
+        period = self.cfg.expiry_scan_period_ms / 1000.0
+        while True:
+            await trio.sleep(period)
+            names = list(self.core.queues)
+            for i in range(0, len(names), 500):
+                now = _wall_ms()
+                for name in names[i:i + 500]:
+                    q = self.core.queues.get(name)
+                    if q is not None and q.messages:
+                        n = q.expire_scan(now)
+                        if n:
+                            self.counters["messages_expired"] += n
+                            self._dirty.set()
+                await trio.sleep(0)
+
+    async def activity_flusher(self) -> None:
+        while True:
+            await trio.sleep(self.cfg.activity.flush_interval_s)
+            self.flush_all_activity()
+
+    def shutdown_connections(self) -> None:
+        for e in list(self.engines.values()):
+            e.abort("amqp:connection:forced", "broker shutting down")
+            e.wake()
