@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Protocol
 
 from broker.core.deliveries import DEFAULT_PRIORITY, Message
-from broker.core.queues import ANYCAST, MULTICAST, Queue, Subscription
+from broker.core.queues import ANYCAST, MULTICAST, Queue, QueueHost, Subscription
 from broker.core.wildcards import match_specificity, wildcard_match
 from broker.errors import LodestoneError
 
@@ -166,13 +166,13 @@ class Broker:
     def __init__(self, settings: SettingsResolver | None = None, store: Store | None = None, *,
                  clock: Callable[[], float] | None = None, wildcards: WildcardSettings | None = None):
         self.settings = settings or SettingsResolver()
-        self.store: Store = store or NullStore()
-        #: milliseconds since the epoch, asked only about messages that can expire (the shell
-        #: injects the wall clock; without one nothing expires)
-        self.clock: Callable[[], float] = clock or (lambda: 0.0)
+        self.queues: dict[str, Queue] = {}
+        #: what every queue of this broker is given instead of a back-pointer (see QueueHost);
+        #: ``store`` and ``clock`` below read and replace it
+        self.host = QueueHost(store or NullStore(), clock or (lambda: 0.0), self.dead_letter, self.expire,
+                              self.delete_queue)
         self.wildcards = wildcards or WildcardSettings()
         self.addresses: dict[str, Address] = {}
-        self.queues: dict[str, Queue] = {}
         self._next_mid = 1
         self.dropped_unrouted = 0
         self.dropped_expired = 0
@@ -185,6 +185,30 @@ class Broker:
         self.compile_filter: Callable[[str], Callable[[Message], bool]] | None = None
         #: queues per creating user (Artemis ``max-queues`` counts these)
         self.owned: Counter = Counter()
+
+    @property
+    def store(self) -> Store:
+        """Durable storage (see the module docstring)."""
+        return self.host.store
+
+    @store.setter
+    def store(self, store: Store) -> None:
+        self._set_host(replace(self.host, store=store))
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """Milliseconds since the epoch, asked only about messages that can expire (the shell
+        injects the wall clock; without one nothing expires)."""
+        return self.host.clock
+
+    @clock.setter
+    def clock(self, clock: Callable[[], float]) -> None:
+        self._set_host(replace(self.host, clock=clock))
+
+    def _set_host(self, host: QueueHost) -> None:
+        self.host = host
+        for q in self.queues.values():
+            q.host = host
 
     # -- ids -------------------------------------------------------------------------------
     def next_mid(self) -> int:
@@ -269,7 +293,7 @@ class Broker:
                       subscription: bool = False, temporary: bool = False, owner: str | None = None,
                       filter: Callable[[Message], bool] | None = None, filter_text: str | None = None) -> Queue:
         settings = self.settings.for_address(addr.name)
-        q = Queue(self, name, addr.name, routing_type, durable=durable,
+        q = Queue(self.host, name, addr.name, routing_type, durable=durable,
                   max_delivery_count=settings.max_delivery_count,
                   dead_letter_address=settings.dead_letter_address,
                   expiry_address=settings.expiry_address,
@@ -428,7 +452,7 @@ class Broker:
         if q is not None:
             return q
         settings = self.settings.for_address(address)
-        q = Queue(self, name, address, rtype, durable=True,
+        q = Queue(self.host, name, address, rtype, durable=True,
                   max_delivery_count=settings.max_delivery_count,
                   dead_letter_address=settings.dead_letter_address,
                   expiry_address=settings.expiry_address,
