@@ -101,15 +101,17 @@ class Subscription:
     ``credit`` is maintained by the driver (the link's current credit); the queue decrements it
     for every message handed out. ``sink(sub, msg)`` delivers one message. ``owner`` is free for
     the driver (e.g. its link wrapper). ``accepts(msg) -> bool`` (or None: everything) is the
-    consumer's filter. A ``browser`` reads without acquiring: nothing it is sent is ever
-    unacknowledged.
+    consumer's filter and ``filter_text`` its selector, if it has one (told to other nodes of a
+    cluster, ``broker.core.bindings``). A ``browser`` reads without acquiring: nothing it is sent is
+    ever unacknowledged.
     """
 
     __slots__ = ("queue", "sink", "credit", "auto_ack", "unacked", "owner", "delivered", "closed",
-                 "accepts", "browser", "seen")
+                 "accepts", "browser", "seen", "filter_text")
 
     def __init__(self, sink: Callable[["Subscription", Message], None], *, auto_ack: bool = False,
-                 owner: object = None, accepts: Callable[[Message], bool] | None = None, browser: bool = False):
+                 owner: object = None, accepts: Callable[[Message], bool] | None = None, browser: bool = False,
+                 filter_text: str | None = None):
         self.queue: Queue | None = None
         self.sink = sink
         self.credit = 0
@@ -121,6 +123,7 @@ class Subscription:
         self.accepts = accepts
         self.browser = browser
         self.seen: set[int] = set()  # a browser: the ids it has been shown
+        self.filter_text = filter_text
 
 
 class PriorityMessages:
@@ -204,7 +207,14 @@ def _insert_in_order(dq: deque, msg: Message) -> None:
 
 
 class Queue:
-    """A FIFO of messages with competing subscriptions. Created by ``Broker``, not directly."""
+    """A FIFO of messages with competing subscriptions. Created by ``Broker``, not directly.
+
+    A queue is also this node's *local binding* of its routing name (``broker.core.bindings``):
+    ``node_id`` None, always ``connected``, ``has_matching_consumer``.
+    """
+
+    node_id = None
+    connected = True
 
     def __init__(self, host: QueueHost, name: str, address: str, routing_type: str, *,
                  durable: bool, max_delivery_count: int, dead_letter_address: str | None,
@@ -245,7 +255,16 @@ class Queue:
 
     @property
     def consumer_count(self) -> int:
+        """Consumers and browsers (what management shows)."""
         return len(self.subs) + len(self.browsers)
+
+    def has_matching_consumer(self, msg: Message | None) -> bool:
+        """A competing consumer that would take ``msg`` (None: any consumer); browsers do not
+        count (Artemis ``QueueImpl.hasMatchingConsumer``)."""
+        for s in self.subs:
+            if s.accepts is None or msg is None or s.accepts(msg):
+                return True
+        return False
 
     def definition(self) -> dict:
         """What the store keeps about a durable queue (a KV record)."""
@@ -297,6 +316,8 @@ class Queue:
         self.subs.append(sub)
         if sub.accepts is not None:
             self.filtered += 1
+        if not self.deleted:
+            self.host.consumers_changed(self, sub, True)
         self.dispatch()
 
     def remove_subscription(self, sub: Subscription) -> None:
@@ -313,10 +334,13 @@ class Queue:
             return
         try:
             self.subs.remove(sub)
-            if sub.accepts is not None:
-                self.filtered -= 1
         except ValueError:
             pass
+        else:
+            if sub.accepts is not None:
+                self.filtered -= 1
+            if not self.deleted:
+                self.host.consumers_changed(self, sub, False)
         if sub.unacked:
             returned = sorted(sub.unacked.values(), key=lambda m: m.mid)
             sub.unacked.clear()
