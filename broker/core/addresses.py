@@ -337,6 +337,7 @@ class Broker:
             return
         q.deleted = True
         self.redistribution.cancel(name)
+        self.rotation.forget((q.address, name))
         addr0 = self.addresses.get(q.address)
         if q.temporary and addr0 is not None and addr0.auto_created and len(addr0.queues) <= 1 \
                 and q.address == name and q.routing_type == ANYCAST:

@@ -84,7 +84,9 @@ class Rotation:
     """The next position in each group (Artemis ``CopyOnWriteBindings.BindingIndex``), keyed by
     (address, routing name). A new group starts at 0 — the local queue — as in Artemis; with a
     seeded ``rng`` it starts at a random position instead (spreads the first messages when many
-    nodes start together)."""
+    nodes start together). Only groups of two or more are remembered (a group of one is always at
+    0), so the many one-queue groups of multicast subscriptions cost nothing; ``forget`` drops a
+    group whose queue went."""
 
     __slots__ = ("positions", "rng")
 
@@ -95,11 +97,15 @@ class Rotation:
     def get(self, key: tuple[str, str], size: int) -> int:
         pos = self.positions.get(key)
         if pos is None:
-            pos = self.rng.randrange(size) if self.rng is not None and size > 0 else 0
+            pos = self.rng.randrange(size) if self.rng is not None and size > 1 else 0
         return pos
 
-    def set(self, key: tuple[str, str], pos: int) -> None:
-        self.positions[key] = pos
+    def set(self, key: tuple[str, str], pos: int, size: int = 2) -> None:
+        if size > 1:
+            self.positions[key] = pos
+
+    def forget(self, key: tuple[str, str]) -> None:
+        self.positions.pop(key, None)
 
 
 @dataclass(frozen=True)
@@ -190,7 +196,7 @@ def route(bindings: Bindings, msg: Message, mode: LoadBalancing, rotation: Rotat
         if chosen is None:
             continue
         i, nxt, why = chosen
-        rotation.set(key, nxt)
+        rotation.set(key, nxt, len(group))
         b = group[i]
         if b.node_id is None:
             local.append(b.name)
@@ -242,7 +248,7 @@ def redistribution_target(bindings: Bindings, queue: str, msg: Message | None, *
         if b is origin or b.node_id is None:
             continue
         if b.has_matching_consumer(msg) and (msg is None or b.filter is None or b.filter(msg)):
-            rotation.set(key, pos)
+            rotation.set(key, pos, n)
             return b.binding.next_hop
     return None
 

@@ -179,7 +179,7 @@ class ClusterBindings:
         self.compile_filter = compile_filter
         self.by_address: dict[str, dict[str, dict[str, RemoteEntry]]] = {}
         self.count = 0  # remote bindings in the table; 0 keeps Broker.publish on its single-node path
-        #: called with the new binding when a remote consumer arrives (Broker: redistribution)
+        #: called with the binding when a remote queue gains consumers (Broker: redistribution)
         self.on_consumer_added: Callable[[RemoteBinding], None] | None = None
         self.ignored_too_far = 0
 
@@ -192,9 +192,12 @@ class ClusterBindings:
             return False
         groups = self.by_address.setdefault(binding.address, {})
         group = groups.setdefault(binding.queue, {})
-        if binding.node_id not in group:
+        old = group.get(binding.node_id)
+        if old is None:
             self.count += 1
         group[binding.node_id] = RemoteEntry(binding, self.compile_filter)
+        if binding.consumers > (old.binding.consumers if old is not None else 0) and self.on_consumer_added:
+            self.on_consumer_added(binding)
         return True
 
     def get(self, node_id: str, queue: str) -> RemoteBinding | None:
@@ -244,9 +247,7 @@ class ClusterBindings:
             return None
         filters = b.consumer_filters + ((filter_text,) if filter_text else ())
         b = replace(b, consumers=b.consumers + 1, consumer_filters=filters)
-        self.put(b)
-        if self.on_consumer_added is not None:
-            self.on_consumer_added(b)
+        self.put(b)  # tells on_consumer_added
         return b
 
     def consumer_removed(self, node_id: str, queue: str, filter_text: str | None = None) -> RemoteBinding | None:

@@ -302,3 +302,14 @@ def test_schedule_reports_due_queues_and_the_next_deadline():
     assert s.due(10_000) == ["q2"] and s.next_deadline_ms(2_000) is None
     s.start("q2", 3_000, 1_000)  # restarted (a remote consumer arrived): the delay counts again
     assert s.due(3_500) == [] and s.next_deadline_ms(3_500) == 4_000
+
+
+def test_rotation_remembers_only_groups_of_two_or_more():
+    rot = Rotation()
+    route(multicast_view(), msg("sport"), ON_DEMAND, rot)
+    assert rot.positions == {}  # every subscription is a group of one: nothing to remember
+    view = anycast_view(Local("orders", 1), rb("B", 1))
+    route(view, msg(), ON_DEMAND, rot)
+    assert rot.positions == {("orders", "orders"): 1}
+    rot.forget(("orders", "orders"))
+    assert rot.positions == {}

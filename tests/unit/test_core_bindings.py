@@ -326,3 +326,18 @@ def test_a_remote_consumer_arriving_restarts_the_delay_for_an_idle_local_queue()
     assert b.redistributions_due(1_499) == [] and b.redistributions_due(1_500) == [(q, "B")]
     b.delete_queue("orders")
     assert len(b.redistribution) == 0
+
+
+def test_a_binding_learned_with_consumers_starts_the_delay_and_a_deleted_queue_leaves_no_rotation():
+    b, _, now = clustered(delay_ms=0)
+    b.declare_address("orders", [ANYCAST])
+    q = b.anycast_queue("orders")
+    b.cluster.put(RemoteBinding("B", "orders", "orders", ANYCAST))
+    assert len(b.redistribution) == 0
+    b.cluster.put(RemoteBinding("B", "orders", "orders", ANYCAST, consumers=2))  # a bridge resync
+    b.publish("orders", b"m", False)  # B has consumers: forwarded, rotation remembered
+    assert "orders" in b.redistribution and b.rotation.positions == {("orders", "orders"): 0}
+    b.cluster.put(RemoteBinding("B", "other", "other", ANYCAST, consumers=1))  # no local queue of that name
+    assert "other" not in b.redistribution
+    b.delete_queue("orders")
+    assert b.rotation.positions == {} and len(b.redistribution) == 0 and q.deleted
