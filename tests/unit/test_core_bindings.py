@@ -341,3 +341,55 @@ def test_a_binding_learned_with_consumers_starts_the_delay_and_a_deleted_queue_l
     assert "other" not in b.redistribution
     b.delete_queue("orders")
     assert b.rotation.positions == {} and len(b.redistribution) == 0 and q.deleted
+
+
+def test_a_5_node_mesh_gets_exactly_a_fifth_each_through_the_broker():
+    b, sent, _ = clustered()
+    b.declare_address("orders", [ANYCAST])
+    _, got = consumer(b.anycast_queue("orders"), credit=10_000)
+    for n in "BCDE":
+        b.cluster.put(RemoteBinding(n, "orders", "orders", ANYCAST, consumers=1))
+    for i in range(1_000):
+        b.publish("orders", b"%d" % i, False)
+    per_node = {n: sum(1 for s in sent if s[0] == n) for n in "BCDE"}
+    assert len(got) == 200 and per_node == {"B": 200, "C": 200, "D": 200, "E": 200}
+
+
+# -- the AMQP engine feeds the events (selector text; browsers are not consumers) -------------
+def test_the_engine_reports_a_consumers_selector_and_ignores_browsers(tmp_path):
+    from proton import Described, Terminus, symbol
+
+    from tests.unit.test_txn_engine import Wire
+
+    w = Wire(tmp_path)
+    core = w.node.core
+    core.declare_address("orders", [ANYCAST])
+    seen = events(core)
+
+    def receiver(name, selector=None, browse=False):
+        rcv = w.session.receiver(name)
+        rcv.source.address = "orders"
+        if selector is not None:
+            rcv.source.filter.put_dict({symbol("selector"): Described(symbol("apache.org:selector-filter:string"),
+                                                                      selector)})
+        if browse:
+            rcv.source.distribution_mode = Terminus.DIST_MODE_COPY
+        rcv.open()
+        rcv.flow(10)
+        w.pump()
+        return rcv
+
+    red = receiver("red", "color = 'red'")
+    receiver("browser", browse=True)
+    plain = receiver("plain")
+    red.close()
+    w.pump()
+    plain.close()
+    w.pump()
+    assert seen == [
+        ("orders", "orders", ANYCAST, 1, "color = 'red'", True),
+        ("orders", "orders", ANYCAST, 2, None, True),
+        ("orders", "orders", ANYCAST, 1, "color = 'red'", False),
+        ("orders", "orders", ANYCAST, 0, None, False),
+    ]
+    assert core.anycast_queue("orders").consumer_count == 1  # the browser, for management
