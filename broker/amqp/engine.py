@@ -1049,7 +1049,7 @@ class AmqpEngine:
         link.open()
         cl.queue = q
         sub = Subscription(self._sink, auto_ack=cl.presettled and not browse, owner=cl, accepts=accepts,
-                           browser=browse)
+                           browser=browse, filter_text=selector if accepts is not None else None)
         cl.sub = sub
         self.consumers[link._impl] = cl
         self._count("links_opened")

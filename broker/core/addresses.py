@@ -36,8 +36,17 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Protocol
 
+from broker.core.balancing import (
+    Forward,
+    LoadBalancing,
+    RedistributionSchedule,
+    Rotation,
+    redistribution_target,
+    route,
+)
+from broker.core.bindings import Bindings, ClusterBindings, ConsumersChanged, RemoteBinding
 from broker.core.deliveries import DEFAULT_PRIORITY, Message
-from broker.core.queues import ANYCAST, MULTICAST, Queue, Subscription
+from broker.core.queues import ANYCAST, MULTICAST, Queue, QueueHost, Subscription
 from broker.core.wildcards import match_specificity, wildcard_match
 from broker.errors import LodestoneError
 
@@ -101,6 +110,8 @@ class AddressSettings:
     max_delivery_count: int = 10  # 0 = unlimited
     dead_letter_address: str | None = "DLQ"
     expiry_address: str | None = "ExpiryQueue"  # expired messages go here (None: dropped, counted)
+    #: Artemis ``redistribution-delay``: -1 never redistribute, 0 at once (broker.core.balancing)
+    redistribution_delay_ms: int = -1
 
 
 @dataclass(frozen=True)
@@ -166,13 +177,26 @@ class Broker:
     def __init__(self, settings: SettingsResolver | None = None, store: Store | None = None, *,
                  clock: Callable[[], float] | None = None, wildcards: WildcardSettings | None = None):
         self.settings = settings or SettingsResolver()
-        self.store: Store = store or NullStore()
-        #: milliseconds since the epoch, asked only about messages that can expire (the shell
-        #: injects the wall clock; without one nothing expires)
-        self.clock: Callable[[], float] = clock or (lambda: 0.0)
+        self.queues: dict[str, Queue] = {}
+        #: what every queue of this broker is given instead of a back-pointer (see QueueHost);
+        #: ``store`` and ``clock`` below read and replace it
+        self.host = QueueHost(store or NullStore(), clock or (lambda: 0.0), self.dead_letter, self.expire,
+                              self.delete_queue, self._consumers_changed)
+        #: the cluster (broker.core.bindings, broker.core.balancing): remote bindings the bridge
+        #: maintains, the load-balancing mode, the rotation, redistribution deadlines. With no
+        #: remote binding ``publish`` takes the single-node path.
+        self.cluster = ClusterBindings()
+        self.cluster.on_consumer_added = self._remote_consumer_added
+        self.load_balancing = LoadBalancing.ON_DEMAND
+        self.rotation = Rotation()
+        self.redistribution = RedistributionSchedule()
+        #: the bridge's hook for a message's remote part: ``on_forward(forward, msg)``
+        self.on_forward: Callable[[Forward, Message], None] | None = None
+        self.forwarded = 0
+        self.forwards_unsent = 0  # remote copies decided with no on_forward to take them
+        self._consumer_listeners: list[Callable[[ConsumersChanged], None]] = []
         self.wildcards = wildcards or WildcardSettings()
         self.addresses: dict[str, Address] = {}
-        self.queues: dict[str, Queue] = {}
         self._next_mid = 1
         self.dropped_unrouted = 0
         self.dropped_expired = 0
@@ -185,6 +209,30 @@ class Broker:
         self.compile_filter: Callable[[str], Callable[[Message], bool]] | None = None
         #: queues per creating user (Artemis ``max-queues`` counts these)
         self.owned: Counter = Counter()
+
+    @property
+    def store(self) -> Store:
+        """Durable storage (see the module docstring)."""
+        return self.host.store
+
+    @store.setter
+    def store(self, store: Store) -> None:
+        self._set_host(replace(self.host, store=store))
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """Milliseconds since the epoch, asked only about messages that can expire (the shell
+        injects the wall clock; without one nothing expires)."""
+        return self.host.clock
+
+    @clock.setter
+    def clock(self, clock: Callable[[], float]) -> None:
+        self._set_host(replace(self.host, clock=clock))
+
+    def _set_host(self, host: QueueHost) -> None:
+        self.host = host
+        for q in self.queues.values():
+            q.host = host
 
     # -- ids -------------------------------------------------------------------------------
     def next_mid(self) -> int:
@@ -269,7 +317,7 @@ class Broker:
                       subscription: bool = False, temporary: bool = False, owner: str | None = None,
                       filter: Callable[[Message], bool] | None = None, filter_text: str | None = None) -> Queue:
         settings = self.settings.for_address(addr.name)
-        q = Queue(self, name, addr.name, routing_type, durable=durable,
+        q = Queue(self.host, name, addr.name, routing_type, durable=durable,
                   max_delivery_count=settings.max_delivery_count,
                   dead_letter_address=settings.dead_letter_address,
                   expiry_address=settings.expiry_address,
@@ -288,6 +336,8 @@ class Broker:
         if q is None:
             return
         q.deleted = True
+        self.redistribution.cancel(name)
+        self.rotation.forget((q.address, name))
         addr0 = self.addresses.get(q.address)
         if q.temporary and addr0 is not None and addr0.auto_created and len(addr0.queues) <= 1 \
                 and q.address == name and q.routing_type == ANYCAST:
@@ -359,7 +409,12 @@ class Broker:
         The address must exist (the driver resolved it when the producer attached). A message
         that reaches no queue (a multicast address without subscribers) is dropped, as in Artemis;
         so is one that a queue's filter does not accept, for that queue.
+
+        Once the cluster has remote bindings the message is load-balanced instead
+        (:meth:`_publish_clustered`); until then this loop is all there is.
         """
+        if self.cluster.count:
+            return self._publish_clustered(address, body, durable, priority, expires, origin)
         addr = self.addresses.get(address)
         if self.wildcard_addresses:
             wild = self._routes.get(address)
@@ -388,6 +443,118 @@ class Broker:
         if not routed:
             self.dropped_unrouted += 1
         return stored
+
+    def _targets(self, address: str) -> tuple[Address, ...]:
+        """The address and the wildcard addresses matching it (cached), as ``publish`` routes."""
+        addr = self.addresses.get(address)
+        if not self.wildcard_addresses:
+            return (addr,) if addr is not None else ()
+        wild = self._routes.get(address)
+        if wild is None:
+            match = self.wildcards.match
+            wild = tuple(w for name, w in self.wildcard_addresses.items() if name != address and match(name, address))
+            if len(self._routes) > 10_000:
+                self._routes.clear()
+            self._routes[address] = wild
+        return ((addr,) if addr is not None else ()) + wild
+
+    def _publish_clustered(self, address: str, body: bytes, durable: bool, priority: int, expires: float,
+                           origin: object) -> bool:
+        """``publish`` with remote bindings: per target address, ``balancing.route`` decides; the
+        local part is applied here, each remote copy goes to ``on_forward`` (the bridge)."""
+        cluster = self.cluster
+        views = [Bindings(a.name, a.queues, cluster.remote(a.name)) for a in self._targets(address)]
+        if address not in self.addresses and address in cluster.by_address:
+            views.insert(0, cluster.bindings(address))  # only other nodes have this address
+        probe = Message(0, body, durable, address, 0, priority, expires, origin)  # filters decode it once
+        stored = False
+        routed = False
+        for view in views:
+            decision = route(view, probe, self.load_balancing, self.rotation)
+            for name in decision.local:
+                msg = Message(self.next_mid(), body, durable, address, 0, priority, expires, origin)
+                msg.view = probe.view
+                routed = True
+                if view.local[name].enqueue(msg):
+                    stored = True
+            for fwd in decision.forwards:
+                routed = True
+                self.forwarded += 1
+                if self.on_forward is None:
+                    self.forwards_unsent += 1
+                else:
+                    self.on_forward(fwd, Message(self.next_mid(), body, durable, address, 0, priority, expires,
+                                                 origin))
+        if not routed:
+            self.dropped_unrouted += 1
+        return stored
+
+    def bindings(self, address: str) -> Bindings:
+        """The bindings view of ``address``: its local queues and the remote bindings known."""
+        addr = self.addresses.get(address)
+        return self.cluster.bindings(address, addr.queues if addr is not None else None)
+
+    # -- consumers, listeners, redistribution --------------------------------------------------
+    def add_consumer_listener(self, fn: Callable[[ConsumersChanged], None]) -> None:
+        """Call ``fn(event)`` synchronously whenever a local queue gains or loses a competing
+        consumer (browsers are not consumers, see ``broker.core.bindings``)."""
+        self._consumer_listeners.append(fn)
+
+    def remove_consumer_listener(self, fn: Callable[[ConsumersChanged], None]) -> None:
+        self._consumer_listeners.remove(fn)
+
+    def _consumers_changed(self, q: Queue, sub: Subscription, added: bool) -> None:
+        listeners = self._consumer_listeners
+        if listeners:
+            ev = ConsumersChanged(q.name, q.address, q.routing_type, len(q.subs), sub.filter_text, added)
+            for fn in list(listeners):
+                fn(ev)
+        if not self.load_balancing.redistributes:
+            return
+        if q.subs:
+            self.redistribution.cancel(q.name)  # QueueImpl.addConsumer: cancelRedistributor
+        elif not added:
+            # PostOfficeImpl, CONSUMER_CLOSED with no consumer left: addRedistributor(delay)
+            delay = self.settings.for_address(q.address).redistribution_delay_ms
+            if delay >= 0:
+                self.redistribution.start(q.name, self.clock(), delay)
+
+    def _remote_consumer_added(self, b: RemoteBinding) -> None:
+        """PostOfficeImpl, CONSUMER_CREATED at distance > 0: a local queue of the same name with
+        no consumer (re)starts its redistribution delay."""
+        q = self.queues.get(b.queue)
+        if q is None or q.subs or q.address != b.address or not self.load_balancing.redistributes:
+            return
+        delay = self.settings.for_address(q.address).redistribution_delay_ms
+        if delay >= 0:
+            self.redistribution.start(q.name, self.clock(), delay)
+
+    def redistributions_due(self, now_ms: float) -> list[tuple[Queue, str]]:
+        """The local queues whose redistribution delay has passed and whose first waiting message
+        has a target, with that target (``balancing.redistribution_target``; the rotation
+        advances). Moving the messages is the bridge's; ``next_redistribution_ms`` says when to
+        ask again."""
+        out = []
+        sched = self.redistribution
+        for name in sched.due(now_ms):
+            q = self.queues.get(name)
+            if q is None:
+                sched.cancel(name)
+                continue
+            head = next(iter(q.messages), None)
+            if head is None:
+                continue
+            delay = self.settings.for_address(q.address).redistribution_delay_ms
+            target = redistribution_target(self.bindings(q.address), name, head, left_at_ms=sched.left_at[name],
+                                           delay_ms=delay, now_ms=now_ms, mode=self.load_balancing,
+                                           rotation=self.rotation)
+            if target is not None:
+                out.append((q, target))
+        return out
+
+    def next_redistribution_ms(self, now_ms: float) -> float | None:
+        """When the next queue's redistribution delay ends (None: none pending)."""
+        return self.redistribution.next_deadline_ms(now_ms)
 
     def expire(self, queue: Queue, msg: Message) -> None:
         """Move an expired message to its expiry address (dropped and counted if none)."""
@@ -428,7 +595,7 @@ class Broker:
         if q is not None:
             return q
         settings = self.settings.for_address(address)
-        q = Queue(self, name, address, rtype, durable=True,
+        q = Queue(self.host, name, address, rtype, durable=True,
                   max_delivery_count=settings.max_delivery_count,
                   dead_letter_address=settings.dead_letter_address,
                   expiry_address=settings.expiry_address,

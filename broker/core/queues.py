@@ -15,7 +15,12 @@ link is pre-settled, so the message is acknowledged as soon as it is handed out)
 
 Unsettled messages of a subscription that goes away return to the head of the queue in their
 original order with one more failed delivery attempt; past the queue's ``max_delivery_count``
-they go to the dead-letter address instead (via the owning :class:`~broker.core.addresses.Broker`).
+they go to the dead-letter address instead.
+
+A queue does not know the broker that owns it: it is given a :class:`QueueHost` — the store, the
+clock, and the few callbacks by which it hands work back (dead-letter, expire, delete a temporary
+queue whose last consumer left, a consumer arrived or left). ``Broker`` owns one host shared by
+all its queues; a test can give a queue a fake one.
 
 Durable messages in durable queues are written to the store: ``store.add`` on enqueue,
 ``store.delivery_count_changed`` when a failed attempt comes back to the queue (a consumer
@@ -40,7 +45,7 @@ Beyond plain FIFO (each costs nothing while unused):
   they are not competing consumers, so they are kept apart from ``subs``.
 * **Expiry**: a message whose ``expires`` has passed is never handed out: dispatch and
   :meth:`Queue.expire_scan` move it to the expiry address (or drop it, counted). The time comes
-  from the broker's injected ``clock`` (milliseconds since the epoch), asked only for messages
+  from the host's ``clock`` (milliseconds since the epoch), asked only for messages
   that have an expiry.
 
 Nothing here does I/O.
@@ -49,17 +54,45 @@ Nothing here does I/O.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from broker.core.deliveries import DEFAULT_PRIORITY, Message, Outcome
 
 if TYPE_CHECKING:  # pragma: no cover
-    from broker.core.addresses import Broker
+    from broker.core.addresses import Store
 
-__all__ = ["Queue", "Subscription", "PriorityMessages", "ANYCAST", "MULTICAST"]
+__all__ = ["Queue", "QueueHost", "Subscription", "PriorityMessages", "ANYCAST", "MULTICAST"]
 
 ANYCAST = "anycast"
 MULTICAST = "multicast"
+
+
+def _nothing(*_args) -> None:
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class QueueHost:
+    """What a queue may ask of its owner: the only way out of a :class:`Queue`.
+
+    * ``store`` — durable storage (``add``, ``remove``, ``delivery_count_changed``);
+    * ``clock()`` — milliseconds since the epoch, asked only about messages that can expire;
+    * ``dead_letter(queue, msg)`` / ``expire(queue, msg)`` — move a message out (the owner knows
+      the other addresses);
+    * ``delete_queue(name)`` — a temporary queue's last consumer (or browser) left;
+    * ``consumers_changed(queue, sub, added)`` — a competing consumer was added or removed
+      (browsers are not consumers here, as in Artemis, see ``broker.core.bindings``).
+
+    ``Broker`` builds one and gives it to every queue it creates.
+    """
+
+    store: "Store"
+    clock: Callable[[], float]
+    dead_letter: Callable[["Queue", Message], None]
+    expire: Callable[["Queue", Message], None]
+    delete_queue: Callable[[str], None]
+    consumers_changed: Callable[["Queue", "Subscription", bool], None] = _nothing
 
 
 class Subscription:
@@ -68,15 +101,17 @@ class Subscription:
     ``credit`` is maintained by the driver (the link's current credit); the queue decrements it
     for every message handed out. ``sink(sub, msg)`` delivers one message. ``owner`` is free for
     the driver (e.g. its link wrapper). ``accepts(msg) -> bool`` (or None: everything) is the
-    consumer's filter. A ``browser`` reads without acquiring: nothing it is sent is ever
-    unacknowledged.
+    consumer's filter and ``filter_text`` its selector, if it has one (told to other nodes of a
+    cluster, ``broker.core.bindings``). A ``browser`` reads without acquiring: nothing it is sent is
+    ever unacknowledged.
     """
 
     __slots__ = ("queue", "sink", "credit", "auto_ack", "unacked", "owner", "delivered", "closed",
-                 "accepts", "browser", "seen")
+                 "accepts", "browser", "seen", "filter_text")
 
     def __init__(self, sink: Callable[["Subscription", Message], None], *, auto_ack: bool = False,
-                 owner: object = None, accepts: Callable[[Message], bool] | None = None, browser: bool = False):
+                 owner: object = None, accepts: Callable[[Message], bool] | None = None, browser: bool = False,
+                 filter_text: str | None = None):
         self.queue: Queue | None = None
         self.sink = sink
         self.credit = 0
@@ -88,6 +123,7 @@ class Subscription:
         self.accepts = accepts
         self.browser = browser
         self.seen: set[int] = set()  # a browser: the ids it has been shown
+        self.filter_text = filter_text
 
 
 class PriorityMessages:
@@ -171,13 +207,20 @@ def _insert_in_order(dq: deque, msg: Message) -> None:
 
 
 class Queue:
-    """A FIFO of messages with competing subscriptions. Created by ``Broker``, not directly."""
+    """A FIFO of messages with competing subscriptions. Created by ``Broker``, not directly.
 
-    def __init__(self, broker: "Broker", name: str, address: str, routing_type: str, *,
+    A queue is also this node's *local binding* of its routing name (``broker.core.bindings``):
+    ``node_id`` None, always ``connected``, ``has_matching_consumer``.
+    """
+
+    node_id = None
+    connected = True
+
+    def __init__(self, host: QueueHost, name: str, address: str, routing_type: str, *,
                  durable: bool, max_delivery_count: int, dead_letter_address: str | None,
                  subscription: bool = False, temporary: bool = False, expiry_address: str | None = None,
                  filter: Callable[[Message], bool] | None = None, filter_text: str | None = None):
-        self.broker = broker
+        self.host = host
         self.name = name
         self.address = address
         self.routing_type = routing_type
@@ -212,7 +255,16 @@ class Queue:
 
     @property
     def consumer_count(self) -> int:
+        """Consumers and browsers (what management shows)."""
         return len(self.subs) + len(self.browsers)
+
+    def has_matching_consumer(self, msg: Message | None) -> bool:
+        """A competing consumer that would take ``msg`` (None: any consumer); browsers do not
+        count (Artemis ``QueueImpl.hasMatchingConsumer``)."""
+        for s in self.subs:
+            if s.accepts is None or msg is None or s.accepts(msg):
+                return True
+        return False
 
     def definition(self) -> dict:
         """What the store keeps about a durable queue (a KV record)."""
@@ -231,7 +283,7 @@ class Queue:
         if msg.expires and self.expiry_address == self.address:
             msg.expires = 0  # the expiry address itself: its messages do not expire again
         if msg.durable and self.durable:
-            self.broker.store.add(self.name, msg)
+            self.host.store.add(self.name, msg)
             stored = True
         if msg.priority != DEFAULT_PRIORITY and type(self.messages) is deque:
             self.messages = PriorityMessages(self.messages)
@@ -264,6 +316,8 @@ class Queue:
         self.subs.append(sub)
         if sub.accepts is not None:
             self.filtered += 1
+        if not self.deleted:
+            self.host.consumers_changed(self, sub, True)
         self.dispatch()
 
     def remove_subscription(self, sub: Subscription) -> None:
@@ -280,10 +334,13 @@ class Queue:
             return
         try:
             self.subs.remove(sub)
-            if sub.accepts is not None:
-                self.filtered -= 1
         except ValueError:
             pass
+        else:
+            if sub.accepts is not None:
+                self.filtered -= 1
+            if not self.deleted:
+                self.host.consumers_changed(self, sub, False)
         if sub.unacked:
             returned = sorted(sub.unacked.values(), key=lambda m: m.mid)
             sub.unacked.clear()
@@ -299,7 +356,7 @@ class Queue:
 
     def _maybe_delete_temporary(self) -> bool:
         if self.temporary and not self.subs and not self.browsers and not self.deleted:
-            self.broker.delete_queue(self.name)
+            self.host.delete_queue(self.name)
             return True
         return False
 
@@ -366,7 +423,7 @@ class Queue:
         taken: set[int] = set()
         n = 0
         for msg in list(self.messages):
-            if msg.expires and self.broker.clock() >= msg.expires:
+            if msg.expires and self.host.clock() >= msg.expires:
                 taken.add(msg.mid)
                 self._expire(msg)
                 continue
@@ -388,7 +445,7 @@ class Queue:
         sub = self._next_with_credit(msg)
         if sub is None:
             return
-        if msg.expires and self.broker.clock() >= msg.expires:
+        if msg.expires and self.host.clock() >= msg.expires:
             self._remove_waiting({msg.mid})
             self._expire(msg)
             return
@@ -423,7 +480,7 @@ class Queue:
                 if msg.mid in seen:
                     continue
                 if msg.expires:
-                    clock = clock if clock is not None else self.broker.clock()
+                    clock = clock if clock is not None else self.host.clock()
                     if clock >= msg.expires:
                         continue  # the next dispatch or scan expires it
                 if b.accepts is not None and not b.accepts(msg):
@@ -480,23 +537,23 @@ class Queue:
 
     def _count_changed(self, msg: Message) -> None:
         if msg.durable and self.durable:
-            self.broker.store.delivery_count_changed(self.name, msg)
+            self.host.store.delivery_count_changed(self.name, msg)
 
     def _ack(self, msg: Message) -> None:
         self.acked += 1
         if msg.durable and self.durable:
-            self.broker.store.remove(self.name, msg)
+            self.host.store.remove(self.name, msg)
 
     def _dead_letter(self, msg: Message) -> None:
         self.dead_lettered += 1
         if msg.durable and self.durable:
-            self.broker.store.remove(self.name, msg)
-        self.broker.dead_letter(self, msg)
+            self.host.store.remove(self.name, msg)
+        self.host.dead_letter(self, msg)
 
     # -- expiry ------------------------------------------------------------------------------
     def _expire_if_due(self, msg: Message) -> bool:
         """``msg`` was just taken from the waiting list: expire it if its time has come."""
-        if self.broker.clock() < msg.expires:
+        if self.host.clock() < msg.expires:
             return False
         self._expire(msg)
         return True
@@ -504,8 +561,8 @@ class Queue:
     def _expire(self, msg: Message) -> None:
         self.expired += 1
         if msg.durable and self.durable:
-            self.broker.store.remove(self.name, msg)
-        self.broker.expire(self, msg)
+            self.host.store.remove(self.name, msg)
+        self.host.expire(self, msg)
 
     def expire_scan(self, now: float) -> int:
         """Move every waiting message that has expired by ``now`` (ms since the epoch) out of the
@@ -532,7 +589,7 @@ class Queue:
         self.held -= 1
         if self.deleted:
             if msg.durable and self.durable:
-                self.broker.store.remove(self.name, msg)
+                self.host.store.remove(self.name, msg)
             return
         if outcome is Outcome.ACCEPTED:
             self._ack(msg)
@@ -549,7 +606,7 @@ class Queue:
         if self.deleted:
             for msg in msgs:
                 if msg.durable and self.durable:
-                    self.broker.store.remove(self.name, msg)
+                    self.host.store.remove(self.name, msg)
             return
         self._return_held(msgs, failed=failed)
 
@@ -583,7 +640,7 @@ class Queue:
         if self.durable:
             for m in out:
                 if m.durable:
-                    self.broker.store.remove(self.name, m)
+                    self.host.store.remove(self.name, m)
         return out
 
     def __repr__(self) -> str:
