@@ -81,8 +81,11 @@ class Background:
 
     def __init__(self, cmd: list[str], env: dict[str, str] | None = None):
         self.cmd = cmd
+        # SIGINT back to its default in the program, so Python turns it into KeyboardInterrupt even
+        # when the suite itself runs with SIGINT ignored (a background job of a non-interactive shell)
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=_env(env))
+                                     stderr=subprocess.PIPE, text=True, env=_env(env),
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.stdout = self.stderr = ""
         self.stopped = False
 
