@@ -52,6 +52,19 @@ def _wall_ms() -> float:
     return time.time() * 1000.0
 
 
+def _stored_properties(queue: str, msg: Message) -> dict | None:
+    """What recovery needs beside the body: the address when it is not the queue's name, and
+    the expiry and priority the broker computed on arrival (a ttl cannot be read back later)."""
+    props = {"address": msg.address} if msg.address != queue else None
+    if msg.expires or msg.priority != DEFAULT_PRIORITY:
+        props = props or {}
+        if msg.expires:
+            props["expires"] = msg.expires
+        if msg.priority != DEFAULT_PRIORITY:
+            props["priority"] = msg.priority
+    return props
+
+
 class JournalStore:
     """Adapts the journal to the core's ``Store`` protocol and tells the committer about writes."""
 
@@ -60,14 +73,7 @@ class JournalStore:
         self.on_write = on_write
 
     def add(self, queue: str, msg: Message) -> None:
-        props = {"address": msg.address} if msg.address != queue else None
-        if msg.expires or msg.priority != DEFAULT_PRIORITY:  # what recovery cannot read from the body
-            props = props or {}
-            if msg.expires:
-                props["expires"] = msg.expires
-            if msg.priority != DEFAULT_PRIORITY:
-                props["priority"] = msg.priority
-        self.journal.add_message(queue, msg.mid, msg.body, props, msg.delivery_count)
+        self.journal.add_message(queue, msg.mid, msg.body, _stored_properties(queue, msg), msg.delivery_count)
         self.on_write()
 
     def remove(self, queue: str, msg: Message) -> None:
@@ -97,8 +103,7 @@ class JournalStore:
         ops: list[GroupOp] = []
         self._group = ops
         self.add = lambda queue, msg: ops.append(GroupOp.add(
-            queue, msg.mid, msg.body, {"address": msg.address} if msg.address != queue else None,
-            msg.delivery_count))
+            queue, msg.mid, msg.body, _stored_properties(queue, msg), msg.delivery_count))
         self.remove = lambda queue, msg: ops.append(GroupOp.ack(queue, msg.mid))
         self.delivery_count_changed = lambda queue, msg: ops.append(GroupOp.count(queue, msg.mid,
                                                                                   msg.delivery_count))

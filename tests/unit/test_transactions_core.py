@@ -282,3 +282,21 @@ def test_queue_deleted_while_held():
     b.delete_queue("c.s1")
     table.discharge(txn.txn_id, True, b)
     assert store.live == {}              # the held message's record went with its queue
+
+
+def test_a_committed_send_keeps_its_priority_and_expiry_in_the_journal(tmp_path):
+    """A transactional send's GROUP record carries what recovery cannot read from the body."""
+    from broker.node import JournalStore
+    from broker.store.journal import Journal, JournalConfig
+
+    j = Journal.open(tmp_path / "j", JournalConfig(sync="never"))
+    b = Broker(store=JournalStore(j, lambda: None))
+    b.declare_address("q", [ANYCAST])
+    table = TransactionTable("c1")
+    txn = table.declare()
+    txn.publish("q", b"urgent", True, priority=9, expires=123456.0)
+    table.discharge(txn.txn_id, False, b)
+    j.flush()
+    (stored,) = j.messages("q")
+    assert stored.properties == {"expires": 123456.0, "priority": 9}
+    j.close()
