@@ -165,7 +165,7 @@ class TxnCoordinator:
             code = _code(body.descriptor)
             kind = code if isinstance(code, int) else _DESCRIPTORS.get(code)
         except Exception as exc:  # proton's decode errors, or a body that is no control message
-            self._answer_rejected(dw, DECODE_ERROR, f"not a transaction control message: {exc}")
+            self.engine._reject(dw._impl, DECODE_ERROR, f"not a transaction control message: {exc}")
             return True
         fields = list(body.value)
         if kind == DECLARE:
@@ -173,19 +173,19 @@ class TxnCoordinator:
         elif kind == DISCHARGE:
             self._discharge(dw, fields)
         else:
-            self._answer_rejected(dw, NOT_IMPLEMENTED, f"unknown coordinator message {body.descriptor!r}")
+            self.engine._reject(dw._impl, NOT_IMPLEMENTED, f"unknown coordinator message {body.descriptor!r}")
         return True
 
     def _declare(self, dw: Delivery, link_impl, fields: list) -> None:
         if fields and fields[0] is not None:
-            self._answer_rejected(dw, NOT_IMPLEMENTED, "global transactions (declare with global-id) "
+            self.engine._reject(dw._impl, NOT_IMPLEMENTED, "global transactions (declare with global-id) "
                                                        "are not supported")
             return
         try:
             txn = self.table.declare(owner=link_impl)
         except TransactionError as exc:
             self.engine.limit_exceeded("max-transactions", self.table.limit, "connection")
-            self._answer_rejected(dw, exc.condition, exc.description)
+            self.engine._reject(dw._impl, exc.condition, exc.description)
             return
         self.engine._count("transactions_declared")
         if dw.settled:
@@ -202,13 +202,13 @@ class TxnCoordinator:
         try:
             result = self.table.discharge(txn_id, fail, engine.core)
         except UnknownTransaction as exc:
-            self._answer_rejected(dw, exc.condition, exc.description)
+            self.engine._reject(dw._impl, exc.condition, exc.description)
             return
         self._settle_tokens(result.tokens, committed=result.committed)
         if not result.committed:
             engine._count("transactions_rolled_back")
             if result.error is not None:
-                self._answer_rejected(dw, result.error.condition, result.error.description)
+                self.engine._reject(dw._impl, result.error.condition, result.error.description)
                 return
         else:
             engine._count("transactions_committed")
@@ -222,14 +222,6 @@ class TxnCoordinator:
         else:
             dw.update(Delivery.ACCEPTED)
             dw.settle()
-
-    def _answer_rejected(self, dw: Delivery, condition: str, description: str) -> None:
-        if dw.settled:
-            dw.settle()
-            return
-        dw.local.condition = Condition(condition, description)
-        dw.update(Delivery.REJECTED)
-        dw.settle()
 
     # -- transactional sends ------------------------------------------------------------------
     def on_transfer(self, pl: "ProducerLink", d, data: bytes) -> None:

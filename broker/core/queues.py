@@ -342,15 +342,9 @@ class Queue:
             if not self.deleted:
                 self.host.consumers_changed(self, sub, False)
         if sub.unacked:
-            returned = sorted(sub.unacked.values(), key=lambda m: m.mid)
+            returned = list(sub.unacked.values())
             sub.unacked.clear()
-            for msg in returned:
-                msg.delivery_count += 1
-                if self._exhausted(msg):
-                    self._dead_letter(msg)
-                else:
-                    self._count_changed(msg)
-                    self._return(msg)
+            self._put_back(returned, failed=True)
         if not self._maybe_delete_temporary() and self.subs:
             self.dispatch()
 
@@ -506,22 +500,12 @@ class Queue:
         msg = sub.unacked.pop(mid, None)
         if msg is None:
             return  # already settled, or returned when the consumer went away
-        if outcome is Outcome.ACCEPTED:
-            self._ack(msg)
-            return
-        if outcome is Outcome.REJECTED:
-            self._dead_letter(msg)
+        if self._ended(msg, outcome):
             return
         failed = outcome is Outcome.MODIFIED and (delivery_failed or undeliverable_here)
-        if failed:
-            msg.delivery_count += 1
-        if self._exhausted(msg):
-            self._dead_letter(msg)
-            return
-        if failed:
-            self._count_changed(msg)
+        if not self._put_back((msg,), failed=failed):
+            return  # dead-lettered
         self.released += 1
-        self._return(msg)
         if self.filtered:
             sub2 = self._next_with_credit(msg)
             if sub2 is not None:
@@ -531,6 +515,34 @@ class Queue:
             self.dispatch()
         if self.browsers:
             self._browse()
+
+    def _ended(self, msg: Message, outcome: Outcome) -> bool:
+        """``accepted`` acknowledges, ``rejected`` dead-letters: True when the outcome ended the
+        message here; False for ``released``/``modified`` (the caller puts it back)."""
+        if outcome is Outcome.ACCEPTED:
+            self._ack(msg)
+            return True
+        if outcome is Outcome.REJECTED:
+            self._dead_letter(msg)
+            return True
+        return False
+
+    def _put_back(self, msgs, *, failed: bool) -> int:
+        """Messages coming back to the queue (released, modified, rolled back, or unsettled by a
+        consumer that left), each to its original place. ``failed`` counts one more failed
+        delivery attempt (journaled; dead-lettered once exhausted). Returns how many came back."""
+        back = 0
+        for msg in sorted(msgs, key=lambda m: m.mid) if len(msgs) > 1 else msgs:
+            if failed:
+                msg.delivery_count += 1
+            if self._exhausted(msg):
+                self._dead_letter(msg)
+                continue
+            if failed:
+                self._count_changed(msg)
+            self._return(msg)
+            back += 1
+        return back
 
     def _exhausted(self, msg: Message) -> bool:
         return self.max_delivery_count > 0 and msg.delivery_count >= self.max_delivery_count
@@ -591,11 +603,7 @@ class Queue:
             if msg.durable and self.durable:
                 self.host.store.remove(self.name, msg)
             return
-        if outcome is Outcome.ACCEPTED:
-            self._ack(msg)
-            return
-        if outcome is Outcome.REJECTED:
-            self._dead_letter(msg)
+        if self._ended(msg, outcome):
             return
         self._return_held([msg], failed=outcome is Outcome.MODIFIED and (delivery_failed or undeliverable_here))
 
@@ -611,17 +619,7 @@ class Queue:
         self._return_held(msgs, failed=failed)
 
     def _return_held(self, msgs: list[Message], *, failed: bool) -> None:
-        back = 0
-        for msg in sorted(msgs, key=lambda m: m.mid):
-            if failed:
-                msg.delivery_count += 1
-            if self._exhausted(msg):
-                self._dead_letter(msg)
-                continue
-            if failed:
-                self._count_changed(msg)
-            self._return(msg)  # to its original place (see the module doc)
-            back += 1
+        back = self._put_back(msgs, failed=failed)
         if not failed:
             self.released += back
         if self.subs:

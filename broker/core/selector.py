@@ -940,36 +940,31 @@ def _const_node(value, boolean=False) -> _N:
     return _N(_BOOL if boolean else _CONST, lambda m, v=value: v, 1, value, boolean)
 
 
-def _and_fn(fns):
+def _junction_fn(fns, decisive: bool):
+    """SQL three-valued AND (``decisive`` False) or OR (``decisive`` True): the first operand
+    equal to ``decisive`` decides; otherwise UNKNOWN if any operand was, else ``not decisive``."""
     fns = tuple(fns)
+    otherwise = not decisive
 
     def f(m):
         unknown = False
         for g in fns:
             v = g(m)
-            if v is False:
-                return False
+            if v is decisive:
+                return decisive
             if v is None:
                 unknown = True
-        return None if unknown else True
+        return None if unknown else otherwise
 
     return f
+
+
+def _and_fn(fns):
+    return _junction_fn(fns, False)
 
 
 def _or_fn(fns):
-    fns = tuple(fns)
-
-    def f(m):
-        unknown = False
-        for g in fns:
-            v = g(m)
-            if v is True:
-                return True
-            if v is None:
-                unknown = True
-        return None if unknown else False
-
-    return f
+    return _junction_fn(fns, True)
 
 
 # Binary precedence levels (StrictParser.jj): OR 1, AND 2, equality 3, comparison 4, add 5, mult 6

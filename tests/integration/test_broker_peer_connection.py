@@ -228,12 +228,16 @@ def test_sigkilled_peer_restarted_gets_every_unacknowledged_message_again(tmp_pa
                     # when it is killed (mid-stream, with transfers on the wire)
                     os.kill(b.proc.pid, signal.SIGSTOP)
                 if i == kill_at:
-                    await trio.sleep(0.05)
+                    with trio.fail_after(10):  # the pump has written transfers the frozen broker cannot answer
+                        while not snd._transferred:
+                            await trio.sleep(0.005)
                     killed_at["accepted"] = len(accepted)
                     killed_at["unacked"] = len(snd.unacked)
                     killed_at["in_flight"] = len(snd._transferred)  # written, not acknowledged
                     await trio.to_thread.run_sync(b.kill)
-                    await trio.sleep(0.3)
+                    with trio.fail_after(10):  # the peer saw its connection go before the broker is back
+                        while not any(isinstance(e, PeerDisconnected) for e in events):
+                            await trio.sleep(0.005)
                     await trio.to_thread.run_sync(b.start)
             with trio.fail_after(60):
                 while len(accepted) < n:
@@ -349,7 +353,9 @@ def test_peer_receiver_takes_every_message_and_accepts_after_the_callback(tmp_pa
             with trio.fail_after(30):
                 while len(got) < n + 1:
                     await trio.sleep(0.02)
-            await trio.sleep(0.5)  # the last dispositions reach the broker
+            with trio.fail_after(10):  # the last dispositions reach the broker
+                while (await trio.to_thread.run_sync(b.queue, "peer.inbox"))["depth"] != 0:
+                    await trio.sleep(0.05)
             nursery.cancel_scope.cancel()
 
     try:

@@ -3,7 +3,6 @@ uncommitted one leaves no trace (the commit is one journal GROUP record, answere
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 
@@ -12,6 +11,7 @@ from proton import Message
 from proton.utils import BlockingConnection
 
 from tests.brokerproc import REPO, start_broker, wait_for
+from tests.integration.test_broker_durability import journal_synced
 from tests.txnclient import TxClient
 
 pytestmark = pytest.mark.slow
@@ -42,13 +42,6 @@ def drain(b, address, idle_s=1.0) -> list:
         out.append(m.body)
     c.close()
     return out
-
-
-def journal_synced(b) -> bool:
-    status, text = b.management_get("/metrics")
-    last = int(re.search(r"^lodestone_broker_journal_last_seq (\d+)", text, re.M).group(1))
-    synced = int(re.search(r"^lodestone_broker_journal_synced_seq (\d+)", text, re.M).group(1))
-    return synced >= last
 
 
 def open_work(b, n_send: int, n_ack: int):

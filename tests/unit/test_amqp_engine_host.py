@@ -18,6 +18,7 @@ from broker.amqp.engine import AmqpEngine
 from broker.amqp.host import EngineHost, EngineSettings
 from broker.core.addresses import Broker
 from broker.node import Node
+from tests.engine_pair import pump
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -97,20 +98,7 @@ class Wire:
         self.pump()
 
     def pump(self) -> None:
-        for _ in range(20):
-            moved = False
-            n = self.transport.pending()
-            if n > 0:
-                data = self.transport.peek(n)
-                self.transport.pop(len(data))
-                self.engine.push(data)
-                moved = True
-            out = self.engine.take_output()
-            if out:
-                self.transport.push(out)
-                moved = True
-            if not moved:
-                return
+        pump(self.transport, self.engine, 20)
 
     def sender(self, address: str, name: str = "s"):
         s = self.session.sender(name)

@@ -11,6 +11,7 @@ from broker.config import load_config
 from broker.node import Node
 from broker.store.journal import Journal
 from tests.brokerproc import write_config
+from tests.engine_pair import pump
 
 
 class Wire:
@@ -34,20 +35,7 @@ class Wire:
         self.pump()
 
     def pump(self) -> None:
-        for _ in range(10):
-            moved = False
-            n = self.transport.pending()
-            if n > 0:
-                data = self.transport.peek(n)
-                self.transport.pop(len(data))
-                self.engine.push(data)
-                moved = True
-            out = self.engine.take_output()
-            if out:
-                self.transport.push(out)
-                moved = True
-            if not moved:
-                return
+        pump(self.transport, self.engine, 10)
 
     def commit_fsync(self) -> None:
         """What Node.committer does: flush + fsync, then answer the deliveries that waited."""
