@@ -77,7 +77,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("lodestone.broker.amqp")
 
-__all__ = ["AmqpEngine", "message_durable", "with_delivery_count"]
+__all__ = ["AmqpEngine", "message_header", "message_meta", "with_delivery_count"]
 
 UNAUTHORIZED = "amqp:unauthorized-access"
 FRAMING_ERROR = "amqp:connection:framing-error"
@@ -145,47 +145,6 @@ _from_buffer = ffi.from_buffer
 
 
 # -- message peeking (AMQP 1.0 §3.2) ---------------------------------------------------------
-
-def message_durable(data: bytes) -> bool:
-    """The ``durable`` field of a message's header section, without decoding the message.
-
-    §3.2.1: the header is the first section (descriptor 0x70) and durable its first field;
-    a message without a header, or with an empty/null field, is not durable.
-    """
-    if len(data) < 4 or data[0] != 0x00:
-        return False
-    if data[1] == 0x53:  # smallulong descriptor
-        if data[2] != 0x70:
-            return False
-        i = 3
-    elif data[1] == 0x80:  # ulong descriptor
-        if data[2:10] != b"\x00\x00\x00\x00\x00\x00\x00\x70":
-            return False
-        i = 10
-    else:
-        return False
-    if i >= len(data):
-        return False
-    code = data[i]
-    if code == 0x45:  # list0
-        return False
-    if code == 0xC0:  # list8: size, count
-        if i + 3 >= len(data) or data[i + 2] == 0:
-            return False
-        first = i + 3
-    elif code == 0xD0:  # list32
-        if i + 9 >= len(data) or struct.unpack_from(">I", data, i + 5)[0] == 0:
-            return False
-        first = i + 9
-    else:
-        return False
-    b = data[first]
-    if b == 0x41:
-        return True
-    if b == 0x56 and first + 1 < len(data):
-        return data[first + 1] == 0x01
-    return False
-
 
 def message_header(data: bytes) -> tuple[bool, int, int | None]:
     """``(durable, priority, ttl)`` from a message's header section (§3.2.1), reading only it.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from broker.amqp.engine import message_durable
+from broker.amqp.engine import message_header
 from broker.core.addresses import (
     ANYCAST,
     MULTICAST,
@@ -290,11 +290,11 @@ def test_recovery_restores_queues_and_ids():
     (b"\x00\x53\x70\xc0", False),                      # truncated
 ])
 def test_message_durable_peek(data, durable):
-    assert message_durable(data) is durable
+    assert message_header(data)[0] is durable
 
 
 def test_message_durable_matches_proton_encoding():
     from proton import Message
     for d in (True, False):
         m = Message(body="x" * 100, durable=d, priority=7, ttl=1000)
-        assert message_durable(m.encode()) is d
+        assert message_header(m.encode())[0] is d
