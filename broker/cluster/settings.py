@@ -1,0 +1,105 @@
+"""The cluster's settings: ``[cluster]`` and the scale-down part of ``[ha]`` in the broker TOML.
+
+Pure data (frozen dataclasses) with Artemis's defaults; :func:`broker.config.load_config` reads
+and validates them (unknown keys and bad values name file, key and value). ``docs/cluster.md``
+maps every name to Artemis's ``cluster-connection`` element and to OpenAMQ's cluster key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["ClusterConfig", "HaConfig", "DEFAULT_CLUSTER_PASSWORD", "LOAD_BALANCING_MODES", "parse_address_filter",
+           "address_clustered"]
+
+#: the cluster password Artemis ships (``CHANGE ME!!``); a node using it (or none) warns at every start
+DEFAULT_CLUSTER_PASSWORD = "CHANGE ME!!"
+LOAD_BALANCING_MODES = ("OFF", "STRICT", "ON_DEMAND", "OFF_WITH_REDISTRIBUTION")
+
+
+def parse_address_filter(text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Artemis's cluster ``address``: a comma list of prefixes; ``!prefix`` excludes. Returns
+    (includes, excludes); empty entries are ignored."""
+    inc: list[str] = []
+    exc: list[str] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if part.startswith("!"):
+            if part[1:]:
+                exc.append(part[1:])
+        else:
+            inc.append(part)
+    return tuple(inc), tuple(exc)
+
+
+def address_clustered(address: str, includes: tuple[str, ...], excludes: tuple[str, ...]) -> bool:
+    """Is ``address`` clustered? An exclusion wins; no inclusion means every address (Artemis
+    ``ClusterConnectionImpl``'s address match: ``!`` prefixes exclude, the rest include)."""
+    for p in excludes:
+        if address.startswith(p):
+            return False
+    if not includes:
+        return True
+    return any(address.startswith(p) for p in includes)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """``[cluster]`` (Artemis ``cluster-connection``; see docs/cluster.md for the name mapping)."""
+
+    name: str = "my-cluster"
+    connector: str = ""                       # amqp://host:port the others reach this node at
+    static_connectors: tuple[str, ...] = ()
+    discovery_group: str | None = None        # the discovery issue; static connectors until then
+    user: str = "ACTIVEMQ.CLUSTER.ADMIN.USER"  # Artemis's cluster-user default
+    password: str = DEFAULT_CLUSTER_PASSWORD
+    password_set: bool = False                # the file named a password (else the default warns)
+    message_load_balancing: str = "ON_DEMAND"
+    max_hops: int = 1
+    address: str = ""                         # comma list of prefixes, !prefix excludes
+    retry_interval_ms: int = 500
+    retry_interval_multiplier: float = 1.0
+    max_retry_interval_ms: int = 2000
+    initial_connect_attempts: int = -1
+    reconnect_attempts: int = -1
+    check_period_ms: int = 30000
+    connection_ttl_ms: int = 60000
+    call_timeout_ms: int = 30000
+    notification_interval_ms: int = 1000
+    notification_attempts: int = 2
+    confirmation_window_bytes: int = 1048576
+    duplicate_detection: bool = True
+    id_cache_size: int = 20000
+    persist_id_cache: bool = True
+    allow_direct_connections_only: bool = False
+    key: str | None = None                    # OpenAMQ cluster key (None: no key)
+    require_client_key: bool = False          # clients must present the key too
+    ca_file: str | None = None                # verifies amqps:// connectors
+    max_state_bytes: int = 1048576            # cap on the replicated cluster state (OpenAMQ)
+
+    @property
+    def address_filter(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        return parse_address_filter(self.address)
+
+    def clusters(self, address: str) -> bool:
+        inc, exc = self.address_filter
+        return address_clustered(address, inc, exc)
+
+    @property
+    def weak_password(self) -> bool:
+        """Warn at start: no password given, or Artemis's sample one."""
+        return not self.password_set or self.password == DEFAULT_CLUSTER_PASSWORD
+
+
+@dataclass(frozen=True)
+class HaConfig:
+    """``[ha]``: the HA issue adds replication and shared store; today ``live-only`` with
+    scale-down (Artemis ``<ha-policy><live-only><scale-down>``)."""
+
+    policy: str = "live-only"
+    scale_down: bool = False
+    scale_down_group_name: str | None = None
+    scale_down_connectors: tuple[str, ...] = ()
+    extra: dict = field(default_factory=dict)
