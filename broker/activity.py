@@ -53,7 +53,8 @@ class ActivityLog:
         self.records_written = 0
 
     def write(self, conn: dict, window_start: float, window_end: float,
-              counters: dict[tuple[str, str], list[int]], *, final: bool = False) -> int:
+              counters: dict[tuple[str, str], list[int]], *, final: bool = False,
+              peer_node_id: str | None = None) -> int:
         """Write one record per (address, direction) in ``counters``; returns how many.
 
         ``conn`` has ``id``, ``container_id``, ``user``, ``source`` (``AmqpEngine.describe()``).
@@ -66,14 +67,17 @@ class ActivityLog:
         for (address, direction), (messages, nbytes) in sorted(counters.items()):
             if not messages and not nbytes:
                 continue
-            lines.append(json.dumps({
+            rec = {
                 "ts": ts, "node_id": self.node_id, "node": self.node_name,
                 "connection_id": conn["id"], "container_id": conn.get("container_id"),
                 "user": conn.get("user"), "source": conn.get("source"),
                 "address": address, "direction": direction,
                 "messages": messages, "bytes": nbytes,
                 "window_start": ws, "window_end": we, "final": final,
-            }, separators=(",", ":")))
+            }
+            if peer_node_id is not None:
+                rec["peer_node_id"] = peer_node_id
+            lines.append(json.dumps(rec, separators=(",", ":")))
         if lines:
             self._fh.write("\n".join(lines) + "\n")
             self._fh.flush()

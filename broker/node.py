@@ -45,6 +45,8 @@ log = logging.getLogger("lodestone.broker")
 __all__ = ["Node", "JournalStore", "QUEUES_NS"]
 
 QUEUES_NS = "queues"
+#: journal pseudo-queues holding broker-internal records (not queues of the core)
+INTERNAL_RECORDS_PREFIX = "$lodestone.records."
 
 
 def _wall_ms() -> float:
@@ -92,6 +94,24 @@ class JournalStore:
 
     def queue_deleted(self, name: str) -> None:
         self.journal.delete_kv(QUEUES_NS, name)
+        self.on_write()
+
+    def add_record(self, queue: str, message_id: int, body: bytes) -> None:
+        """A broker-internal record kept as a message of a pseudo-queue (the cluster's duplicate
+        ids); inside a group it joins the group (atomic with the messages it vouches for)."""
+        group = self.__dict__.get("_group")
+        if group is not None:
+            group.append(GroupOp.add(queue, message_id, body))
+            return
+        self.journal.add_message(queue, message_id, body)
+        self.on_write()
+
+    def remove_record(self, queue: str, message_id: int) -> None:
+        group = self.__dict__.get("_group")
+        if group is not None:
+            group.append(GroupOp.ack(queue, message_id))
+            return
+        self.journal.ack(queue, message_id)
         self.on_write()
 
     # -- transactions: a commit's message operations become one GROUP record -----------------
@@ -149,6 +169,8 @@ class Node:
         self.connection_nursery: trio.Nursery | None = None
         self.activity: ActivityLog | None = None
         self.recovery: dict = {}
+        self.internal_records: dict[str, list[tuple[int, bytes]]] = {}  # recovered, see recover()
+        self.cluster = None  # broker.cluster.bridge.ClusterNode when [cluster] is configured
         # authentication and per-source admission (broker.auth, broker.core.limits)
         self.login_gate = LoginGate(security, name=cfg.name) if security is not None else None
         self.source_limiters = {a.name: SourceLimiter(a.limits) for a in cfg.acceptors}
@@ -168,7 +190,13 @@ class Node:
             except (ValueError, KeyError) as exc:
                 log.error("unreadable queue definition %r in the journal: %s", name, exc)
         restored = orphans = 0
+        self.internal_records = {}
         for qname, msgs in j.live_messages().items():
+            if qname.startswith(INTERNAL_RECORDS_PREFIX):  # the cluster's, read when it starts
+                self.internal_records[qname] = [(m.message_id, m.body) for m in msgs]
+                for m in msgs:
+                    core.bump_mid(m.message_id)
+                continue
             q = core.queues.get(qname)
             for m in msgs:
                 props = m.properties or {}
@@ -214,6 +242,18 @@ class Node:
         if not ok:
             self.counters[f"denied_{permission}"] += 1
         return ok
+
+    def internal_link(self, engine: "AmqpEngine", link, address: str):
+        """An attach to a ``$lodestone.`` address: the cluster's links (refused without a cluster)."""
+        if self.cluster is None:
+            return None
+        return self.cluster.internal_link(engine, link, address)
+
+    @property
+    def open_properties(self) -> dict:
+        """Extra Open properties of the connections this node dials (the OpenAMQ cluster key)."""
+        c = self.cfg.cluster
+        return {"cluster-key": c.key} if c is not None and c.key is not None else {}
 
     def address_created(self, address: str) -> None:
         self.counters["addresses_auto_created"] += 1
@@ -291,6 +331,13 @@ class Node:
         for engine in list(self.engines.values()):
             if not engine.closed:
                 self._flush_activity(engine)
+        if self.cluster is not None and self.activity is not None:
+            now = time.time()
+            start = self.window_start.get("cluster", self.started_at)
+            for peer, counters in self.cluster.take_activity().items():
+                self.activity.write({"id": f"cluster:{peer[:8]}", "container_id": None, "user": None,
+                                     "source": None}, start, now, counters, peer_node_id=peer)
+            self.window_start["cluster"] = now
 
     # -- management views ------------------------------------------------------------------
     def connections(self) -> list[dict]:

@@ -69,15 +69,22 @@ async def run_node(cfg: "BrokerConfig", *, task_status=trio.TASK_STATUS_IGNORED)
                 async with trio.open_nursery() as conns:
                     node.connection_nursery = conns
                     async with trio.open_nursery() as services:
+                        amqp_urls = []
+                        mgmt_url = ""
                         for acc in cfg.acceptors:
                             host, port = await services.start(serve_amqp, node, acc)
                             print_listening(acc.scheme, f"{acc.scheme}://{_hostport(host, port)}")
+                            amqp_urls.append(f"{acc.scheme}://{_hostport(host, port)}")
                         if cfg.management.enabled:
                             host, port = await services.start(
                                 serve_http, make_handler(node), cfg.management.host, cfg.management.port)
-                            print_listening("management", f"http://{_hostport(host, port)}")
+                            mgmt_url = f"http://{_hostport(host, port)}"
+                            print_listening("management", mgmt_url)
                         if journal is not None:
                             services.start_soon(node.committer)
+                        ccfg = getattr(cfg, "cluster", None)
+                        if ccfg is not None:
+                            await services.start(_run_cluster, node, ccfg, amqp_urls, mgmt_url)
                         if node.activity is not None:
                             services.start_soon(node.activity_flusher)
                         if cfg.expiry_scan_period_ms > 0:
@@ -104,6 +111,29 @@ async def run_node(cfg: "BrokerConfig", *, task_status=trio.TASK_STATUS_IGNORED)
             journal.close()
         datadir.close()
     log.info("node stopped")
+
+
+async def _run_cluster(node: Node, ccfg, amqp_urls: list[str], mgmt_url: str, *,
+                       task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Join the cluster: bridges to the static connectors, serving the others' cluster links."""
+    from broker.cluster.bridge import ClusterNode
+
+    connector = ccfg.connector or amqp_urls[0]
+    if connector.rsplit(":", 1)[-1] == "0":  # port 0 in the config: the port the OS picked
+        connector = amqp_urls[0]
+    if ccfg.weak_password:
+        log.warning("cluster password is %s: every node with it can join this cluster; set [cluster] password",
+                    "the sample one" if ccfg.password_set else "not set (the default)",
+                    extra={"fields": {"cluster": ccfg.name, "user": ccfg.user}})
+    cluster = ClusterNode(node, ccfg, connector=connector, management_url=mgmt_url)
+    node.cluster = cluster
+    log.info("cluster starting", extra={"fields": {"cluster": ccfg.name, "connector": connector,
+                                                    "static_connectors": list(ccfg.static_connectors),
+                                                    "message_load_balancing": ccfg.message_load_balancing}})
+    try:
+        await cluster.run(task_status=task_status)
+    finally:
+        cluster.stop()
 
 
 def _hostport(host: str, port: int) -> str:

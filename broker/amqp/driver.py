@@ -53,7 +53,9 @@ from broker.amqp.sasl import (
     SaslState,
     parse_plain,
 )
+from broker.cluster.bridge import CLUSTER_ROLE
 from broker.core.limits import Admission, source_key
+from broker.core.security import Principal
 from broker.errors import NotThisProtocol, RemoteProtocolError
 from broker.proxyproto import ProxyHeaderReader, ProxyProtocolError
 from broker.trioutil import Wakeup
@@ -406,6 +408,16 @@ async def _decide(node: "Node", ev: AuthRequested, source_ip: str, cn: str | Non
             _authz, user, password = parse_plain(ev.initial_response)
         except RemoteProtocolError as exc:
             return None, exc.description
+        cluster = node.cluster
+        if cluster is not None:
+            ok = cluster.check_login(user, password)
+            if ok is not None:  # the cluster user (Artemis cluster-user): its own password, no users file
+                if ok:
+                    node.counters["cluster_logins"] += 1
+                    return Principal(user, (CLUSTER_ROLE,)), "ok"
+                node.counters["cluster_login_refused"] += 1
+                await trio.sleep(security.login.failure_delay_s)
+                return None, f"bad credentials for cluster user {user[:64]!r}"
         # known logins at once; otherwise throttled, fair, on the gate's own threads, and a
         # refusal only after its delay (broker.auth)
         result = await node.login_gate.login(user, password, source_ip)

@@ -65,6 +65,7 @@ from proton import TransportException, symbol
 
 from broker.amqp.codec import Described, UInt, ULong, decode as amqp_decode, encode as amqp_encode
 from broker.amqp.frames import close_frames
+from broker.amqp.host import INTERNAL_PREFIX
 from broker.amqp.txn import TXN_STATE as _TXN_STATE, TxnCoordinator, is_coordinator
 from broker.errors import DecodeError
 from broker.core.addresses import ANYCAST, MULTICAST, AddressNotFound
@@ -535,7 +536,10 @@ class AmqpEngine:
             conn.container = host.container_id
             if hostname:
                 conn.hostname = hostname
-            conn.properties = {symbol("product"): "lodestone", symbol("node-id"): host.node_id}
+            props = {symbol("product"): "lodestone", symbol("node-id"): host.node_id}
+            for k, v in (getattr(host, "open_properties", None) or {}).items():
+                props[symbol(k)] = v
+            conn.properties = props
             conn.open()
 
     # -- bytes in / out ------------------------------------------------------------------------
@@ -839,6 +843,10 @@ class AmqpEngine:
             self._refuse(link, RESOURCE_LIMIT, self.limit_exceeded(
                 "max-links", limit, f"connection has {n} links attached"))
             return
+        asked = link.remote_target.address if link.is_receiver else link.remote_source.address
+        if asked and asked.startswith(INTERNAL_PREFIX):
+            self._attach_internal(link, asked)
+            return
         if link.is_receiver:
             if is_coordinator(link):  # AMQP 1.0 §4.2: a transaction controller
                 if self.txn is None:
@@ -848,6 +856,46 @@ class AmqpEngine:
             self._attach_producer(link)
         else:
             self._attach_consumer(link)
+
+    def _attach_internal(self, link: Link, address: str) -> None:
+        """An attach to a broker-internal address: the host serves it, or it is refused."""
+        hook = getattr(self.host, "internal_link", None)
+        handler = hook(self, link, address) if hook is not None else None
+        if handler is None or isinstance(handler, tuple):
+            cond, desc = handler if isinstance(handler, tuple) else (NOT_FOUND, f"address {address!r} is internal")
+            self._refuse(link, cond, desc)
+            return
+        if link.is_receiver:
+            link.target.address = address
+            link.source.copy(link.remote_source)
+            link.snd_settle_mode = link.remote_snd_settle_mode
+            link.rcv_settle_mode = Link.RCV_FIRST
+        else:
+            link.source.address = address
+            link.target.copy(link.remote_target)
+            link.snd_settle_mode = Link.SND_UNSETTLED
+        link.open()
+        self.owned[link._impl] = handler
+        self._count("links_opened")
+        handler.on_attached(link)
+        self.wake()
+
+    def accept_when_synced(self, d) -> None:
+        """Accept a received delivery (raw ``pn_delivery_t*``) once the journal records written so
+        far are durable (for an internal link's handler; see ``_publish``)."""
+        lib.pn_incref(d)
+        self.host.await_sync(self, d)
+
+    def accept(self, d) -> None:
+        """Accept and settle a received delivery (raw ``pn_delivery_t*``) now."""
+        if not _pn_delivery_settled(d):
+            _pn_delivery_update(d, _ACCEPTED)
+        _pn_delivery_settle(d)
+        self.wake()
+
+    def reject(self, d, condition: str, description: str) -> None:
+        self._reject(d, condition, description)
+        self.wake()
 
     def _strip_prefix(self, address: str) -> tuple[str, str | None]:
         """An acceptor's anycast/multicast prefix (Artemis ``anycastPrefix``/``multicastPrefix``)
@@ -903,6 +951,8 @@ class AmqpEngine:
     def _resolve(self, address: str, routing_type: str | None, permission: str) -> tuple[str, str] | None:
         """Check ``permission`` on ``address`` and make it exist; an error tuple or None."""
         host = self.host
+        if address.startswith(INTERNAL_PREFIX):
+            return NOT_FOUND, f"address {address!r} is internal"
         if not host.authorize(self.principal, permission, address):
             return UNAUTHORIZED, f"user {self.user or '<anonymous>'} may not {permission} on {address!r}"
         core = self.core
@@ -1137,6 +1187,10 @@ class AmqpEngine:
         session.close()
 
     def _cleanup_links(self) -> None:
+        if self.owned and not self.client:  # the host's internal links end with the connection
+            owned, self.owned = self.owned, {}
+            for impl, h in owned.items():
+                h.on_detached(Link.wrap(impl), None)
         for w in list(self.producers.values()):
             self._forget_link(w.link, closed=False)
         for w in list(self.consumers.values()):

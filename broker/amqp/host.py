@@ -23,6 +23,10 @@ A host offers:
   ``messages_in`` and ``links_opened``, which the node shows as its own series);
 * ``await_sync(engine, delivery)`` — accept a stored producer delivery once the journal records
   written so far are durable (the host later calls ``engine.synced`` or ``engine.sync_failed``);
+* optionally ``internal_link(engine, link, address)`` — an attach to an ``INTERNAL_PREFIX``
+  address (the cluster bridge's links): returns the handler that serves the link (its events go
+  to ``on_attached``/``on_flow``/``on_delivery``/``on_detached``, as a client-mode owner's do), or
+  an error ``(condition, description)`` to refuse it;
 * lifecycle callbacks — ``address_created(address)``, ``connection_opened(engine)`` (the peer's
   Open arrived), ``connection_closed(engine)`` (the transport is done; logs the close line).
 
@@ -42,7 +46,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from broker.config import BrokerConfig
     from broker.core.addresses import Broker
 
-__all__ = ["EngineSettings", "EngineHost"]
+__all__ = ["EngineSettings", "EngineHost", "INTERNAL_PREFIX"]
+
+#: addresses only the broker itself serves (the cluster's links); a client cannot send to, read
+#: from or create them: an attach to one goes to the host's ``internal_link`` (if it has one)
+INTERNAL_PREFIX = "$lodestone."
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from broker.core.balancing import (
     LoadBalancing,
     RedistributionSchedule,
     Rotation,
+    redistribution_binding,
     redistribution_target,
     route,
 )
@@ -190,11 +191,15 @@ class Broker:
         self.load_balancing = LoadBalancing.ON_DEMAND
         self.rotation = Rotation()
         self.redistribution = RedistributionSchedule()
-        #: the bridge's hook for a message's remote part: ``on_forward(forward, msg)``
-        self.on_forward: Callable[[Forward, Message], None] | None = None
+        #: the bridge's hook for a message's remote part: ``on_forward(forward, msg) -> stored``
+        #: (True when it wrote the store, so the producer is answered after the fsync)
+        self.on_forward: Callable[[Forward, Message], bool] | None = None
         self.forwarded = 0
         self.forwards_unsent = 0  # remote copies decided with no on_forward to take them
         self._consumer_listeners: list[Callable[[ConsumersChanged], None]] = []
+        #: told ``fn(queue, created)`` when a queue is created (True) or deleted (False): the bridge
+        #: turns these into binding notifications
+        self._queue_listeners: list[Callable[[Queue, bool], None]] = []
         self.wildcards = wildcards or WildcardSettings()
         self.addresses: dict[str, Address] = {}
         self._next_mid = 1
@@ -329,6 +334,8 @@ class Broker:
         self.queues[name] = q
         if durable:
             self.store.queue_created(q.definition())
+        for fn in self._queue_listeners:
+            fn(q, True)
         return q
 
     def delete_queue(self, name: str) -> None:
@@ -357,6 +364,12 @@ class Broker:
             addr.queues.pop(name, None)
         if q.durable:
             self.store.queue_deleted(name)
+        for fn in self._queue_listeners:
+            fn(q, False)
+
+    def add_queue_listener(self, fn: Callable[[Queue, bool], None]) -> None:
+        """Call ``fn(queue, created)`` when a queue is created or deleted (not on recovery)."""
+        self._queue_listeners.append(fn)
 
     def anycast_queue(self, address: str) -> Queue:
         """The competing-consumer queue of an anycast address."""
@@ -482,9 +495,9 @@ class Broker:
                 self.forwarded += 1
                 if self.on_forward is None:
                     self.forwards_unsent += 1
-                else:
-                    self.on_forward(fwd, Message(self.next_mid(), body, durable, address, 0, priority, expires,
-                                                 origin))
+                elif self.on_forward(fwd, Message(self.next_mid(), body, durable, address, 0, priority, expires,
+                                                   origin)):
+                    stored = True
         if not routed:
             self.dropped_unrouted += 1
         return stored
@@ -551,6 +564,32 @@ class Broker:
             if target is not None:
                 out.append((q, target))
         return out
+
+    def take_for_redistribution(self, q: Queue, now_ms: float, limit: int) -> list[tuple[Message, RemoteBinding]]:
+        """Take up to ``limit`` waiting messages of ``q`` that may move now, each with the remote
+        binding it goes to (``balancing.redistribution_binding``), in queue order; a message
+        nothing else wants stays. The caller forwards them (in one store group with the takes,
+        so each moves exactly once)."""
+        sched = self.redistribution
+        left = sched.left_at.get(q.name)
+        if left is None or q.deleted:
+            return []
+        delay = self.settings.for_address(q.address).redistribution_delay_ms
+        bindings = self.bindings(q.address)
+        picked: list[tuple[Message, RemoteBinding]] = []
+        for msg in q.messages:
+            if len(picked) >= limit:
+                break
+            b = redistribution_binding(bindings, q.name, msg, left_at_ms=left, delay_ms=delay, now_ms=now_ms,
+                                       mode=self.load_balancing, rotation=self.rotation)
+            if b is None:
+                if q.has_matching_consumer(msg):
+                    break  # a local consumer is back: nothing moves
+                continue
+            picked.append((msg, b))
+        for msg, _b in picked:
+            q.take(msg)
+        return picked
 
     def next_redistribution_ms(self, now_ms: float) -> float | None:
         """When the next queue's redistribution delay ends (None: none pending)."""

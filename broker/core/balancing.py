@@ -61,7 +61,7 @@ from broker.core.deliveries import Message
 from broker.core.queues import MULTICAST
 
 __all__ = ["LoadBalancing", "Rotation", "Pick", "Forward", "RouteDecision", "next_binding", "route",
-           "redistribution_deadline", "redistribution_target", "RedistributionSchedule", "LOCAL"]
+           "redistribution_deadline", "redistribution_target", "redistribution_binding", "RedistributionSchedule", "LOCAL"]
 
 LOCAL = None  # the node id of a local binding in a Pick
 
@@ -218,7 +218,16 @@ def redistribution_deadline(left_at_ms: float, delay_ms: int) -> float | None:
 def redistribution_target(bindings: Bindings, queue: str, msg: Message | None, *, left_at_ms: float,
                           delay_ms: int, now_ms: float, mode: LoadBalancing,
                           rotation: Rotation) -> str | None:
-    """The neighbour to move ``msg`` of local queue ``queue`` to, or None (Artemis
+    """The neighbour to move ``msg`` to (see :func:`redistribution_binding`), or None."""
+    b = redistribution_binding(bindings, queue, msg, left_at_ms=left_at_ms, delay_ms=delay_ms, now_ms=now_ms,
+                               mode=mode, rotation=rotation)
+    return b.next_hop if b is not None else None
+
+
+def redistribution_binding(bindings: Bindings, queue: str, msg: Message | None, *, left_at_ms: float,
+                           delay_ms: int, now_ms: float, mode: LoadBalancing,
+                           rotation: Rotation):
+    """The remote binding to move ``msg`` of local queue ``queue`` to, or None (Artemis
     ``BindingsImpl.redistribute``).
 
     None when the mode does not redistribute, the delay is -1 or has not passed since
@@ -249,7 +258,7 @@ def redistribution_target(bindings: Bindings, queue: str, msg: Message | None, *
             continue
         if b.has_matching_consumer(msg) and (msg is None or b.filter is None or b.filter(msg)):
             rotation.set(key, pos, n)
-            return b.binding.next_hop
+            return b.binding
     return None
 
 

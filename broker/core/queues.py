@@ -461,6 +461,13 @@ class Queue:
         else:
             msgs.remove_ids(ids)
 
+    def take(self, msg: Message) -> None:
+        """Remove a waiting message to move it elsewhere (redistribution, scale-down): it leaves
+        the store as an acknowledgement does, without counting as one."""
+        self._remove_waiting({msg.mid})
+        if msg.durable and self.durable:
+            self.host.store.remove(self.name, msg)
+
     def _browse(self) -> None:
         """Show browsers (with credit) the waiting messages they have not seen yet."""
         clock = None

@@ -1,0 +1,769 @@
+"""The cluster bridge: a node's connections to the other nodes of its cluster (the shell).
+
+Theory of operation
+-------------------
+:class:`ClusterNode` makes one node part of a cluster (Artemis ``ClusterConnectionImpl``). It
+keeps one outbound :class:`Bridge` per other member — a :class:`broker.amqp.peer.PeerConnection`
+(client-mode engine, SASL PLAIN with the cluster credential, Artemis's retry settings) carrying
+two links (:mod:`broker.cluster.protocol`):
+
+* ``$lodestone.cluster.notifications`` (we receive): the other node's queues and consumers as
+  binding notifications. After every (re)connection it sends ``hello``, ``reset`` and a snapshot,
+  then changes as they happen. What a neighbour tells us is kept per neighbour (``learned``);
+  the core's :class:`~broker.core.bindings.ClusterBindings` holds, per (node, queue), the entry
+  at the smallest distance (``max-hops``: a neighbour passes on what it learned, one hop
+  farther; :meth:`ClusterBindings.put` drops what is too far);
+* ``$lodestone.cluster.forward`` (we send): the messages the core routes to that neighbour.
+
+**Store and forward.** ``Broker.on_forward`` puts each forwarded copy, wrapped in its envelope
+(dup-id, targets, the producer's bytes untouched), in the neighbour's store-and-forward queue
+``$lodestone.sf.<cluster>.<node id>`` — a queue of the core, so a durable message is in the
+journal before the producer is answered, and survives a restart of this node. The bridge is that
+queue's consumer: a message leaves it only when the neighbour accepted it, which the neighbour
+does only after *its* journal holds it (the same group commit as producers). A bridge that
+reconnects sends again what was not accepted; the receiving node's duplicate cache
+(:mod:`broker.cluster.dupcache`, ``id-cache-size`` per origin node, kept in the journal with the
+message it vouches for when ``persist-id-cache``) drops what it already stored. So a message is
+forwarded exactly once across kills of either side.
+
+**Serving other nodes** (:meth:`ClusterNode.internal_link`, the node's ``EngineHost`` hook): an
+inbound cluster connection (logged in as the cluster user, with the cluster key if one is set)
+may attach the two addresses above. A forwarded message is checked, then enqueued in each
+target queue here (or forwarded on, for a target farther away) in one journal group with its
+duplicate id; it is accepted after the fsync. Anything that is not the format, or a
+notification that lies about who sent it, cuts that connection off with the AMQP condition and
+a log line; everyone else keeps being served.
+
+**Redistribution.** :meth:`ClusterNode.redistributor` sleeps until the next queue's
+``redistribution-delay-ms`` ends (or the bindings change), then moves due queues' messages, in
+order, to the node the core picks (``Broker.take_for_redistribution``): each take and its
+store-and-forward enqueue are one journal group, so a message moves exactly once.
+
+**Accounting.** Per neighbour: forwarded, accepted, pending, duplicates dropped; the activity log
+gets ``forward``, ``redistribute`` and ``forward-in`` records per neighbour and address
+(``docs/broker.md``); ``/metrics`` and ``GET /api/v1/cluster`` read :meth:`ClusterNode.describe`.
+"""
+
+from __future__ import annotations
+
+import collections
+import hmac
+import logging
+import os
+import struct
+import time
+from dataclasses import replace
+from itertools import count
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+import trio
+
+from broker.amqp.peer import (PeerConnected, PeerConnectFailed, PeerConnection, PeerDisconnected, PeerGaveUp,
+                              PeerLoginRefused, RetrySettings)
+from broker.cluster.dupcache import DuplicateCache
+from broker.cluster.protocol import (CLUSTER_PREFIX, FORWARD_ADDRESS, NOTIFY_ADDRESS, BindingNote, Forwarded, Hello,
+                                     ProtocolError, Reset, Unbinding, decode_forward, decode_note, encode_forward,
+                                     encode_note)
+from broker.core.addresses import ANYCAST
+from broker.core.balancing import LoadBalancing
+from broker.core.bindings import RemoteBinding
+from broker.core.deliveries import Message, Outcome
+from broker.core.queues import Subscription
+from broker.trioutil import Wakeup
+
+if TYPE_CHECKING:  # pragma: no cover
+    from broker.amqp.engine import AmqpEngine
+    from broker.cluster.settings import ClusterConfig
+    from broker.node import Node
+
+log = logging.getLogger("lodestone.broker.cluster")
+
+__all__ = ["ClusterNode", "Bridge", "SF_PREFIX", "DUP_PREFIX", "CLUSTER_ROLE"]
+
+SF_PREFIX = "$lodestone.sf."
+DUP_PREFIX = "$lodestone.records.dupids."   # broker.node.INTERNAL_RECORDS_PREFIX + "dupids."
+CLUSTER_ROLE = "$cluster"
+SF_WINDOW = 1000          # forwarded messages in flight per bridge (unaccepted)
+FORWARD_CREDIT = 1000     # credit we grant an inbound forward link
+NOTIFY_BACKLOG = 200_000  # notifications waiting for a subscriber's credit before it is cut off
+REDISTRIBUTE_BATCH = 500
+
+
+def _same_endpoint(a: str, b: str) -> bool:
+    pa, pb = urlsplit(a), urlsplit(b)
+    return (pa.hostname, pa.port) == (pb.hostname, pb.port)
+
+
+class _Member:
+    __slots__ = ("node_id", "connector", "management_url", "since", "started_ms")
+
+    def __init__(self, node_id: str, connector: str, management_url: str, started_ms: int = 0):
+        self.node_id = node_id
+        self.connector = connector
+        self.management_url = management_url
+        self.since = time.time()
+        self.started_ms = started_ms
+
+
+# -- outbound ------------------------------------------------------------------------------------
+
+class Bridge:
+    """Our connection to one other node (see the module doc)."""
+
+    def __init__(self, cluster: "ClusterNode", url: str):
+        self.cluster = cluster
+        self.url = url
+        cfg = cluster.cfg
+        retry = RetrySettings(cfg.retry_interval_ms, cfg.retry_interval_multiplier, cfg.max_retry_interval_ms,
+                              cfg.reconnect_attempts, cfg.initial_connect_attempts)
+        self.peer = PeerConnection(cluster.node, url, credentials=(cfg.user, cfg.password), retry=retry,
+                                   ca_file=cfg.ca_file, name=f"bridge-{cluster.node.short_id}-{url}",
+                                   on_event=self._event)
+        self.sender = self.peer.sender(FORWARD_ADDRESS, self._outcome)
+        self.receiver = self.peer.receiver(NOTIFY_ADDRESS, self._note, credit=1000)
+        self.node_id: str | None = None
+        self.connected = False
+        self.since: float | None = None
+        self.sf = None
+        self.sub: Subscription | None = None
+        self.forwarded = 0
+        self.acked = 0
+        self.bytes_acked = 0
+        self.cancel_scope: trio.CancelScope | None = None
+        self.stopped = False
+        self.login_refused = 0
+
+    # -- the loop ------------------------------------------------------------------------------
+    async def run(self) -> None:
+        with trio.CancelScope() as scope:
+            self.cancel_scope = scope
+            await self.peer.run()
+        self.stopped = True
+
+    def stop(self) -> None:
+        self.stopped = True
+        if self.cancel_scope is not None:
+            self.cancel_scope.cancel()
+        if self.sub is not None and self.sf is not None:
+            self.sf.remove_subscription(self.sub)  # what was in flight goes back to the queue
+            self.sub = None
+
+    # -- connection events ---------------------------------------------------------------------
+    def _event(self, ev) -> None:
+        c = self.cluster
+        if isinstance(ev, PeerConnected):
+            if ev.node_id == c.node.node_id:
+                log.info("cluster connector reaches this node itself; not bridging to it",
+                         extra={"fields": {"connector": self.url}})
+                c.self_urls.add(self.url)
+                self.stop()
+                return
+            self.connected = True
+            self.since = time.time()
+            c.bridge_up(self, ev.node_id)
+        elif isinstance(ev, (PeerDisconnected, PeerConnectFailed, PeerGaveUp)):
+            was = self.connected
+            self.connected = False
+            if was:
+                c.bridge_down(self)
+            if isinstance(ev, PeerGaveUp):
+                c.bridge_gave_up(self)
+        elif isinstance(ev, PeerLoginRefused):
+            self.login_refused += 1
+            c.counters["bridge_login_refused"] += 1
+
+    # -- store and forward -----------------------------------------------------------------------
+    def attach_sf(self, sf) -> None:
+        if self.sf is sf and self.sub is not None:
+            return
+        if self.sub is not None and self.sf is not None:
+            self.sf.remove_subscription(self.sub)
+        self.sf = sf
+        self.sub = Subscription(self._sf_sink, owner=self)
+        self.sub.credit = SF_WINDOW
+        sf.add_subscription(self.sub)
+
+    def _sf_sink(self, sub: Subscription, msg: Message) -> None:
+        self.forwarded += 1
+        self.sender.send(msg.body, msg.mid)
+
+    def _outcome(self, mid, state: str) -> None:
+        sub, sf = self.sub, self.sf
+        if sub is None or sf is None:
+            return
+        msg = sub.unacked.get(mid)
+        if state == "accepted":
+            self.acked += 1
+            if msg is not None:
+                self.bytes_acked += len(msg.body)
+                self.cluster.account(self.node_id, msg, sf)
+            sf.settle(sub, mid, Outcome.ACCEPTED)
+        else:  # rejected: the other node could not take it (it logged why): dead-letter it here
+            log.warning("cluster peer rejected a forwarded message", extra={"fields": {
+                "peer": self.node_id, "state": state}})
+            sf.settle(sub, mid, Outcome.REJECTED)
+        sub.credit += 1
+        sf.credit_changed(sub)
+
+    @property
+    def pending(self) -> int:
+        sf = self.sf
+        if sf is None:
+            return 0
+        return len(sf.messages) + sum(len(s.unacked) for s in sf.subs)
+
+    # -- notifications from the other node -------------------------------------------------------
+    def _note(self, body: bytes) -> str:
+        c = self.cluster
+        try:
+            note = decode_note(body)
+            c.apply_note(self, note)
+        except ProtocolError as exc:
+            c.counters["bad_notifications"] += 1
+            log.warning("cluster peer sent a bad notification; cutting the connection off", extra={"fields": {
+                "peer": self.node_id, "connector": self.url, "condition": exc.condition,
+                "description": exc.description}})
+            engine = self.peer.engine
+            if engine is not None:
+                engine.close_with(exc.condition, exc.description)
+            return "rejected"
+        return "accepted"
+
+    def describe(self) -> dict:
+        return {"to": self.node_id, "connector": self.url, "connected": self.connected,
+                "forwarded": self.forwarded, "acked": self.acked, "pending": self.pending,
+                "duplicates_dropped": self.cluster.duplicates_from(self.node_id),
+                "since": self.since}
+
+
+# -- inbound (served on the node's accepted connections) ----------------------------------------------
+
+class _ForwardIn:
+    """A neighbour's forward link into this node."""
+
+    def __init__(self, cluster: "ClusterNode", engine: "AmqpEngine", peer_node: str | None):
+        self.cluster = cluster
+        self.engine = engine
+        self.peer_node = peer_node
+        self.link = None
+        self.received = 0
+
+    def on_attached(self, link) -> None:
+        self.link = link
+        link.flow(FORWARD_CREDIT)
+
+    def on_flow(self, link) -> None:
+        pass
+
+    def on_detached(self, link, condition) -> None:
+        self.link = None
+
+    def on_delivery(self, d) -> None:
+        link = d.link
+        if d.partial or not d.readable:
+            return
+        data = link.recv(d.pending)
+        link.advance()
+        self.received += 1
+        if link.credit < FORWARD_CREDIT // 2:
+            link.flow(FORWARD_CREDIT - link.credit)
+        self.cluster.receive_forward(self, d._impl, data)
+
+
+class _NotifyOut:
+    """A neighbour's notification link out of this node: hello, reset, snapshot, then changes."""
+
+    def __init__(self, cluster: "ClusterNode", engine: "AmqpEngine"):
+        self.cluster = cluster
+        self.engine = engine
+        self.link = None
+        self.backlog: collections.deque = collections.deque()
+        self._tags = count(1)
+
+    def on_attached(self, link) -> None:
+        self.link = link
+        c = self.cluster
+        c.subscribers.add(self)
+        for note in c.snapshot():
+            self.backlog.append(encode_note(note))
+        self.pump()
+
+    def on_flow(self, link) -> None:
+        self.pump()
+
+    def on_delivery(self, d) -> None:
+        if d.updated or d.settled:
+            d.settle()
+
+    def on_detached(self, link, condition) -> None:
+        self.link = None
+        self.cluster.subscribers.discard(self)
+
+    def push(self, data: bytes) -> None:
+        if self.link is None:
+            return
+        self.backlog.append(data)
+        if len(self.backlog) > NOTIFY_BACKLOG:
+            self.cluster.counters["notify_backlog_exceeded"] += 1
+            self.engine.close_with("amqp:resource-limit-exceeded", "cluster notifications not read")
+            self.link = None
+            self.cluster.subscribers.discard(self)
+            return
+        self.pump()
+
+    def pump(self) -> None:
+        link = self.link
+        if link is None:
+            return
+        moved = False
+        while self.backlog and link.credit > 0:
+            data = self.backlog.popleft()
+            d = link.delivery(b"%x" % next(self._tags))
+            link.send(data)
+            link.advance()
+            d.settle()
+            moved = True
+        if moved:
+            self.engine.wake()
+
+
+# -- the cluster ---------------------------------------------------------------------------------------
+
+class ClusterNode:
+    """This node's part of a cluster (see the module doc)."""
+
+    def __init__(self, node: "Node", cfg: "ClusterConfig", *, connector: str, management_url: str = ""):
+        self.node = node
+        self.cfg = cfg
+        self.core = core = node.core
+        self.connector = connector
+        self.management_url = management_url
+        self.started_ms = int(time.time() * 1000)
+        self.mode = LoadBalancing(cfg.message_load_balancing)
+        core.load_balancing = self.mode
+        core.cluster.max_hops = cfg.max_hops
+        core.on_forward = self._on_forward
+        core.add_consumer_listener(self._consumers_changed)
+        core.add_queue_listener(self._queue_changed)
+        self._include, self._exclude = cfg.address_filter
+        self.bridges: dict[str, Bridge] = {}           # by connector URL
+        self.by_node: dict[str, Bridge] = {}           # by the node id it reached
+        self.members: dict[str, _Member] = {}
+        self.self_urls: set[str] = {connector}
+        self.subscribers: set[_NotifyOut] = set()
+        self.learned: dict[str, dict[tuple[str, str], RemoteBinding]] = {}  # via -> (node, queue) -> binding
+        self.caches: dict[str, DuplicateCache] = {}
+        self.counters: collections.Counter = collections.Counter()
+        self.activity: dict[str, dict[tuple[str, str], list[int]]] = {}  # peer -> (address, direction) -> [n, bytes]
+        self.redistributed = 0
+        self._epoch = os.urandom(8)
+        self._seq = count(1)
+        self._nursery: trio.Nursery | None = None
+        self._changed = Wakeup()
+        self._restore_dup_ids()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            for url in self.cfg.static_connectors:
+                self.connect(url)
+            nursery.start_soon(self.redistributor)
+            task_status.started(self)
+
+    def connect(self, url: str) -> Bridge | None:
+        """Start a bridge to ``url`` unless one exists (or it is this node)."""
+        if url in self.bridges or any(_same_endpoint(url, s) for s in self.self_urls):
+            return None
+        b = Bridge(self, url)
+        self.bridges[url] = b
+        if self._nursery is not None:
+            self._nursery.start_soon(b.run)
+        return b
+
+    def stop(self) -> None:
+        for b in list(self.bridges.values()):
+            b.stop()
+
+    # -- filters ------------------------------------------------------------------------------
+    def clustered(self, address: str) -> bool:
+        if address.startswith("$lodestone."):
+            return False
+        from broker.cluster.settings import address_clustered
+        return address_clustered(address, self._include, self._exclude)
+
+    # -- bridges -------------------------------------------------------------------------------
+    def bridge_up(self, b: Bridge, node_id: str | None) -> None:
+        if not node_id:
+            log.warning("cluster peer did not say its node id; closing", extra={"fields": {"connector": b.url}})
+            if b.peer.engine is not None:
+                b.peer.engine.close_with("amqp:precondition-failed", "cluster peer must send its node-id")
+            return
+        other = self.by_node.get(node_id)
+        if other is not None and other is not b:
+            # the same node reached through another connector (it restarted on a new port, or
+            # two URLs name it): keep the newest, retire the other
+            other.stop()
+            self.bridges.pop(other.url, None)
+        b.node_id = node_id
+        self.by_node[node_id] = b
+        b.attach_sf(self._sf_queue(node_id))
+        self.core.cluster.set_connected(node_id, True)
+        self._refresh_via(node_id)
+        self._changed.set()
+
+    def bridge_down(self, b: Bridge) -> None:
+        if b.node_id is None:
+            return
+        self.core.cluster.set_connected(b.node_id, False)
+        self._refresh_via(b.node_id)
+
+    def bridge_gave_up(self, b: Bridge) -> None:
+        if b.node_id is not None and self.by_node.get(b.node_id) is b:
+            self.forget_via(b.node_id)
+
+    def _sf_queue(self, node_id: str):
+        name = f"{SF_PREFIX}{self.cfg.name}.{node_id}"
+        q = self.core.queues.get(name)
+        if q is None:
+            self.core.declare_address(name, [ANYCAST])
+            q = self.core.queues[name]
+        q.max_delivery_count = 0  # a bridge that reconnects is not a failed delivery
+        return q
+
+    # -- what we tell others -----------------------------------------------------------------
+    def _local_note(self, q) -> BindingNote:
+        filters = tuple(s.filter_text for s in q.subs if s.filter_text)
+        return BindingNote(self.node.node_id, q.name, q.address, q.routing_type, q.filter_text, len(q.subs),
+                           filters, 0)
+
+    def hello(self) -> Hello:
+        members = tuple((m.node_id, m.connector, m.management_url) for m in self.members.values())
+        return Hello(self.node.node_id, self.cfg.name, self.connector, self.management_url, self.started_ms, members)
+
+    def snapshot(self) -> list:
+        notes: list = [self.hello(), Reset()]
+        for q in list(self.core.queues.values()):
+            if self.clustered(q.address) and not q.name.startswith("$lodestone."):
+                notes.append(self._local_note(q))
+        if self.cfg.max_hops > 1:
+            for b in self.core.cluster:
+                notes.append(BindingNote(b.node_id, b.queue, b.address, b.routing_type, b.filter_text, b.consumers,
+                                         b.consumer_filters, b.distance))
+        return notes
+
+    def _broadcast(self, note) -> None:
+        if not self.subscribers:
+            return
+        data = encode_note(note)
+        for s in list(self.subscribers):
+            s.push(data)
+
+    def _consumers_changed(self, ev) -> None:
+        q = self.core.queues.get(ev.queue)
+        if q is not None and self.clustered(q.address):
+            self._broadcast(self._local_note(q))
+
+    def _queue_changed(self, q, created: bool) -> None:
+        if not self.clustered(q.address) or q.name.startswith("$lodestone."):
+            return
+        if created:
+            self._broadcast(self._local_note(q))
+        else:
+            self._broadcast(Unbinding(self.node.node_id, q.name))
+
+    # -- what others tell us -----------------------------------------------------------------
+    def apply_note(self, b: Bridge, note) -> None:
+        via = b.node_id
+        if via is None:
+            raise ProtocolError("amqp:precondition-failed", "notification before the peer's node id")
+        if isinstance(note, Hello):
+            if note.node_id != via:
+                raise ProtocolError("amqp:invalid-field", f"hello from {note.node_id!r} on the link of {via!r}")
+            m = self.members.get(via)
+            if m is None or m.connector != note.connector:
+                self.members[via] = _Member(via, note.connector, note.management_url, note.started_ms)
+            else:
+                m.management_url = note.management_url
+            if not self.cfg.allow_direct_connections_only:
+                for node_id, connector, _mgmt in note.members:
+                    if node_id != self.node.node_id and node_id not in self.by_node and connector:
+                        self.connect(connector)
+            return
+        if isinstance(note, Reset):
+            self.forget_via(via)
+            return
+        if isinstance(note, BindingNote):
+            if note.distance == 0 and note.node_id != via:
+                raise ProtocolError("amqp:invalid-field",
+                                    f"binding of node {note.node_id!r} at distance 0 on the link of {via!r}")
+            if note.node_id == self.node.node_id or not self.clustered(note.address):
+                return
+            if note.node_id == via and note.distance != 0:
+                return
+            rb = RemoteBinding(note.node_id, note.queue, note.address, note.routing_type, note.consumers,
+                               note.filter_text, note.consumer_filters, note.distance + 1,
+                               via if note.node_id != via else None, b.connected)
+            self.learned.setdefault(via, {})[(note.node_id, note.queue)] = rb
+            self._settle((note.node_id, note.queue))
+            return
+        if isinstance(note, Unbinding):
+            table = self.learned.get(via)
+            if table is not None and table.pop((note.node_id, note.queue), None) is not None:
+                self._settle((note.node_id, note.queue))
+
+    def forget_via(self, via: str) -> None:
+        table = self.learned.pop(via, None)
+        for key in list(table or ()):
+            self._settle(key)
+
+    def _refresh_via(self, via: str) -> None:
+        """The bridge to ``via`` went up or down: the entries learned through it follow."""
+        for key in list(self.learned.get(via, ())):
+            self._settle(key)
+
+    def _settle(self, key: tuple[str, str]) -> None:
+        """Put the best-known binding for (node, queue) in the core (the smallest distance)."""
+        best = None
+        for via, table in self.learned.items():
+            rb = table.get(key)
+            if rb is not None and (best is None or rb.distance < best.distance):
+                best = rb
+        cluster = self.core.cluster
+        old = cluster.get(*key)
+        if best is None:
+            if old is not None:
+                cluster.remove(*key)
+                self.core.rotation.forget((old.address, old.queue))
+                if self.cfg.max_hops > 1:
+                    self._broadcast(Unbinding(*key))
+            self._changed.set()
+            return
+        bridge = self.by_node.get(best.next_hop)
+        best = replace(best, connected=bool(bridge is not None and bridge.connected))
+        if old == best:
+            return
+        if old is not None and old.address != best.address:
+            cluster.remove(*key)
+        if not cluster.put(best) and old is not None:
+            cluster.remove(*key)
+        if self.cfg.max_hops > 1:
+            self._broadcast(BindingNote(best.node_id, best.queue, best.address, best.routing_type, best.filter_text,
+                                        best.consumers, best.consumer_filters, best.distance))
+        self._changed.set()
+
+    # -- forwarding out ------------------------------------------------------------------------
+    def _dup_id(self) -> bytes:
+        return self._epoch + struct.pack(">Q", next(self._seq))
+
+    def _on_forward(self, fwd, msg: Message) -> bool:
+        """``Broker.on_forward``: one copy for neighbour ``fwd.via`` into its store-and-forward queue."""
+        env = Forwarded(self._dup_id(), self.node.node_id, msg.address, fwd.targets, 0, msg.durable, msg.priority,
+                        msg.expires, msg.body)
+        return self._enqueue_forward(fwd.via, env)
+
+    def _enqueue_forward(self, via: str, env: Forwarded) -> bool:
+        sf = self._sf_queue(via)
+        data = encode_forward(env)
+        return sf.enqueue(Message(self.core.next_mid(), data, env.durable, env.address))
+
+    def account(self, peer: str | None, msg: Message, sf) -> None:
+        """A forwarded message was accepted by ``peer``: count it in the activity log."""
+        direction = "redistribute" if msg.origin == "redistribute" else "forward"
+        acc = self.activity.setdefault(peer or "?", {}).setdefault((msg.address, direction), [0, 0])
+        acc[0] += 1
+        acc[1] += len(msg.body)
+
+    # -- forwarded messages in -------------------------------------------------------------------
+    def _cache(self, origin: str) -> DuplicateCache:
+        c = self.caches.get(origin)
+        if c is None:
+            c = self.caches[origin] = DuplicateCache(self.cfg.id_cache_size)
+        return c
+
+    def duplicates_from(self, node_id: str | None) -> int:
+        c = self.caches.get(node_id) if node_id else None
+        return c.dropped if c is not None else 0
+
+    def receive_forward(self, fin: _ForwardIn, d, data: bytes) -> None:
+        engine = fin.engine
+        try:
+            f = decode_forward(data)
+        except ProtocolError as exc:
+            self.counters["bad_forwards"] += 1
+            log.warning("cluster peer sent a malformed forwarded message; cutting the connection off",
+                        extra={"fields": {"peer": fin.peer_node, "source": engine.source, "condition": exc.condition,
+                                          "description": exc.description}})
+            engine.reject(d, exc.condition, exc.description)
+            engine.close_with(exc.condition, exc.description)
+            return
+        dedup = self.cfg.duplicate_detection
+        if dedup and self._cache(f.origin).seen(f.dup_id):
+            self.counters["duplicates_dropped"] += 1
+            if f.durable and self.node.journal is not None:
+                engine.accept_when_synced(d)  # the first copy may still wait for its fsync
+            else:
+                engine.accept(d)
+            return
+        store = self.core.store
+        persist = dedup and f.durable and self.cfg.persist_id_cache and self.node.journal is not None
+        grouped = f.durable and self.node.journal is not None
+        if grouped:
+            store.begin_group()
+        try:
+            stored = self._deliver(f, fin.peer_node or f.origin)
+            if persist:
+                token = self.core.next_mid()
+                store.add_record(DUP_PREFIX + f.origin, token, f.dup_id)
+            else:
+                token = None
+        finally:
+            if grouped:
+                wrote = store.end_group()
+        if dedup:
+            for _old, old_token in self._cache(f.origin).add(f.dup_id, token):
+                if old_token is not None and self.node.journal is not None:
+                    store.remove_record(DUP_PREFIX + f.origin, old_token)
+        if grouped and (stored or wrote):
+            engine.accept_when_synced(d)
+        else:
+            engine.accept(d)
+
+    def _deliver(self, f: Forwarded, peer: str) -> bool:
+        """Enqueue a forwarded message in its target queues here, or send it on (max-hops)."""
+        core = self.core
+        me = self.node.node_id
+        stored = False
+        onward: dict[str, list[tuple[str, str]]] = {}
+        delivered = 0
+        for node_id, qname in f.targets:
+            if node_id == me:
+                q = core.queues.get(qname)
+                if q is None or q.deleted or qname.startswith("$lodestone."):
+                    self.counters["forward_unroutable"] += 1
+                    continue
+                msg = Message(core.next_mid(), f.message, f.durable, f.address, 0, f.priority, f.expires)
+                if q.enqueue(msg):
+                    stored = True
+                delivered += 1
+                continue
+            b = core.cluster.get(node_id, qname)
+            if b is None or f.hops + 1 >= max(self.cfg.max_hops, 1):
+                self.counters["forward_unroutable"] += 1
+                continue
+            onward.setdefault(b.next_hop, []).append((node_id, qname))
+        for via, targets in onward.items():
+            if self._enqueue_forward(via, replace(f, targets=tuple(targets), hops=f.hops + 1)):
+                stored = True
+        if delivered:
+            acc = self.activity.setdefault(peer, {}).setdefault((f.address, "forward-in"), [0, 0])
+            acc[0] += delivered
+            acc[1] += len(f.message) * delivered
+        return stored
+
+    def _restore_dup_ids(self) -> None:
+        recs = self.node.internal_records
+        for qname in list(recs):
+            if not qname.startswith(DUP_PREFIX):
+                continue
+            origin = qname[len(DUP_PREFIX):]
+            entries = sorted(recs.pop(qname))
+            cache = self._cache(origin)
+            for _dup, token in cache.restore((body, mid) for mid, body in entries):
+                if self.node.journal is not None:
+                    self.node.core.store.remove_record(qname, token)
+
+    # -- the cluster user ---------------------------------------------------------------------
+    def check_login(self, user: str, password: str) -> bool | None:
+        """None: not the cluster user; else whether the password is the cluster password."""
+        if user != self.cfg.user:
+            return None
+        return hmac.compare_digest(password.encode(), self.cfg.password.encode())
+
+    def internal_link(self, engine: "AmqpEngine", link, address: str):
+        """The node's ``internal_link`` hook for ``$lodestone.cluster.*`` (see the module doc)."""
+        principal = engine.principal
+        if principal is None or CLUSTER_ROLE not in getattr(principal, "roles", ()):
+            return ("amqp:unauthorized-access", f"address {address!r} is for the cluster's own connections")
+        if self.cfg.key is not None:
+            props = engine.connection.remote_properties or {}
+            key = props.get("cluster-key") if isinstance(props, dict) else None
+            if not isinstance(key, str) or not hmac.compare_digest(key.encode(), self.cfg.key.encode()):
+                self.counters["cluster_key_refused"] += 1
+                if self.node.log_once(f"cluster-key {engine.source}", time.monotonic()):
+                    log.warning("cluster peer refused: wrong or missing cluster key", extra={"fields": {
+                        "source": engine.source, "container_id": engine.container_id}})
+                return ("amqp:unauthorized-access", "wrong or missing cluster key")
+        props = engine.connection.remote_properties or {}
+        peer_node = props.get("node-id") if isinstance(props, dict) else None
+        if address == FORWARD_ADDRESS and link.is_receiver:
+            return _ForwardIn(self, engine, peer_node if isinstance(peer_node, str) else None)
+        if address == NOTIFY_ADDRESS and link.is_sender:
+            return _NotifyOut(self, engine)
+        return ("amqp:not-found", f"no cluster link {address!r} in that direction")
+
+    # -- redistribution ------------------------------------------------------------------------
+    async def redistributor(self) -> None:
+        core = self.core
+        while True:
+            now = time.time() * 1000.0
+            moved = self.redistribute_due(now)
+            if moved:
+                await trio.sleep(0)
+                continue
+            nxt = core.next_redistribution_ms(time.time() * 1000.0)
+            wait = 1.0 if nxt is None else max(0.0, min(1.0, (nxt - time.time() * 1000.0) / 1000.0))
+            with trio.move_on_after(wait):
+                await self._changed.wait()
+
+    def redistribute_due(self, now_ms: float) -> int:
+        core = self.core
+        moved = 0
+        for name in core.redistribution.due(now_ms):
+            q = core.queues.get(name)
+            if q is None:
+                core.redistribution.cancel(name)
+                continue
+            if not q.messages or q.subs:
+                continue
+            moved += self._move(q, now_ms)
+        return moved
+
+    def _move(self, q, now_ms: float) -> int:
+        store = self.core.store
+        grouped = self.node.journal is not None
+        if grouped:
+            store.begin_group()
+        try:
+            picked = self.core.take_for_redistribution(q, now_ms, REDISTRIBUTE_BATCH)
+            for msg, b in picked:
+                env = Forwarded(self._dup_id(), self.node.node_id, msg.address, ((b.node_id, b.queue),), 0,
+                                msg.durable, msg.priority, msg.expires, msg.body)
+                sf = self._sf_queue(b.next_hop)
+                sf.enqueue(Message(self.core.next_mid(), encode_forward(env), msg.durable, msg.address,
+                                   origin="redistribute"))
+        finally:
+            if grouped:
+                store.end_group()
+        if picked:
+            self.redistributed += len(picked)
+            log.info("redistributed messages", extra={"fields": {"queue": q.name, "messages": len(picked)}})
+        return len(picked)
+
+    # -- views ---------------------------------------------------------------------------------
+    def take_activity(self) -> dict:
+        out, self.activity = self.activity, {}
+        return out
+
+    def describe(self) -> dict:
+        members = []
+        for node_id, m in self.members.items():
+            b = self.by_node.get(node_id)
+            members.append({"node_id": node_id, "connector": m.connector, "management_url": m.management_url,
+                            "connected": bool(b is not None and b.connected),
+                            "since": b.since if b is not None and b.connected else None})
+        return {"name": self.cfg.name, "node_id": self.node.node_id, "connector": self.connector,
+                "message_load_balancing": self.mode.value, "max_hops": self.cfg.max_hops,
+                "members": members, "bridges": [b.describe() for b in self.bridges.values() if not b.stopped],
+                "redistributed": self.redistributed, "counters": dict(self.counters)}

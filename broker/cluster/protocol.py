@@ -1,0 +1,257 @@
+"""The cluster link's wire format: forwarded messages and binding notifications (sans-IO).
+
+Theory of operation
+-------------------
+Two nodes of a cluster talk AMQP 1.0 over a *cluster connection* that one of them dials (the
+bridge, :mod:`broker.cluster.bridge`), logged in with the cluster credential. On it the dialling
+node attaches two links to addresses only the cluster user may use:
+
+* ``$lodestone.cluster.forward`` — a sending link: every message this node forwards to the other,
+  one transfer each (Artemis: the bridge's producer on the remote store-and-forward address);
+* ``$lodestone.cluster.notifications`` — a receiving link: the other node's *binding
+  notifications* (Artemis: the bridge's consumer on the management notification address), so
+  the dialling node learns which queues the other has, with their filters and consumers.
+
+A **forwarded message** is one AMQP value (the transfer's whole payload), a described list:
+
+``lodestone:forward:v1`` [dup-id (binary), origin node id (string), address (string),
+targets (list of [node id, queue] pairs), hops (uint), durable (bool), priority (ubyte),
+expires (timestamp, 0: never), message (binary: the producer's encoded message, byte for byte)]
+
+so the message itself crosses untouched (its header, annotations, properties and body), and what
+the sending node decided rides beside it (Artemis's ``_AMQ_ROUTE_TO`` queue ids and
+``_AMQ_BRIDGE_DUP`` duplicate id travel as message properties there). ``dup-id`` names the
+forward uniquely within the cluster and lets the receiving node drop a copy it already stored
+(a bridge that reconnects resends what was not acknowledged). ``hops`` counts the bridges
+crossed so far (``max-hops``).
+
+A **notification** is one described list, ``lodestone:notify:v1`` [kind, …]:
+
+=============  ========================================================================
+kind           fields after the kind
+=============  ========================================================================
+``hello``      node id, cluster name, connector URL, management URL, start time (ms),
+               members (list of [node id, connector, management URL])
+``reset``      (none): forget every binding learned through this link; a snapshot follows
+``binding``    node id, queue, address, routing type, filter (string or null), consumers
+               (uint), consumer filters (list of strings), distance (uint: 0 = the sender's
+               own queue)
+``unbinding``  node id, queue
+=============  ========================================================================
+
+``binding`` adds or replaces (its consumer count and consumer filters are the whole truth, so
+a lost or repeated notification heals with the next one). Every decode checks types, lengths
+and counts and raises :class:`ProtocolError` (condition ``amqp:decode-error`` for bytes that
+are not the format, ``amqp:invalid-field`` for values that break its rules); the receiving
+node then cuts that link's connection off and logs it (see the bridge).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from broker.amqp.host import INTERNAL_PREFIX
+from broker.amqp.codec import Described, Symbol, Timestamp, UByte, UInt, decode_all, encode
+from broker.errors import DecodeError
+
+__all__ = ["FORWARD_ADDRESS", "NOTIFY_ADDRESS", "CLUSTER_PREFIX", "INTERNAL_PREFIX", "Forwarded", "Hello", "Reset",
+           "BindingNote", "Unbinding", "ProtocolError", "encode_forward", "decode_forward", "encode_note",
+           "decode_note", "MAX_NAME", "MAX_TARGETS", "MAX_MEMBERS"]
+
+CLUSTER_PREFIX = "$lodestone.cluster."   # the cluster user's link addresses
+FORWARD_ADDRESS = CLUSTER_PREFIX + "forward"
+NOTIFY_ADDRESS = CLUSTER_PREFIX + "notifications"
+
+FORWARD_DESCRIPTOR = Symbol("lodestone:forward:v1")
+NOTIFY_DESCRIPTOR = Symbol("lodestone:notify:v1")
+
+MAX_NAME = 1024        # characters in a node id, queue, address, URL or filter text
+MAX_TARGETS = 65536    # (node, queue) targets of one forwarded message
+MAX_MEMBERS = 4096     # members in a hello
+MAX_FILTERS = 65536    # consumer filters of one binding
+ROUTING_TYPES = ("anycast", "multicast")
+
+
+class ProtocolError(Exception):
+    """A forwarded message or notification that is not the format (``condition`` says how)."""
+
+    def __init__(self, condition: str, description: str):
+        super().__init__(description)
+        self.condition = condition
+        self.description = description
+
+
+def _invalid(what: str) -> ProtocolError:
+    return ProtocolError("amqp:invalid-field", what)
+
+
+# -- forwarded messages ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Forwarded:
+    """One forwarded message (see the module doc)."""
+
+    dup_id: bytes
+    origin: str
+    address: str
+    targets: tuple[tuple[str, str], ...]
+    hops: int
+    durable: bool
+    priority: int
+    expires: float
+    message: bytes
+
+
+def encode_forward(f: Forwarded) -> bytes:
+    return encode(Described(FORWARD_DESCRIPTOR, [
+        f.dup_id, f.origin, f.address, [[n, q] for n, q in f.targets], UInt(f.hops), f.durable,
+        UByte(f.priority), Timestamp(int(f.expires)), f.message]))
+
+
+def _name(v, what: str, *, empty: bool = False) -> str:
+    if not isinstance(v, str) or isinstance(v, Symbol):
+        raise _invalid(f"{what} must be a string")
+    if (not v and not empty) or len(v) > MAX_NAME:
+        raise _invalid(f"{what} must be 1..{MAX_NAME} characters")
+    return v
+
+
+def _uint(v, what: str, limit: int) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v > limit:
+        raise _invalid(f"{what} must be an unsigned integer <= {limit}")
+    return int(v)
+
+
+def _body(data: bytes, descriptor: Symbol, what: str) -> list:
+    try:
+        value = decode_all(data)
+    except DecodeError as exc:
+        raise ProtocolError("amqp:decode-error", f"{what}: {exc}") from None
+    if not isinstance(value, Described) or value.descriptor != descriptor or not isinstance(value.value, list):
+        raise ProtocolError("amqp:decode-error", f"{what}: not a {descriptor} value")
+    return value.value
+
+
+def decode_forward(data: bytes) -> Forwarded:
+    """Decode and check one forwarded message; :class:`ProtocolError` if it is not the format."""
+    v = _body(data, FORWARD_DESCRIPTOR, "forwarded message")
+    if len(v) != 9:
+        raise _invalid(f"forwarded message has {len(v)} fields, expected 9")
+    dup, origin, address, targets, hops, durable, priority, expires, message = v
+    if not isinstance(dup, bytes) or not 1 <= len(dup) <= 256:
+        raise _invalid("dup-id must be 1..256 bytes")
+    if not isinstance(targets, list) or not 1 <= len(targets) <= MAX_TARGETS:
+        raise _invalid(f"targets must be a list of 1..{MAX_TARGETS} [node, queue] pairs")
+    pairs = []
+    for t in targets:
+        if not isinstance(t, list) or len(t) != 2:
+            raise _invalid("a target must be a [node id, queue] pair")
+        pairs.append((_name(t[0], "target node id"), _name(t[1], "target queue")))
+    if not isinstance(durable, bool):
+        raise _invalid("durable must be a boolean")
+    if not isinstance(message, bytes) or not message:
+        raise _invalid("message must be non-empty binary")
+    if not isinstance(expires, int) or isinstance(expires, bool) or expires < 0:
+        raise _invalid("expires must be a timestamp")
+    return Forwarded(bytes(dup), _name(origin, "origin"), _name(address, "address"), tuple(pairs),
+                     _uint(hops, "hops", 255), durable, _uint(priority, "priority", 9), int(expires), bytes(message))
+
+
+# -- notifications -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Hello:
+    node_id: str
+    cluster: str
+    connector: str
+    management_url: str
+    started_ms: int
+    members: tuple[tuple[str, str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Reset:
+    pass
+
+
+@dataclass(frozen=True)
+class BindingNote:
+    node_id: str
+    queue: str
+    address: str
+    routing_type: str
+    filter_text: str | None
+    consumers: int
+    consumer_filters: tuple[str, ...]
+    distance: int
+
+
+@dataclass(frozen=True)
+class Unbinding:
+    node_id: str
+    queue: str
+
+
+def encode_note(n) -> bytes:
+    if isinstance(n, BindingNote):
+        fields = ["binding", n.node_id, n.queue, n.address, n.routing_type, n.filter_text, UInt(n.consumers),
+                  list(n.consumer_filters), UInt(n.distance)]
+    elif isinstance(n, Unbinding):
+        fields = ["unbinding", n.node_id, n.queue]
+    elif isinstance(n, Reset):
+        fields = ["reset"]
+    elif isinstance(n, Hello):
+        fields = ["hello", n.node_id, n.cluster, n.connector, n.management_url, Timestamp(n.started_ms),
+                  [[a, b, c] for a, b, c in n.members]]
+    else:  # pragma: no cover - programming error
+        raise TypeError(f"not a notification: {n!r}")
+    return encode(Described(NOTIFY_DESCRIPTOR, fields))
+
+
+def decode_note(data: bytes):
+    """Decode and check one notification; :class:`ProtocolError` if it is not the format."""
+    v = _body(data, NOTIFY_DESCRIPTOR, "notification")
+    if not v or not isinstance(v[0], str):
+        raise _invalid("notification without a kind")
+    kind, rest = v[0], v[1:]
+    if kind == "binding":
+        if len(rest) != 8:
+            raise _invalid("binding notification needs 8 fields")
+        node, queue, address, rtype, ftext, consumers, cfilters, distance = rest
+        if rtype not in ROUTING_TYPES:
+            raise _invalid(f"routing type {rtype!r} must be anycast or multicast")
+        if ftext is not None:
+            ftext = _name(ftext, "filter")
+        if not isinstance(cfilters, list) or len(cfilters) > MAX_FILTERS:
+            raise _invalid("consumer filters must be a list")
+        cf = tuple(_name(t, "consumer filter") for t in cfilters)
+        n = _uint(consumers, "consumers", 1 << 31)
+        if len(cf) > n:
+            raise _invalid("more consumer filters than consumers")
+        return BindingNote(_name(node, "node id"), _name(queue, "queue"), _name(address, "address"), rtype, ftext,
+                           n, cf, _uint(distance, "distance", 255))
+    if kind == "unbinding":
+        if len(rest) != 2:
+            raise _invalid("unbinding notification needs 2 fields")
+        return Unbinding(_name(rest[0], "node id"), _name(rest[1], "queue"))
+    if kind == "reset":
+        if rest:
+            raise _invalid("reset notification has no fields")
+        return Reset()
+    if kind == "hello":
+        if len(rest) != 6:
+            raise _invalid("hello notification needs 6 fields")
+        node, cluster, connector, mgmt, started, members = rest
+        if not isinstance(members, list) or len(members) > MAX_MEMBERS:
+            raise _invalid("members must be a list")
+        ms = []
+        for m in members:
+            if not isinstance(m, list) or len(m) != 3:
+                raise _invalid("a member must be [node id, connector, management URL]")
+            ms.append((_name(m[0], "member node id"), _name(m[1], "member connector"),
+                       _name(m[2], "member management URL", empty=True)))
+        if not isinstance(started, int) or isinstance(started, bool) or started < 0:
+            raise _invalid("start time must be a timestamp")
+        return Hello(_name(node, "node id"), _name(cluster, "cluster name"), _name(connector, "connector"),
+                     _name(mgmt, "management URL", empty=True), int(started), tuple(ms))
+    raise _invalid(f"unknown notification kind {kind[:64]!r}")
