@@ -11,9 +11,11 @@ Tests and the local deployment may override ports and the data directory from th
 from __future__ import annotations
 
 import ipaddress
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from broker.cluster.settings import HA_POLICIES, LOAD_BALANCING_MODES, ClusterConfig, HaConfig, parse_connector
 from broker.core.filters import SelectorError, compile_queue_filter
 from broker.core.addresses import ANYCAST, MULTICAST, AddressSettings, SettingsResolver, WildcardSettings
 from broker.core.limits import SourceLimits, source_limits_from
@@ -146,6 +148,8 @@ class BrokerConfig:
     expiry_scan_period_ms: int = 30000  # [node] message-expiry-scan-period-ms (Artemis's default)
     wildcards: WildcardSettings = field(default_factory=WildcardSettings)
     extra: dict = field(default_factory=dict)
+    cluster: ClusterConfig | None = None  # [cluster]; None: a single node
+    ha: HaConfig = field(default_factory=HaConfig)  # [ha]
 
 
 def _address_settings(t: Table, base: AddressSettings) -> AddressSettings:
@@ -154,8 +158,9 @@ def _address_settings(t: Table, base: AddressSettings) -> AddressSettings:
     mdc = t.int("max-delivery-count", base.max_delivery_count, min=0)
     dla = t.str("dead-letter-address", base.dead_letter_address if base.dead_letter_address else "")
     ea = t.str("expiry-address", base.expiry_address if base.expiry_address else "")
+    redistribution = t.int("redistribution-delay-ms", base.redistribution_delay_ms, min=-1)
     t.done()
-    return AddressSettings(rt, auto, mdc, dla or None, ea or None)
+    return AddressSettings(rt, auto, mdc, dla or None, ea or None, redistribution_delay_ms=redistribution)
 
 
 def _limits(t: Table, base: ResourceLimits) -> ResourceLimits:
@@ -190,6 +195,104 @@ def _tls(t: Table) -> TlsConfig | None:
     if req and ca is None:
         raise t.error("require-client-cert", "true needs ca-file")
     return TlsConfig(cert, key, ca, req)
+
+
+def _connector(t: Table, key: str, url: str, *, own: bool = False) -> str:
+    """Validate one connector URL (the error names ``key`` and the URL) and return it in its one
+    spelling (``str(Connector)``: lower-case scheme and host, no trailing ``/``), so the node finds
+    its own ``connector`` in ``static-connectors`` by equality. Port 0 only for the node's own
+    ``connector``: a node started on an OS-chosen port; nobody can dial port 0."""
+    try:
+        c = parse_connector(url)
+    except ValueError as exc:
+        raise t.error(key, f"{url!r} {exc}") from None
+    if c.port == 0 and not own:
+        raise t.error(key, f"{url!r} has port 0: only this node's own connector may (an OS-chosen port)")
+    return str(c)
+
+
+def _connectors(t: Table, key: str) -> tuple[str, ...]:
+    return tuple(_connector(t, f"{key}[{i}]", url) for i, url in enumerate(t.str_list(key, [])))
+
+
+def _not_empty(t: Table, key: str, value: str | None) -> str | None:
+    if value is not None and not value:
+        raise t.error(key, "'' must not be empty")
+    return value
+
+
+def _cluster(t: Table) -> ClusterConfig:
+    """``[cluster]`` (Artemis ``cluster-connection``; docs/cluster.md maps the names)."""
+    d = ClusterConfig()
+    name = _not_empty(t, "name", t.str("name", d.name))
+    connector = _connector(t, "connector", t.str("connector"), own=True)
+    static = _connectors(t, "static-connectors")
+    discovery = t.str("discovery-group", None)
+    if discovery is not None:
+        if t.has("static-connectors"):
+            raise t.error("discovery-group", f"{discovery!r}: set discovery-group or static-connectors, not both")
+        raise t.error("discovery-group", f"{discovery!r}: discovery groups come with the discovery issue, "
+                      "not supported yet: use static-connectors")
+    user = _not_empty(t, "user", t.str("user", d.user))
+    password = t.str("password", d.password)
+    mode = t.choice("message-load-balancing", LOAD_BALANCING_MODES, d.message_load_balancing)
+    max_hops = t.int("max-hops", d.max_hops, min=0)
+    address = t.str("address", d.address)
+    retry = t.int("retry-interval-ms", d.retry_interval_ms, min=0)
+    multiplier = t.float("retry-interval-multiplier", d.retry_interval_multiplier, min=1.0)
+    if not math.isfinite(multiplier):
+        raise t.error("retry-interval-multiplier", f"{multiplier} must be a finite number")
+    max_retry = t.int("max-retry-interval-ms", d.max_retry_interval_ms, min=0)
+    initial_attempts = t.int("initial-connect-attempts", d.initial_connect_attempts, min=-1)
+    reconnect_attempts = t.int("reconnect-attempts", d.reconnect_attempts, min=-1)
+    check_period = t.int("check-period-ms", d.check_period_ms, min=0)
+    ttl = t.int("connection-ttl-ms", d.connection_ttl_ms, min=0)
+    call_timeout = t.int("call-timeout-ms", d.call_timeout_ms, min=0)
+    notify_interval = t.int("notification-interval-ms", d.notification_interval_ms, min=1)
+    notify_attempts = t.int("notification-attempts", d.notification_attempts, min=0)
+    window = t.int("confirmation-window-bytes", d.confirmation_window_bytes, min=-1)
+    dup = t.bool("duplicate-detection", d.duplicate_detection)
+    id_cache = t.int("id-cache-size", d.id_cache_size, min=1)
+    persist_ids = t.bool("persist-id-cache", d.persist_id_cache)
+    direct_only = t.bool("allow-direct-connections-only", d.allow_direct_connections_only)
+    key = _not_empty(t, "key", t.str("key", None))
+    require_key = t.bool("require-client-key", d.require_client_key)
+    if require_key and key is None:
+        raise t.error("require-client-key", "true needs key")
+    ca = t.path_value("ca-file", None)
+    if ca is not None and not ca.is_file():
+        raise t.error("ca-file", f"{str(ca)!r}: no such file")
+    max_state = t.int("max-state-bytes", d.max_state_bytes, min=1024)
+    t.done()
+    return ClusterConfig(
+        name=name, connector=connector, static_connectors=static, discovery_group=discovery, user=user,
+        password=password, password_set=t.has("password"), message_load_balancing=mode, max_hops=max_hops,
+        address=address, retry_interval_ms=retry, retry_interval_multiplier=multiplier,
+        max_retry_interval_ms=max_retry, initial_connect_attempts=initial_attempts,
+        reconnect_attempts=reconnect_attempts, check_period_ms=check_period, connection_ttl_ms=ttl,
+        call_timeout_ms=call_timeout, notification_interval_ms=notify_interval,
+        notification_attempts=notify_attempts, confirmation_window_bytes=window, duplicate_detection=dup,
+        id_cache_size=id_cache, persist_id_cache=persist_ids, allow_direct_connections_only=direct_only,
+        key=key, require_client_key=require_key, ca_file=None if ca is None else str(ca),
+        max_state_bytes=max_state)
+
+
+def _ha(t: Table, cluster: ClusterConfig | None) -> HaConfig:
+    """``[ha]``: ``live-only`` with scale-down (Artemis ``<ha-policy><live-only><scale-down>``)."""
+    d = HaConfig()
+    policy = t.choice("policy", HA_POLICIES, d.policy)
+    if policy != "live-only":
+        raise t.error("policy", f"{policy!r}: replication and shared-store come with the HA issue, "
+                      "not supported yet: use live-only")
+    scale_down = t.bool("scale-down", d.scale_down)
+    group = _not_empty(t, "scale-down-group-name", t.str("scale-down-group-name", d.scale_down_group_name))
+    connectors = _connectors(t, "scale-down-connectors")
+    t.done()
+    if scale_down and cluster is None and not connectors:
+        raise t.error("scale-down", "true but there is nowhere to scale down to: "
+                      "set scale-down-connectors or add a [cluster] table")
+    return HaConfig(policy=policy, scale_down=scale_down, scale_down_group_name=group,
+                    scale_down_connectors=connectors)
 
 
 def load_config(file: str | Path) -> BrokerConfig:
@@ -302,6 +405,9 @@ def load_config(file: str | Path) -> BrokerConfig:
         t.done()
         decls.append(AddressDecl(aname, tuple(rts), qfilter))
 
+    cluster = _cluster(root.table("cluster")) if root.has("cluster") else None
+    ha = _ha(root.table("ha"), cluster)
+
     lg = root.table("logging")
     level = lg.choice("level", ("DEBUG", "INFO", "WARNING", "ERROR"), "INFO")
     json_lines = lg.bool("json", False)
@@ -310,7 +416,8 @@ def load_config(file: str | Path) -> BrokerConfig:
     return BrokerConfig(f, name, data_dir, persistent, tuple(acceptors), management, users_file,
                         max_frame, idle, window, journal, activity, settings, tuple(decls),
                         level, json_lines, handshake, max_sessions, max_links, limits,
-                        link_stealing=link_stealing, expiry_scan_period_ms=expiry_scan, wildcards=wildcards)
+                        link_stealing=link_stealing, expiry_scan_period_ms=expiry_scan, wildcards=wildcards,
+                        cluster=cluster, ha=ha)
 
 
 def check_anonymous(cfg: BrokerConfig, anonymous_enabled: bool) -> None:
@@ -326,7 +433,10 @@ def check_anonymous(cfg: BrokerConfig, anonymous_enabled: bool) -> None:
 
 def apply_overrides(cfg: BrokerConfig, *, amqp_port: int | None = None, management_port: int | None = None,
                     data_dir: Path | None = None, name: str | None = None) -> BrokerConfig:
-    """Command-line overrides: the first plain acceptor's port, the management port, the data dir."""
+    """Command-line overrides: the first plain acceptor's port, the management port, the data dir.
+
+    Nothing in ``[cluster]`` is rewritten: a node on an OS-chosen port keeps its connector as
+    written (port 0 allowed there), and the run-time code substitutes the port it listens on."""
     if amqp_port is not None:
         acc = list(cfg.acceptors)
         idx = next((i for i, a in enumerate(acc) if a.tls is None), 0)

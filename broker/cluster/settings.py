@@ -8,13 +8,55 @@ maps every name to Artemis's ``cluster-connection`` element and to OpenAMQ's clu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 __all__ = ["ClusterConfig", "HaConfig", "DEFAULT_CLUSTER_PASSWORD", "LOAD_BALANCING_MODES", "parse_address_filter",
-           "address_clustered"]
+           "address_clustered", "Connector", "parse_connector", "HA_POLICIES"]
 
 #: the cluster password Artemis ships (``CHANGE ME!!``); a node using it (or none) warns at every start
 DEFAULT_CLUSTER_PASSWORD = "CHANGE ME!!"
 LOAD_BALANCING_MODES = ("OFF", "STRICT", "ON_DEMAND", "OFF_WITH_REDISTRIBUTION")
+#: Artemis's ha-policy kinds; only ``live-only`` is built (replication and shared store: the HA issue)
+HA_POLICIES = ("live-only", "replication", "shared-store")
+
+
+@dataclass(frozen=True)
+class Connector:
+    """Where another node (or this one) is reached: ``amqp://host:port`` or ``amqps://host:port``."""
+
+    scheme: str
+    host: str
+    port: int
+
+    @property
+    def tls(self) -> bool:
+        return self.scheme == "amqps"
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.scheme}://{host}:{self.port}"
+
+
+def parse_connector(url: str) -> Connector:
+    """Parse a connector URL; a ValueError says what is wrong. The port is explicit (0 is
+    accepted: a node started on an OS-chosen port). Credentials belong in ``user``/``password``,
+    so a URL with a user, a path, a query or a fragment is refused."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"is not an amqp://host:port URL ({exc})") from None
+    if parts.scheme not in ("amqp", "amqps"):
+        raise ValueError("must be an amqp://host:port or amqps://host:port URL")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError("must not carry credentials (use user and password)")
+    if not parts.hostname:
+        raise ValueError("has no host (amqp://host:port)")
+    if port is None:
+        raise ValueError("has no port (amqp://host:port)")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError("must be just scheme, host and port (amqp://host:port)")
+    return Connector(parts.scheme, parts.hostname, port)
 
 
 def parse_address_filter(text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
