@@ -70,11 +70,22 @@ def addresses_view(node: "Node") -> list[dict]:
 
 
 def queues_view(node: "Node") -> list[dict]:
+    remote = node.core.cluster.remote
     return [{"name": q.name, "address": q.address, "routing_type": q.routing_type, "durable": q.durable,
              "depth": q.depth, "consumers": q.consumer_count, "enqueued": q.enqueued, "acked": q.acked,
              "dead_lettered": q.dead_lettered, "expired": q.expired, "temporary": q.temporary,
-             "filter": q.filter_text}
+             "filter": q.filter_text,
+             "remote_bindings": [{"node_id": e.binding.node_id, "consumers": e.binding.consumers,
+                                  "distance": e.binding.distance, "connected": e.binding.connected}
+                                 for e in remote(q.address).get(q.name, {}).values()]}
             for q in sorted(node.core.queues.values(), key=lambda q: q.name)]
+
+
+def cluster_view(node: "Node") -> dict:
+    """``GET /api/v1/cluster``: this node's view of its cluster (404 when it has none)."""
+    if node.cluster is None:
+        raise HttpError(404, "this node is not part of a cluster (no [cluster] table)")
+    return node.cluster.describe()
 
 
 RENDER_SLICE_QUEUES = 1000
@@ -120,6 +131,28 @@ def metrics(node: "Node", exporter: "MetricsExporter | None" = None) -> list[Met
                    (({}, round(exporter.last_loop_s, 6)),)),
             Metric("lodestone_broker_metrics_rebuild_slice_max_seconds", "gauge",
                    "longest event-loop slice of the last per-queue rebuild", (({}, round(exporter.last_slice_s, 6)),)),
+        ]
+    cl = node.cluster
+    if cl is not None:
+        bridges = [b for b in cl.bridges.values() if not b.stopped and b.node_id]
+        out += [
+            Metric("lodestone_broker_cluster_bridge_up", "gauge", "1 while the bridge to a node is connected",
+                   tuple(({"peer": b.node_id}, 1 if b.connected else 0) for b in bridges)),
+            Metric("lodestone_broker_cluster_forwarded_total", "counter", "messages sent to a node over its bridge",
+                   tuple(({"peer": b.node_id}, b.forwarded) for b in bridges)),
+            Metric("lodestone_broker_cluster_acked_total", "counter", "forwarded messages a node accepted",
+                   tuple(({"peer": b.node_id}, b.acked) for b in bridges)),
+            Metric("lodestone_broker_cluster_pending", "gauge", "messages waiting in a bridge's store-and-forward queue",
+                   tuple(({"peer": b.node_id}, b.pending) for b in bridges)),
+            Metric("lodestone_broker_cluster_duplicates_dropped_total", "counter",
+                   "forwarded messages dropped as duplicates, by origin node",
+                   tuple(({"origin": n}, c.dropped) for n, c in sorted(cl.caches.items()))),
+            Metric("lodestone_broker_cluster_redistributed_total", "counter", "messages moved by redistribution",
+                   (({}, cl.redistributed),)),
+            Metric("lodestone_broker_cluster_remote_bindings", "gauge", "remote bindings known",
+                   (({}, len(node.core.cluster)),)),
+            Metric("lodestone_broker_cluster_events_total", "counter", "cluster events by outcome",
+                   tuple(({"event": k}, v) for k, v in sorted(cl.counters.items()))),
         ]
     j = node.journal
     if j is not None:
@@ -236,6 +269,8 @@ def make_handler(node: "Node"):
                 return json_response(queues_view(node))
             if path == "/api/v1/connections":
                 return json_response(node.connections())
+            if path == "/api/v1/cluster":
+                return json_response(cluster_view(node))
         if method == "DELETE":
             for prefix, kind in (("/api/v1/queues/", "queue"), ("/api/v1/addresses/", "address")):
                 if path.startswith(prefix):
@@ -313,6 +348,9 @@ def openapi_document() -> dict:
                                        "responses": ok({"type": "array", "items": queue})}},
             "/api/v1/queues/{name}": {"parameters": [name_param], "delete": {"summary": "delete a queue without consumers",
                                                  "security": secured, "responses": no_content}},
+            "/api/v1/cluster": {"get": {"summary": "this node's cluster: members and bridges", "security": secured,
+                                        "responses": {**ok({"type": "object"}),
+                                                      "404": {"description": "not part of a cluster"}}}},
             "/api/v1/connections": {"get": {"summary": "open AMQP connections", "security": secured,
                                             "responses": ok({"type": "array", "items": conn})}},
             "/metrics": {"get": {"summary": "Prometheus text exposition (Basic auth with manage unless "

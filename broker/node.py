@@ -253,7 +253,12 @@ class Node:
     def open_properties(self) -> dict:
         """Extra Open properties of the connections this node dials (the OpenAMQ cluster key)."""
         c = self.cfg.cluster
-        return {"cluster-key": c.key} if c is not None and c.key is not None else {}
+        props = {}
+        if c is not None and c.key is not None:
+            props["cluster-key"] = c.key
+        if self.cluster is not None:
+            props["cluster-connector"] = self.cluster.connector
+        return props
 
     def address_created(self, address: str) -> None:
         self.counters["addresses_auto_created"] += 1

@@ -124,8 +124,9 @@ def write_config(workdir: Path, *, name: str = "broker", users_file: Path | None
                                               "key-file": str(workdir / "server.pem"),
                                               "ca-file": str(workdir / "ca.pem")}
     for tname, values in (config or {}).items():
-        key = tname.replace(".", "\x00") if not tname.startswith("address-settings.") else \
-            "address-settings\x00" + tname.split(".", 1)[1]
+        head = tname.split(".", 1)[0]
+        key = "\x00".join(tname.split(".", 1)) if head in ("address-settings", "addresses") else \
+            tname.replace(".", "\x00")
         tables.setdefault(key, {}).update(values)
     lines = []
     for tname, values in tables.items():

@@ -65,6 +65,7 @@ from broker.cluster.dupcache import DuplicateCache
 from broker.cluster.protocol import (CLUSTER_PREFIX, FORWARD_ADDRESS, NOTIFY_ADDRESS, BindingNote, Forwarded, Hello,
                                      ProtocolError, Reset, Unbinding, decode_forward, decode_note, encode_forward,
                                      encode_note)
+from broker.cluster.settings import parse_connector
 from broker.core.addresses import ANYCAST
 from broker.core.balancing import LoadBalancing
 from broker.core.bindings import RemoteBinding
@@ -697,6 +698,13 @@ class ClusterNode:
                 return ("amqp:unauthorized-access", "wrong or missing cluster key")
         props = engine.connection.remote_properties or {}
         peer_node = props.get("node-id") if isinstance(props, dict) else None
+        peer_connector = props.get("cluster-connector") if isinstance(props, dict) else None
+        if isinstance(peer_connector, str) and not self.cfg.allow_direct_connections_only \
+                and peer_node != self.node.node_id and peer_node not in self.by_node:
+            try:
+                self.connect(parse_connector(peer_connector).__str__())  # a node that dialled us joins
+            except ValueError:
+                pass
         if address == FORWARD_ADDRESS and link.is_receiver:
             return _ForwardIn(self, engine, peer_node if isinstance(peer_node, str) else None)
         if address == NOTIFY_ADDRESS and link.is_sender:
@@ -766,4 +774,8 @@ class ClusterNode:
         return {"name": self.cfg.name, "node_id": self.node.node_id, "connector": self.connector,
                 "message_load_balancing": self.mode.value, "max_hops": self.cfg.max_hops,
                 "members": members, "bridges": [b.describe() for b in self.bridges.values() if not b.stopped],
+                "remote_bindings": [{"node_id": b.node_id, "queue": b.queue, "address": b.address,
+                                     "routing_type": b.routing_type, "consumers": b.consumers,
+                                     "distance": b.distance, "connected": b.connected}
+                                    for b in self.core.cluster],
                 "redistributed": self.redistributed, "counters": dict(self.counters)}
