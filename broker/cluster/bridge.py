@@ -692,9 +692,11 @@ class ClusterNode:
             key = props.get("cluster-key") if isinstance(props, dict) else None
             if not isinstance(key, str) or not hmac.compare_digest(key.encode(), self.cfg.key.encode()):
                 self.counters["cluster_key_refused"] += 1
-                if self.node.log_once(f"cluster-key {engine.source}", time.monotonic()):
-                    log.warning("cluster peer refused: wrong or missing cluster key", extra={"fields": {
-                        "source": engine.source, "container_id": engine.container_id}})
+                peer = props.get("node-id") if isinstance(props, dict) else None
+                if self.node.log_once(f"cluster-key {peer or engine.container_id}", time.monotonic()):
+                    log.warning("cluster peer refused: wrong or missing cluster key (logged once per peer)",
+                                extra={"fields": {"peer": peer, "source": engine.source,
+                                                  "container_id": engine.container_id}})
                 return ("amqp:unauthorized-access", "wrong or missing cluster key")
         props = engine.connection.remote_properties or {}
         peer_node = props.get("node-id") if isinstance(props, dict) else None
