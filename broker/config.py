@@ -288,9 +288,9 @@ def _ha(t: Table, cluster: ClusterConfig | None) -> HaConfig:
     group = _not_empty(t, "scale-down-group-name", t.str("scale-down-group-name", d.scale_down_group_name))
     connectors = _connectors(t, "scale-down-connectors")
     t.done()
-    if scale_down and cluster is None and not connectors:
-        raise t.error("scale-down", "true but there is nowhere to scale down to: "
-                      "set scale-down-connectors or add a [cluster] table")
+    if scale_down and cluster is None:
+        raise t.error("scale-down", "true needs a [cluster] table (scale-down moves messages over the "
+                      "cluster's bridges, with its credential)")
     return HaConfig(policy=policy, scale_down=scale_down, scale_down_group_name=group,
                     scale_down_connectors=connectors)
 

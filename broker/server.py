@@ -71,8 +71,9 @@ async def run_node(cfg: "BrokerConfig", *, task_status=trio.TASK_STATUS_IGNORED)
                     async with trio.open_nursery() as services:
                         amqp_urls = []
                         mgmt_url = ""
+                        listeners = trio.CancelScope()
                         for acc in cfg.acceptors:
-                            host, port = await services.start(serve_amqp, node, acc)
+                            host, port = await services.start(_in_scope, listeners, serve_amqp, node, acc)
                             print_listening(acc.scheme, f"{acc.scheme}://{_hostport(host, port)}")
                             amqp_urls.append(f"{acc.scheme}://{_hostport(host, port)}")
                         if cfg.management.enabled:
@@ -82,7 +83,7 @@ async def run_node(cfg: "BrokerConfig", *, task_status=trio.TASK_STATUS_IGNORED)
                             print_listening("management", mgmt_url)
                         if journal is not None:
                             services.start_soon(node.committer)
-                        ccfg = getattr(cfg, "cluster", None)
+                        ccfg = cfg.cluster
                         if ccfg is not None:
                             await services.start(_run_cluster, node, ccfg, amqp_urls, mgmt_url)
                         if node.activity is not None:
@@ -96,6 +97,15 @@ async def run_node(cfg: "BrokerConfig", *, task_status=trio.TASK_STATUS_IGNORED)
                             log.info("signal %s: shutting down", signal.Signals(sig).name)
                             break
                         node.active = False
+                        if cfg.ha.scale_down and node.cluster is not None:
+                            # Artemis live-only scale-down: stop taking clients, let them go, move
+                            # every message to another node, then stop
+                            listeners.cancel()
+                            node.shutdown_connections()
+                            with trio.move_on_after(SHUTDOWN_GRACE_S):
+                                while node.engines:
+                                    await trio.sleep(0.02)
+                            await node.cluster.scale_down(ccfg.call_timeout_ms / 1000.0)
                         services.cancel_scope.cancel()
                     node.shutdown_connections()
                     with trio.move_on_after(SHUTDOWN_GRACE_S):
@@ -111,6 +121,12 @@ async def run_node(cfg: "BrokerConfig", *, task_status=trio.TASK_STATUS_IGNORED)
             journal.close()
         datadir.close()
     log.info("node stopped")
+
+
+async def _in_scope(scope: trio.CancelScope, fn, *args, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Run ``fn(*args)`` (a ``task_status`` task) inside ``scope``, so it can be stopped alone."""
+    with scope:
+        await fn(*args, task_status=task_status)
 
 
 async def _run_cluster(node: Node, ccfg, amqp_urls: list[str], mgmt_url: str, *,

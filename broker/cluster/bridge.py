@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import collections
 import hmac
+import itertools
 import logging
 import os
 import struct
@@ -66,7 +67,7 @@ from broker.cluster.protocol import (CLUSTER_PREFIX, FORWARD_ADDRESS, NOTIFY_ADD
                                      ProtocolError, Reset, Unbinding, decode_forward, decode_note, encode_forward,
                                      encode_note)
 from broker.cluster.settings import parse_connector
-from broker.core.addresses import ANYCAST
+from broker.core.addresses import ANYCAST, MULTICAST
 from broker.core.balancing import LoadBalancing
 from broker.core.bindings import RemoteBinding
 from broker.core.deliveries import Message, Outcome
@@ -362,6 +363,9 @@ class ClusterNode:
         self._seq = count(1)
         self._nursery: trio.Nursery | None = None
         self._changed = Wakeup()
+        self.groups: dict[str, str | None] = {}   # node id -> its scale-down group (from its hello)
+        self.scaling_down = False
+        self.scaled_down = 0
         self._restore_dup_ids()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -441,7 +445,8 @@ class ClusterNode:
 
     def hello(self) -> Hello:
         members = tuple((m.node_id, m.connector, m.management_url) for m in self.members.values())
-        return Hello(self.node.node_id, self.cfg.name, self.connector, self.management_url, self.started_ms, members)
+        return Hello(self.node.node_id, self.cfg.name, self.connector, self.management_url, self.started_ms, members,
+                     self.node.cfg.ha.scale_down_group_name)
 
     def snapshot(self) -> list:
         notes: list = [self.hello(), Reset()]
@@ -482,6 +487,7 @@ class ClusterNode:
         if isinstance(note, Hello):
             if note.node_id != via:
                 raise ProtocolError("amqp:invalid-field", f"hello from {note.node_id!r} on the link of {via!r}")
+            self.groups[via] = note.group
             m = self.members.get(via)
             if m is None or m.connector != note.connector:
                 self.members[via] = _Member(via, note.connector, note.management_url, note.started_ms)
@@ -641,6 +647,8 @@ class ClusterNode:
         for node_id, qname in f.targets:
             if node_id == me:
                 q = core.queues.get(qname)
+                if q is None and f.create is not None and not qname.startswith("$lodestone."):
+                    q = self._create_for_scale_down(f, qname)
                 if q is None or q.deleted or qname.startswith("$lodestone."):
                     self.counters["forward_unroutable"] += 1
                     continue
@@ -662,6 +670,27 @@ class ClusterNode:
             acc[0] += delivered
             acc[1] += len(f.message) * delivered
         return stored
+
+    def _create_for_scale_down(self, f: Forwarded, qname: str):
+        """A node scaling down moves a queue this node lacks: create it as it was there."""
+        core = self.core
+        rtype, ftext = f.create
+        try:
+            if rtype == ANYCAST:
+                if qname != f.address:
+                    return None  # our anycast queue carries its address's name
+                core.declare_address(f.address, [ANYCAST])
+                q = core.queues.get(qname)
+            else:
+                core.declare_address(f.address, [MULTICAST])
+                q = core.subscription_queue(f.address, qname, durable=True)
+            if q is not None and ftext and q.filter_text is None and core.compile_filter is not None:
+                core.set_queue_filter(qname, core.compile_filter(ftext), ftext)
+        except (ValueError, KeyError) as exc:
+            log.warning("scale-down: cannot create queue %r: %s", qname, exc)
+            return None
+        self.counters["scale_down_queues_created"] += 1
+        return q
 
     def _restore_dup_ids(self) -> None:
         recs = self.node.internal_records
@@ -685,6 +714,8 @@ class ClusterNode:
     def internal_link(self, engine: "AmqpEngine", link, address: str):
         """The node's ``internal_link`` hook for ``$lodestone.cluster.*`` (see the module doc)."""
         principal = engine.principal
+        if self.scaling_down:
+            return ("amqp:resource-limit-exceeded", "this node is scaling down")
         if principal is None or CLUSTER_ROLE not in getattr(principal, "roles", ()):
             return ("amqp:unauthorized-access", f"address {address!r} is for the cluster's own connections")
         if self.cfg.key is not None:
@@ -760,6 +791,88 @@ class ClusterNode:
             self.redistributed += len(picked)
             log.info("redistributed messages", extra={"fields": {"queue": q.name, "messages": len(picked)}})
         return len(picked)
+
+    # -- scale-down ----------------------------------------------------------------------------
+    def scale_down_target(self) -> Bridge | None:
+        """The connected node to move everything to: the first of ``scale-down-connectors`` that
+        is connected, else any connected member (in the order they joined), among those in this
+        node's ``scale-down-group-name`` when one is set."""
+        ha = self.node.cfg.ha
+        group = ha.scale_down_group_name
+        candidates: list[Bridge] = []
+        if ha.scale_down_connectors:
+            for url in ha.scale_down_connectors:
+                b = self.bridges.get(url) or next((x for x in self.bridges.values() if _same_endpoint(x.url, url)), None)
+                if b is not None:
+                    candidates.append(b)
+        else:
+            candidates = list(self.by_node.values())
+        for b in candidates:
+            if not b.connected or b.stopped or b.node_id is None:
+                continue
+            if group is not None and self.groups.get(b.node_id) != group:
+                continue
+            return b
+        return None
+
+    async def scale_down(self, timeout_s: float = 60.0) -> dict:
+        """Move every message of every queue (durable or not) to one other node, then wait until
+        it has accepted them all (Artemis ``ScaleDownHandler``); see docs/cluster.md."""
+        self.scaling_down = True
+        ha = self.node.cfg.ha
+        for url in ha.scale_down_connectors:
+            self.connect(url)
+        target = None
+        with trio.move_on_after(timeout_s):
+            while target is None:
+                target = self.scale_down_target()
+                if target is None:
+                    await trio.sleep(0.05)
+        if target is None:
+            log.error("scale-down: no node to scale down to; messages stay in this node's journal",
+                      extra={"fields": {"connectors": list(ha.scale_down_connectors),
+                                        "group": ha.scale_down_group_name}})
+            return {"target": None, "messages": 0}
+        core = self.core
+        moved = 0
+        queues = 0
+        store = core.store
+        for q in list(core.queues.values()):
+            if q.name.startswith("$lodestone.") or q.deleted:
+                continue
+            if q.messages:
+                queues += 1
+            while q.messages:
+                batch = list(itertools.islice(q.messages, REDISTRIBUTE_BATCH))
+                grouped = self.node.journal is not None
+                if grouped:
+                    store.begin_group()
+                try:
+                    for msg in batch:
+                        q.take(msg)
+                        env = Forwarded(self._dup_id(), self.node.node_id, msg.address, ((target.node_id, q.name),), 0,
+                                        msg.durable, msg.priority, msg.expires, msg.body,
+                                        (q.routing_type, q.filter_text))
+                        self._sf_queue(target.node_id).enqueue(
+                            Message(core.next_mid(), encode_forward(env), msg.durable, msg.address, origin="scale-down"))
+                finally:
+                    if grouped:
+                        store.end_group()
+                moved += len(batch)
+                await trio.sleep(0)
+        log.info("scale-down: moving messages", extra={"fields": {"target": target.node_id, "messages": moved,
+                                                                   "queues": queues}})
+        with trio.move_on_after(timeout_s):
+            while any(b.pending for b in self.bridges.values() if b.node_id is not None and not b.stopped):
+                await trio.sleep(0.05)
+        left = sum(b.pending for b in self.bridges.values() if b.node_id is not None and not b.stopped)
+        if left:
+            log.error("scale-down: timed out; messages not yet accepted stay in this node's journal",
+                      extra={"fields": {"target": target.node_id, "pending": left}})
+        else:
+            log.info("scale-down: done", extra={"fields": {"target": target.node_id, "messages": moved}})
+        self.scaled_down = moved
+        return {"target": target.node_id, "messages": moved, "pending": left}
 
     # -- views ---------------------------------------------------------------------------------
     def take_activity(self) -> dict:

@@ -16,7 +16,12 @@ A **forwarded message** is one AMQP value (the transfer's whole payload), a desc
 
 ``lodestone:forward:v1`` [dup-id (binary), origin node id (string), address (string),
 targets (list of [node id, queue] pairs), hops (uint), durable (bool), priority (ubyte),
-expires (timestamp, 0: never), message (binary: the producer's encoded message, byte for byte)]
+expires (timestamp, 0: never), message (binary: the producer's encoded message, byte for byte)
+[, create]]
+
+where the optional tenth field ``create`` (scale-down only) is [routing type, filter (string or
+null)]: the receiving node creates a missing target queue with that routing type and filter
+(Artemis's scale-down creates the queues it moves messages to).
 
 so the message itself crosses untouched (its header, annotations, properties and body), and what
 the sending node decided rides beside it (Artemis's ``_AMQ_ROUTE_TO`` queue ids and
@@ -31,7 +36,8 @@ A **notification** is one described list, ``lodestone:notify:v1`` [kind, …]:
 kind           fields after the kind
 =============  ========================================================================
 ``hello``      node id, cluster name, connector URL, management URL, start time (ms),
-               members (list of [node id, connector, management URL])
+               members (list of [node id, connector, management URL]), scale-down group
+               (string or null)
 ``reset``      (none): forget every binding learned through this link; a snapshot follows
 ``binding``    node id, queue, address, routing type, filter (string or null), consumers
                (uint), consumer filters (list of strings), distance (uint: 0 = the sender's
@@ -100,12 +106,15 @@ class Forwarded:
     priority: int
     expires: float
     message: bytes
+    create: tuple[str, str | None] | None = None   # scale-down: (routing type, filter) of a missing queue
 
 
 def encode_forward(f: Forwarded) -> bytes:
-    return encode(Described(FORWARD_DESCRIPTOR, [
-        f.dup_id, f.origin, f.address, [[n, q] for n, q in f.targets], UInt(f.hops), f.durable,
-        UByte(f.priority), Timestamp(int(f.expires)), f.message]))
+    fields = [f.dup_id, f.origin, f.address, [[n, q] for n, q in f.targets], UInt(f.hops), f.durable,
+              UByte(f.priority), Timestamp(int(f.expires)), f.message]
+    if f.create is not None:
+        fields.append([f.create[0], f.create[1]])
+    return encode(Described(FORWARD_DESCRIPTOR, fields))
 
 
 def _name(v, what: str, *, empty: bool = False) -> str:
@@ -135,9 +144,15 @@ def _body(data: bytes, descriptor: Symbol, what: str) -> list:
 def decode_forward(data: bytes) -> Forwarded:
     """Decode and check one forwarded message; :class:`ProtocolError` if it is not the format."""
     v = _body(data, FORWARD_DESCRIPTOR, "forwarded message")
-    if len(v) != 9:
-        raise _invalid(f"forwarded message has {len(v)} fields, expected 9")
-    dup, origin, address, targets, hops, durable, priority, expires, message = v
+    if len(v) not in (9, 10):
+        raise _invalid(f"forwarded message has {len(v)} fields, expected 9 or 10")
+    dup, origin, address, targets, hops, durable, priority, expires, message = v[:9]
+    create = None
+    if len(v) == 10:
+        c = v[9]
+        if not isinstance(c, list) or len(c) != 2 or c[0] not in ROUTING_TYPES:
+            raise _invalid("create must be [routing type, filter]")
+        create = (c[0], _name(c[1], "create filter") if c[1] is not None else None)
     if not isinstance(dup, bytes) or not 1 <= len(dup) <= 256:
         raise _invalid("dup-id must be 1..256 bytes")
     if not isinstance(targets, list) or not 1 <= len(targets) <= MAX_TARGETS:
@@ -154,7 +169,8 @@ def decode_forward(data: bytes) -> Forwarded:
     if not isinstance(expires, int) or isinstance(expires, bool) or expires < 0:
         raise _invalid("expires must be a timestamp")
     return Forwarded(bytes(dup), _name(origin, "origin"), _name(address, "address"), tuple(pairs),
-                     _uint(hops, "hops", 255), durable, _uint(priority, "priority", 9), int(expires), bytes(message))
+                     _uint(hops, "hops", 255), durable, _uint(priority, "priority", 9), int(expires), bytes(message),
+                     create)
 
 
 # -- notifications -----------------------------------------------------------------------------
@@ -167,6 +183,7 @@ class Hello:
     management_url: str
     started_ms: int
     members: tuple[tuple[str, str, str], ...] = ()
+    group: str | None = None   # the node's scale-down-group-name
 
 
 @dataclass(frozen=True)
@@ -202,7 +219,7 @@ def encode_note(n) -> bytes:
         fields = ["reset"]
     elif isinstance(n, Hello):
         fields = ["hello", n.node_id, n.cluster, n.connector, n.management_url, Timestamp(n.started_ms),
-                  [[a, b, c] for a, b, c in n.members]]
+                  [[a, b, c] for a, b, c in n.members], n.group]
     else:  # pragma: no cover - programming error
         raise TypeError(f"not a notification: {n!r}")
     return encode(Described(NOTIFY_DESCRIPTOR, fields))
@@ -239,9 +256,11 @@ def decode_note(data: bytes):
             raise _invalid("reset notification has no fields")
         return Reset()
     if kind == "hello":
-        if len(rest) != 6:
-            raise _invalid("hello notification needs 6 fields")
-        node, cluster, connector, mgmt, started, members = rest
+        if len(rest) != 7:
+            raise _invalid("hello notification needs 7 fields")
+        node, cluster, connector, mgmt, started, members, group = rest
+        if group is not None:
+            group = _name(group, "group")
         if not isinstance(members, list) or len(members) > MAX_MEMBERS:
             raise _invalid("members must be a list")
         ms = []
@@ -253,5 +272,5 @@ def decode_note(data: bytes):
         if not isinstance(started, int) or isinstance(started, bool) or started < 0:
             raise _invalid("start time must be a timestamp")
         return Hello(_name(node, "node id"), _name(cluster, "cluster name"), _name(connector, "connector"),
-                     _name(mgmt, "management URL", empty=True), int(started), tuple(ms))
+                     _name(mgmt, "management URL", empty=True), int(started), tuple(ms), group)
     raise _invalid(f"unknown notification kind {kind[:64]!r}")

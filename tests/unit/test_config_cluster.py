@@ -151,8 +151,8 @@ def test_connectors_are_kept_in_one_spelling(tmp_path):
 def test_scale_down_to_the_cluster(tmp_path):
     cfg = load_config(write(tmp_path, CLUSTER + "[ha]\nscale-down = true\n"))
     assert cfg.ha.scale_down and cfg.ha.scale_down_connectors == ()
-    cfg = load_config(write(tmp_path, BASE + "[ha]\nscale-down = true\nscale-down-connectors = ['amqp://h:1']\n"))
-    assert cfg.ha.scale_down and cfg.cluster is None
+    cfg = load_config(write(tmp_path, CLUSTER + "[ha]\nscale-down = true\nscale-down-connectors = ['amqp://h:1']\n"))
+    assert cfg.ha.scale_down and cfg.ha.scale_down_connectors == ("amqp://h:1",)
 
 
 def test_overrides_leave_the_cluster_alone(tmp_path):
@@ -222,7 +222,9 @@ BAD = [
      "'replication': replication and shared-store come with the HA issue, not supported yet: use live-only"),
     (BASE + "[ha]\npolicy = 'shared-store'\n", "ha.policy", "'shared-store': replication and shared-store"),
     (BASE + "[ha]\npolicy = 'primary'\n", "ha.policy", "'primary' must be one of live-only"),
-    (BASE + "[ha]\nscale-down = true\n", "ha.scale-down", "true but there is nowhere to scale down to"),
+    (BASE + "[ha]\nscale-down = true\n", "ha.scale-down", "true needs a [cluster] table"),
+    (BASE + "[ha]\nscale-down = true\nscale-down-connectors = ['amqp://h:1']\n", "ha.scale-down",
+     "true needs a [cluster] table"),
     (BASE + "[ha]\nscale-down = 'yes'\n", "ha.scale-down", "'yes' must be true or false"),
     (BASE + "[ha]\nscale-down-group-name = ''\n", "ha.scale-down-group-name", "'' must not be empty"),
     (BASE + "[ha]\nscale-down-connectors = ['amqp://h:1', 'amqp://h']\n", "ha.scale-down-connectors[1]",
