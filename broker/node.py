@@ -258,7 +258,14 @@ class Node:
             props["cluster-key"] = c.key
         if self.cluster is not None:
             props["cluster-connector"] = self.cluster.connector
+            props["started-ms"] = self.cluster.started_ms
         return props
+
+    @property
+    def server_open_properties(self) -> dict:
+        """Extra Open properties of accepted connections: a cluster node's start time, so two
+        nodes with one node id can tell which one is the newcomer (broker.cluster.bridge)."""
+        return {"started-ms": self.cluster.started_ms} if self.cluster is not None else {}
 
     def address_created(self, address: str) -> None:
         self.counters["addresses_auto_created"] += 1

@@ -71,9 +71,10 @@ async def run_node(cfg: "BrokerConfig", *, task_status=trio.TASK_STATUS_IGNORED)
                     async with trio.open_nursery() as services:
                         amqp_urls = []
                         mgmt_url = ""
-                        listeners = trio.CancelScope()
+                        listeners: list[trio.CancelScope] = []
                         for acc in cfg.acceptors:
-                            host, port = await services.start(_in_scope, listeners, serve_amqp, node, acc)
+                            listeners.append(trio.CancelScope())
+                            host, port = await services.start(_in_scope, listeners[-1], serve_amqp, node, acc)
                             print_listening(acc.scheme, f"{acc.scheme}://{_hostport(host, port)}")
                             amqp_urls.append(f"{acc.scheme}://{_hostport(host, port)}")
                         if cfg.management.enabled:
@@ -100,7 +101,8 @@ async def run_node(cfg: "BrokerConfig", *, task_status=trio.TASK_STATUS_IGNORED)
                         if cfg.ha.scale_down and node.cluster is not None:
                             # Artemis live-only scale-down: stop taking clients, let them go, move
                             # every message to another node, then stop
-                            listeners.cancel()
+                            for scope in listeners:
+                                scope.cancel()
                             node.shutdown_connections()
                             with trio.move_on_after(SHUTDOWN_GRACE_S):
                                 while node.engines:

@@ -753,7 +753,10 @@ class AmqpEngine:
         conn.remote_hostname  # noqa: B018 - decoding it checks its UTF-8 (we do not use it)
         conn.container = self.host.container_id
         conn.offered_capabilities = [symbol("ANONYMOUS-RELAY")]
-        conn.properties = {symbol("product"): "lodestone", symbol("node-id"): self.host.node_id}
+        props = {symbol("product"): "lodestone", symbol("node-id"): self.host.node_id}
+        for k, v in (getattr(self.host, "server_open_properties", None) or {}).items():
+            props[symbol(k)] = v
+        conn.properties = props
         conn.open()
         self.opened = True
         self.host.connection_opened(self)

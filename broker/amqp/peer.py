@@ -192,6 +192,7 @@ class PeerSender:
     # engine handler interface (client mode)
     def on_attached(self, link: Link) -> None:
         self.attached = True
+        self.peer._refusal_logged = False
         self._pump()
 
     def on_detached(self, link: Link, condition) -> None:
@@ -341,6 +342,9 @@ class PeerConnection:
         self._auth_logged = False
         self._wakeup: Wakeup | None = None
         self._names = itertools.count(1)
+        self._links_refused = False   # this connection ended because the peer refused a link
+        self._refusal_logged = False
+        self.links_refused = 0
 
     # -- the owner's API ------------------------------------------------------------------------
     def sender(self, address: str, on_outcome: Callable[[Any, str], None], *, name: str | None = None) -> PeerSender:
@@ -373,10 +377,16 @@ class PeerConnection:
 
     def _link_detached(self, link, condition) -> None:
         if condition is not None and self.engine is not None and not self.engine.closed:
-            # the peer refused or closed one of our links: the link is needed, so start over
-            log.warning("peer detached a link; reconnecting", extra={"fields": {
-                "peer": self.name, "link": link.name, "condition": condition.name,
-                "description": condition.description}})
+            # the peer refused or closed one of our links: the link is needed, so start over —
+            # with back-off, as after a failed attempt (logged once until a link attaches again)
+            self._links_refused = True
+            self.links_refused += 1
+            if not self._refusal_logged:
+                self._refusal_logged = True
+                log.warning("peer detached a link; reconnecting with back-off (further refusals are counted, "
+                            "not logged)", extra={"fields": {
+                                "peer": self.name, "link": link.name, "condition": condition.name,
+                                "description": condition.description}})
             self.engine.close_with("amqp:connection:forced", f"link {link.name} detached: {condition.name}")
 
     def _emit(self, ev) -> None:
@@ -390,8 +400,9 @@ class PeerConnection:
         while True:
             self.attempts += 1
             self._emit(PeerAttemptStarted(self.attempts))
+            self._links_refused = False
             opened = await self._attempt(self.attempts)
-            if opened:
+            if opened and not self._links_refused:
                 failures = 0
             failures += 1
             if not self.retry.may_retry(failures, connected_before=self.connections > 0):

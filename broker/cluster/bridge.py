@@ -134,6 +134,7 @@ class Bridge:
         self.bytes_acked = 0
         self.cancel_scope: trio.CancelScope | None = None
         self.stopped = False
+        self.retire = False   # stop at the next disconnect (we reached a duplicate of ourselves)
         self.login_refused = 0
 
     # -- the loop ------------------------------------------------------------------------------
@@ -156,15 +157,33 @@ class Bridge:
         c = self.cluster
         if isinstance(ev, PeerConnected):
             if ev.node_id == c.node.node_id:
-                log.info("cluster connector reaches this node itself; not bridging to it",
-                         extra={"fields": {"connector": self.url}})
-                c.self_urls.add(self.url)
+                props = (self.peer.engine.remote_properties if self.peer.engine is not None else None) or {}
+                started = props.get("started-ms") if isinstance(props, dict) else None
+                if isinstance(started, int) and started != c.started_ms:
+                    # another active node with our node id (a copied data directory)
+                    newcomer, keeper = (c.connector, self.url) if c.started_ms >= started else (self.url, c.connector)
+                    c._duplicate(ev.node_id, newcomer, keeper)
+                    if newcomer == c.connector:
+                        c.duplicate_of = self.url
+                    # close (after our attaches went out, so the other node sees and logs it
+                    # too), then stop on the disconnect
+                    self.retire = True
+                    self.peer.engine.close_with("amqp:precondition-failed", f"duplicate node id {ev.node_id}: "
+                                                f"{newcomer} started after {keeper}; the newcomer is refused")
+                    return
+                else:
+                    log.info("cluster connector reaches this node itself; not bridging to it",
+                             extra={"fields": {"connector": self.url}})
+                    c.self_urls.add(self.url)
                 self.stop()
                 return
             self.connected = True
             self.since = time.time()
             c.bridge_up(self, ev.node_id)
         elif isinstance(ev, (PeerDisconnected, PeerConnectFailed, PeerGaveUp)):
+            if self.retire:
+                self.stop()
+                return
             was = self.connected
             self.connected = False
             if was:
@@ -366,6 +385,8 @@ class ClusterNode:
         self.groups: dict[str, str | None] = {}   # node id -> its scale-down group (from its hello)
         self.scaling_down = False
         self.scaled_down = 0
+        self.identities: dict[str, tuple[str, int]] = {}  # node id -> (connector, start ms) seen inbound
+        self.duplicate_of: str | None = None  # set when this node is the newcomer of a duplicate id
         self._restore_dup_ids()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -711,6 +732,45 @@ class ClusterNode:
             return None
         return hmac.compare_digest(password.encode(), self.cfg.password.encode())
 
+    def _check_identity(self, engine, peer_node, peer_connector, started) -> tuple[str, str] | None:
+        """Two active nodes with one node id (a data dir copied): the one that started later is
+        refused by everyone, and both are named in the logs. Returns a refusal, or None."""
+        if not isinstance(peer_node, str) or not peer_node:
+            return ("amqp:precondition-failed", "a cluster connection must send its node-id")
+        started = started if isinstance(started, int) else 0
+        connector = peer_connector if isinstance(peer_connector, str) else engine.source
+        me = self.node.node_id
+        if peer_node == me:
+            if started == self.started_ms and connector == self.connector:
+                return ("amqp:precondition-failed", "a connection to this node itself")
+            newcomer, keeper = ((connector, self.connector) if started >= self.started_ms
+                                else (self.connector, connector))
+            self._duplicate(peer_node, newcomer, keeper)
+            if newcomer == self.connector:
+                self.duplicate_of = connector
+            return ("amqp:precondition-failed", f"duplicate node id {peer_node}: {newcomer} started after "
+                                                f"{keeper}; the newcomer is refused")
+        known = self.identities.get(peer_node)
+        if known is None or known[0] == connector:
+            self.identities[peer_node] = (connector, started)
+            return None
+        if started > known[1]:
+            self._duplicate(peer_node, connector, known[0])
+            return ("amqp:precondition-failed", f"duplicate node id {peer_node}: {connector} started after "
+                                                f"{known[0]}; the newcomer is refused")
+        if started == known[1]:  # the same node, reached at another address (it restarted on a new port)
+            self.identities[peer_node] = (connector, started)
+            return None
+        self._duplicate(peer_node, known[0], connector)  # the older one showed up second
+        self.identities[peer_node] = (connector, started)
+        return None
+
+    def _duplicate(self, node_id: str, newcomer: str, keeper: str) -> None:
+        self.counters["duplicate_node_id"] += 1
+        if self.node.log_once(f"dup-node {node_id} {newcomer}", time.monotonic()):
+            log.error("two active nodes have one node id (a copied data directory?): the newcomer is refused",
+                      extra={"fields": {"node_id": node_id, "newcomer": newcomer, "keeps": keeper}})
+
     def internal_link(self, engine: "AmqpEngine", link, address: str):
         """The node's ``internal_link`` hook for ``$lodestone.cluster.*`` (see the module doc)."""
         principal = engine.principal
@@ -730,8 +790,13 @@ class ClusterNode:
                                                   "container_id": engine.container_id}})
                 return ("amqp:unauthorized-access", "wrong or missing cluster key")
         props = engine.connection.remote_properties or {}
-        peer_node = props.get("node-id") if isinstance(props, dict) else None
-        peer_connector = props.get("cluster-connector") if isinstance(props, dict) else None
+        if not isinstance(props, dict):
+            props = {}
+        peer_node = props.get("node-id")
+        peer_connector = props.get("cluster-connector")
+        refused = self._check_identity(engine, peer_node, peer_connector, props.get("started-ms"))
+        if refused is not None:
+            return refused
         if isinstance(peer_connector, str) and not self.cfg.allow_direct_connections_only \
                 and peer_node != self.node.node_id and peer_node not in self.by_node:
             try:
@@ -887,6 +952,7 @@ class ClusterNode:
                             "connected": bool(b is not None and b.connected),
                             "since": b.since if b is not None and b.connected else None})
         return {"name": self.cfg.name, "node_id": self.node.node_id, "connector": self.connector,
+                "duplicate_of": self.duplicate_of,
                 "message_load_balancing": self.mode.value, "max_hops": self.cfg.max_hops,
                 "members": members, "bridges": [b.describe() for b in self.bridges.values() if not b.stopped],
                 "remote_bindings": [{"node_id": b.node_id, "queue": b.queue, "address": b.address,

@@ -12,7 +12,7 @@ import time
 import pytest
 from proton import Message
 from proton.reactor import Container, DurableSubscription
-from proton import ConnectionException
+from proton import ConnectionException, symbol
 from proton.utils import BlockingConnection, LinkDetached
 
 from tests.clusterproc import (CLUSTER_PASSWORD, cluster_view, connect, restart_same_port, start_node,
@@ -197,7 +197,7 @@ def test_garbage_on_a_cluster_link_cuts_off_that_peer_only(tmp_path, procs):
     its connection is closed with amqp:decode-error and logged; the cluster keeps forwarding."""
     a, b = _pair(tmp_path, procs, config={"addresses.orders": {"routing-types": ["anycast"]}})
     bad = BlockingConnection(b.amqp_url, timeout=10, user="cluster-user", password=CLUSTER_PASSWORD,
-                             allowed_mechs="PLAIN")
+                             allowed_mechs="PLAIN", properties={symbol("node-id"): "not-a-real-node"})
     s = bad.create_sender("$lodestone.cluster.forward")
     with pytest.raises((ConnectionException, LinkDetached, Exception)):
         s.send(Message(body="not a forwarded message"))
@@ -221,6 +221,16 @@ def test_garbage_on_a_cluster_link_cuts_off_that_peer_only(tmp_path, procs):
     cb.close()
 
 
+def test_a_cluster_connection_without_a_node_id_is_refused(tmp_path, procs):
+    a, b = _pair(tmp_path, procs)
+    c = BlockingConnection(a.amqp_url, timeout=10, user="cluster-user", password=CLUSTER_PASSWORD,
+                           allowed_mechs="PLAIN")
+    with pytest.raises(LinkDetached) as e:
+        c.create_sender("$lodestone.cluster.forward")
+    assert "node-id" in str(e.value)
+    c.close()
+
+
 def test_clients_cannot_reach_cluster_addresses(tmp_path, procs):
     a, b = _pair(tmp_path, procs)
     c = BlockingConnection(a.amqp_url, timeout=10, user="admin", password="admin", allowed_mechs="PLAIN")
@@ -231,3 +241,43 @@ def test_clients_cannot_reach_cluster_addresses(tmp_path, procs):
         with pytest.raises(LinkDetached):
             c.create_receiver(addr)
     c.close()
+
+
+def test_two_active_nodes_with_one_node_id_the_newcomer_is_refused(tmp_path, procs):
+    """A node started on a copy of another's data dir has its node id: the cluster refuses the
+    newcomer, both are named in the logs, and the original keeps serving."""
+    import shutil
+    a, b = _pair(tmp_path, procs, config={"addresses.orders": {"routing-types": ["anycast"]}})
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    shutil.copy(a.data_dir / "node.id", copy / "node.id")
+    clone = start_node(tmp_path, "clone", static=[a.amqp_url, b.amqp_url])
+    procs.append(clone)
+    shutil.copy(copy / "node.id", clone.data_dir / "node.id")
+    clone = restart_same_port(clone)  # now it has A's node id
+    procs.append(clone)
+    assert clone.node_id == a.node_id
+    wait_until(lambda: cluster_view(a)["counters"].get("duplicate_node_id", 0) >= 1
+               and cluster_view(b)["counters"].get("duplicate_node_id", 0) >= 1, 20, "A and B refuse the clone")
+    for n in (a, b, clone):
+        wait_until(lambda n=n: "two active nodes have one node id" in n.stderr_text(), 10, f"{n.workdir.name} logs")
+        text = n.stderr_text()
+        assert clone.amqp_url.split("//")[1] in text and a.amqp_url.split("//")[1] in text
+    assert cluster_view(clone)["duplicate_of"] is not None
+    assert cluster_view(a)["duplicate_of"] is None
+    # A and B keep serving each other
+    cb = connect(b)
+    r = cb.create_receiver("orders", credit=100)
+    wait_known_consumers(a, "orders", 1)
+    c = connect(a)
+    s = c.create_sender("orders")
+    for i in range(20):
+        s.send(Message(body=f"m{i}", durable=True))
+    c.close()
+    got = []
+    for _ in range(20):
+        got.append(r.receive(timeout=20).body)
+        r.accept()
+    assert got == [f"m{i}" for i in range(20)]
+    cb.close()
+    assert {m["node_id"] for m in cluster_view(b)["members"]} == {a.node_id}
