@@ -271,14 +271,49 @@ def make_handler(node: "Node"):
                 return json_response(node.connections())
             if path == "/api/v1/cluster":
                 return json_response(cluster_view(node))
+        if method == "POST" and path == "/api/v1/addresses":
+            return _create_address(node, principal, request.json())
         if method == "DELETE":
             for prefix, kind in (("/api/v1/queues/", "queue"), ("/api/v1/addresses/", "address")):
                 if path.startswith(prefix):
                     name = path[len(prefix):]
                     return _delete(node, principal, kind, name)
-        raise HttpError(404 if method in ("GET", "DELETE") else 405, f"no route {method} {path}")
+        raise HttpError(404 if method in ("GET", "DELETE", "POST") else 405, f"no route {method} {path}")
 
     return handler
+
+
+def _create_address(node: "Node", principal, body) -> Response:
+    """``POST /api/v1/addresses`` ``{"name", "routing_types", "filter"?}``: declare an address (an
+    anycast one gets its queue, with the filter); in a cluster it joins the replicated state."""
+    from broker.core.filters import SelectorError, compile_queue_filter
+    if not isinstance(body, dict):
+        raise HttpError(400, "expected a JSON object {\"name\", \"routing_types\", \"filter\"}")
+    name = body.get("name")
+    types = body.get("routing_types", ["anycast"])
+    ftext = body.get("filter")
+    if not isinstance(name, str) or not name or len(name) > 1024 or name.startswith("$lodestone."):
+        raise HttpError(400, f"name {name!r} must be a non-empty string of at most 1024 characters, not internal")
+    if not isinstance(types, list) or not types or any(t not in ("anycast", "multicast") for t in types):
+        raise HttpError(400, f"routing_types {types!r} must be a non-empty list of anycast/multicast")
+    if ftext is not None:
+        if not isinstance(ftext, str) or "anycast" not in types:
+            raise HttpError(400, "filter must be a selector string, for an anycast address")
+        try:
+            compiled = compile_queue_filter(ftext)
+        except SelectorError as exc:
+            raise HttpError(400, f"filter {ftext!r}: {exc}") from None
+    if not node.security.check(principal, "createAddress", name):
+        raise HttpError(403, f"createAddress denied on {name!r}")
+    cluster = node.cluster
+    if cluster is not None and not cluster.declare(name, types, ftext):
+        raise HttpError(507, f"the cluster state is full (max-state-bytes = {cluster.state.max_bytes})")
+    node.core.declare_address(name, types)
+    if ftext is not None:
+        node.core.set_queue_filter(name, compiled, ftext)
+    addr = node.core.addresses[name]
+    return json_response({"name": name, "routing_types": sorted(addr.routing_types), "queues": sorted(addr.queues)},
+                         201)
 
 
 def _delete(node: "Node", principal, kind: str, name: str) -> Response:
@@ -300,6 +335,9 @@ def _delete(node: "Node", principal, kind: str, name: str) -> Response:
     if any(q.subs for q in core.addresses[name].queues.values()):
         raise HttpError(409, f"address {name!r} has consumers")
     core.delete_address(name)
+    cluster = node.cluster
+    if cluster is not None and name in cluster.state.entries:
+        cluster.declare(name, ["anycast"], None, deleted=True)  # a tombstone in the replicated state
     return Response(204)
 
 
@@ -341,7 +379,20 @@ def openapi_document() -> dict:
             "/api/v1/broker": {"get": {"summary": "node identity and load", "security": secured,
                                        "responses": ok(broker)}},
             "/api/v1/addresses": {"get": {"summary": "addresses", "security": secured,
-                                          "responses": ok({"type": "array", "items": address})}},
+                                          "responses": ok({"type": "array", "items": address})},
+                                  "post": {"summary": "declare an address (replicated to the cluster)",
+                                           "security": secured,
+                                           "requestBody": {"content": {"application/json": {"schema": {
+                                               "type": "object", "required": ["name"],
+                                               "properties": {"name": {"type": "string"},
+                                                              "routing_types": {"type": "array",
+                                                                                "items": {"type": "string"}},
+                                                              "filter": {"type": "string"}}}}}},
+                                           "responses": {"201": {"description": "declared", "content": {
+                                               "application/json": {"schema": address}}},
+                                               "400": {"description": "bad request"},
+                                               "403": {"description": "createAddress denied"},
+                                               "507": {"description": "cluster state full"}}}},
             "/api/v1/addresses/{name}": {"parameters": [name_param], "delete": {"summary": "delete an address without consumers",
                                                     "security": secured, "responses": no_content}},
             "/api/v1/queues": {"get": {"summary": "queues", "security": secured,

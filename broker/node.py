@@ -19,6 +19,7 @@ into the next one, so one fsync covers a whole batch of producers.
 from __future__ import annotations
 
 import collections
+import hmac
 import json
 import logging
 import time
@@ -311,6 +312,20 @@ class Node:
             engine.synced(waiting)  # closed: only releases the deliveries
 
     def connection_opened(self, engine: "AmqpEngine") -> None:
+        c = self.cfg.cluster
+        if c is not None and c.require_client_key and not engine.client:
+            props = engine.connection.remote_properties or {}
+            key = props.get("cluster-key") if isinstance(props, dict) else None
+            if not isinstance(key, str) or not hmac.compare_digest(key.encode(), c.key.encode()):
+                self.counters["client_key_refused"] += 1
+                if self.log_once(f"client-key {engine.source.rsplit(':', 1)[0]}", time.monotonic()):
+                    log.warning("connection refused: no or wrong cluster key in its Open properties "
+                                "(require-client-key)", extra={"fields": {
+                                    "conn": engine.conn_id, "container_id": engine.container_id,
+                                    "user": engine.user, "source": engine.source}})
+                engine.close_with("amqp:unauthorized-access",
+                                  "this cluster requires its key in the Open property cluster-key")
+                return
         log.info("connection open", extra={"fields": {
             "conn": engine.conn_id, "container_id": engine.container_id, "user": engine.user,
             "source": engine.source, "tls": engine.tls}})

@@ -118,7 +118,7 @@ def http_json(url: str, method: str = "GET", body: Any = None, auth: tuple[str, 
             status, raw, ctype = resp.status, resp.read(), resp.headers.get("Content-Type", "")
     except urllib.error.HTTPError as exc:
         status, raw, ctype = exc.code, exc.read(), exc.headers.get("Content-Type", "")
-    return status, (json.loads(raw) if "json" in ctype else raw.decode())
+    return status, (json.loads(raw) if raw and "json" in ctype else raw.decode())
 
 
 def toml_value(v: Any) -> str:

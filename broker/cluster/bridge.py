@@ -63,7 +63,9 @@ import trio
 from broker.amqp.peer import (PeerConnected, PeerConnectFailed, PeerConnection, PeerDisconnected, PeerGaveUp,
                               PeerLoginRefused, RetrySettings)
 from broker.cluster.dupcache import DuplicateCache
-from broker.cluster.protocol import (CLUSTER_PREFIX, FORWARD_ADDRESS, NOTIFY_ADDRESS, BindingNote, Forwarded, Hello,
+from broker.cluster.state import ClusterState
+from broker.cluster.protocol import (CLUSTER_PREFIX, FORWARD_ADDRESS, NOTIFY_ADDRESS, AddressNote, BindingNote, Forwarded,
+                                     Hello,
                                      ProtocolError, Reset, Unbinding, decode_forward, decode_note, encode_forward,
                                      encode_note)
 from broker.cluster.settings import parse_connector
@@ -387,6 +389,9 @@ class ClusterNode:
         self.scaled_down = 0
         self.identities: dict[str, tuple[str, int]] = {}  # node id -> (connector, start ms) seen inbound
         self.duplicate_of: str | None = None  # set when this node is the newcomer of a duplicate id
+        self.state = ClusterState(cfg.max_state_bytes)
+        for decl in node.cfg.addresses:
+            self.state.offer(AddressNote(decl.name, tuple(sorted(decl.routing_types)), decl.filter, 0, node.node_id))
         self._restore_dup_ids()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -471,6 +476,7 @@ class ClusterNode:
 
     def snapshot(self) -> list:
         notes: list = [self.hello(), Reset()]
+        notes.extend(self.state)
         for q in list(self.core.queues.values()):
             if self.clustered(q.address) and not q.name.startswith("$lodestone."):
                 notes.append(self._local_note(q))
@@ -536,10 +542,61 @@ class ClusterNode:
             self.learned.setdefault(via, {})[(note.node_id, note.queue)] = rb
             self._settle((note.node_id, note.queue))
             return
+        if isinstance(note, AddressNote):
+            self._state_note(note)
+            return
         if isinstance(note, Unbinding):
             table = self.learned.get(via)
             if table is not None and table.pop((note.node_id, note.queue), None) is not None:
                 self._settle((note.node_id, note.queue))
+
+    # -- the replicated cluster state (broker.cluster.state) ----------------------------------
+    def _state_note(self, note: AddressNote) -> None:
+        if note.name.startswith("$lodestone."):
+            raise ProtocolError("amqp:invalid-field", f"address {note.name!r} is internal")
+        changed = self.state.offer(note)
+        if changed is None:
+            if self.state.refused and self.node.log_once("state-cap", time.monotonic()):
+                log.warning("cluster state is at its cap (max-state-bytes); declarations beyond it are ignored",
+                            extra={"fields": {"bytes": self.state.bytes, "cap": self.state.max_bytes,
+                                              "refused": self.state.refused}})
+            return
+        self._apply_state(changed)
+        self._broadcast(changed)
+
+    def _apply_state(self, e: AddressNote) -> None:
+        core = self.core
+        addr = core.addresses.get(e.name)
+        if e.deleted:
+            if addr is None:
+                return
+            if any(q.subs for q in addr.queues.values()):
+                self.counters["state_delete_deferred"] += 1
+                log.warning("cluster state deletes an address that has consumers here; it stays",
+                            extra={"fields": {"address": e.name, "origin": e.origin}})
+                return
+            core.delete_address(e.name)
+            self.counters["state_applied"] += 1
+            return
+        core.declare_address(e.name, e.routing_types)
+        if e.filter_text and ANYCAST in e.routing_types:
+            q = core.queues.get(e.name)
+            if q is not None and q.filter_text != e.filter_text and core.compile_filter is not None:
+                core.set_queue_filter(e.name, core.compile_filter(e.filter_text), e.filter_text)
+        self.counters["state_applied"] += 1
+
+    def declare(self, name: str, routing_types, filter_text: str | None, *, deleted: bool = False) -> bool:
+        """An address declared (or deleted) through the management API: into the state, to every
+        node. False when it would take the state past its cap (nothing changes)."""
+        note = AddressNote(name, tuple(sorted(routing_types)), filter_text, int(time.time() * 1000),
+                           self.node.node_id, deleted)
+        if not deleted and not self.state.would_fit(note):
+            self.state.refused += 1
+            return False
+        changed = self.state.offer(note)
+        if changed is not None:
+            self._broadcast(changed)
+        return True
 
     def forget_via(self, via: str) -> None:
         table = self.learned.pop(via, None)
@@ -959,4 +1016,6 @@ class ClusterNode:
                                      "routing_type": b.routing_type, "consumers": b.consumers,
                                      "distance": b.distance, "connected": b.connected}
                                     for b in self.core.cluster],
+                "state": {"addresses": len(self.state), "bytes": self.state.bytes, "cap_bytes": self.state.max_bytes,
+                          "refused": self.state.refused},
                 "redistributed": self.redistributed, "counters": dict(self.counters)}

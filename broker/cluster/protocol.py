@@ -43,6 +43,9 @@ kind           fields after the kind
                (uint), consumer filters (list of strings), distance (uint: 0 = the sender's
                own queue)
 ``unbinding``  node id, queue
+``address``    name, routing types (list), queue filter (string or null), version (timestamp
+               ms; 0: from a config file), origin node id, deleted (bool): one entry of the
+               replicated cluster state (OpenAMQ), see ``broker.cluster.state``
 =============  ========================================================================
 
 ``binding`` adds or replaces (its consumer count and consumer filters are the whole truth, so
@@ -61,7 +64,7 @@ from broker.amqp.codec import Described, Symbol, Timestamp, UByte, UInt, decode_
 from broker.errors import DecodeError
 
 __all__ = ["FORWARD_ADDRESS", "NOTIFY_ADDRESS", "CLUSTER_PREFIX", "INTERNAL_PREFIX", "Forwarded", "Hello", "Reset",
-           "BindingNote", "Unbinding", "ProtocolError", "encode_forward", "decode_forward", "encode_note",
+           "BindingNote", "Unbinding", "AddressNote", "ProtocolError", "encode_forward", "decode_forward", "encode_note",
            "decode_note", "MAX_NAME", "MAX_TARGETS", "MAX_MEMBERS"]
 
 CLUSTER_PREFIX = "$lodestone.cluster."   # the cluster user's link addresses
@@ -204,6 +207,19 @@ class BindingNote:
 
 
 @dataclass(frozen=True)
+class AddressNote:
+    """One entry of the replicated cluster state: an address declared in config or through the
+    management API (``deleted``: a tombstone)."""
+
+    name: str
+    routing_types: tuple[str, ...]
+    filter_text: str | None
+    version: int
+    origin: str
+    deleted: bool = False
+
+
+@dataclass(frozen=True)
 class Unbinding:
     node_id: str
     queue: str
@@ -215,6 +231,8 @@ def encode_note(n) -> bytes:
                   list(n.consumer_filters), UInt(n.distance)]
     elif isinstance(n, Unbinding):
         fields = ["unbinding", n.node_id, n.queue]
+    elif isinstance(n, AddressNote):
+        fields = ["address", n.name, list(n.routing_types), n.filter_text, Timestamp(n.version), n.origin, n.deleted]
     elif isinstance(n, Reset):
         fields = ["reset"]
     elif isinstance(n, Hello):
@@ -251,6 +269,19 @@ def decode_note(data: bytes):
         if len(rest) != 2:
             raise _invalid("unbinding notification needs 2 fields")
         return Unbinding(_name(rest[0], "node id"), _name(rest[1], "queue"))
+    if kind == "address":
+        if len(rest) != 6:
+            raise _invalid("address notification needs 6 fields")
+        name, types, ftext, version, origin, deleted = rest
+        if not isinstance(types, list) or not types or any(t not in ROUTING_TYPES for t in types) \
+                or len(set(types)) != len(types):
+            raise _invalid("routing types must be a non-empty list of anycast/multicast")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise _invalid("version must be a timestamp")
+        if not isinstance(deleted, bool):
+            raise _invalid("deleted must be a boolean")
+        return AddressNote(_name(name, "address"), tuple(types), _name(ftext, "filter") if ftext is not None else None,
+                           int(version), _name(origin, "origin"), deleted)
     if kind == "reset":
         if rest:
             raise _invalid("reset notification has no fields")
