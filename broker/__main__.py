@@ -103,6 +103,9 @@ def _check(path: Path) -> int:
           f"{len(security.users)} user(s) in {cfg.users_file})")
     for w in security.warnings():
         print(f"lodestone-broker: warning: {w}", file=sys.stderr)
+    if cfg.cluster is not None and cfg.cluster.weak_password:
+        print(f"lodestone-broker: warning: [cluster] password is {'a published sample' if cfg.cluster.password_set else 'not set'}; "
+              "cluster logins with it are accepted from loopback only", file=sys.stderr)
     return 0
 
 

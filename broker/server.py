@@ -140,8 +140,9 @@ async def _run_cluster(node: Node, ccfg, amqp_urls: list[str], mgmt_url: str, *,
     if connector.rsplit(":", 1)[-1] == "0":  # port 0 in the config: the port the OS picked
         connector = amqp_urls[0]
     if ccfg.weak_password:
-        log.warning("cluster password is %s: every node with it can join this cluster; set [cluster] password",
-                    "the sample one" if ccfg.password_set else "not set (the default)",
+        log.warning("cluster password is %s: anyone who knows it can join this cluster, so cluster logins with "
+                    "it are accepted from loopback addresses only; set [cluster] password",
+                    "a published sample" if ccfg.password_set else "not set (the default)",
                     extra={"fields": {"cluster": ccfg.name, "user": ccfg.user}})
     cluster = ClusterNode(node, ccfg, connector=connector, management_url=mgmt_url)
     node.cluster = cluster

@@ -410,7 +410,7 @@ async def _decide(node: "Node", ev: AuthRequested, source_ip: str, cn: str | Non
             return None, exc.description
         cluster = node.cluster
         if cluster is not None:
-            ok = cluster.check_login(user, password)
+            ok = cluster.check_login(user, password, source_ip)
             if ok is not None:  # the cluster user (Artemis cluster-user): its own password, no users file
                 if ok:
                     node.counters["cluster_logins"] += 1

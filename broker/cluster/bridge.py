@@ -94,6 +94,17 @@ NOTIFY_BACKLOG = 200_000  # notifications waiting for a subscriber's credit befo
 REDISTRIBUTE_BATCH = 500
 
 
+def _loopback(ip: str | None) -> bool:
+    import ipaddress
+    try:
+        addr = ipaddress.ip_address(ip or "")
+    except ValueError:
+        return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
+
+
 def _same_endpoint(a: str, b: str) -> bool:
     pa, pb = urlsplit(a), urlsplit(b)
     return (pa.hostname, pa.port) == (pb.hostname, pb.port)
@@ -783,10 +794,13 @@ class ClusterNode:
                     self.node.core.store.remove_record(qname, token)
 
     # -- the cluster user ---------------------------------------------------------------------
-    def check_login(self, user: str, password: str) -> bool | None:
-        """None: not the cluster user; else whether the password is the cluster password."""
+    def check_login(self, user: str, password: str, source_ip: str | None = None) -> bool | None:
+        """None: not the cluster user; else whether the password is the cluster password (a
+        default or sample password only from a loopback address, as the sample users)."""
         if user != self.cfg.user:
             return None
+        if self.cfg.weak_password and not _loopback(source_ip):
+            return False
         return hmac.compare_digest(password.encode(), self.cfg.password.encode())
 
     def _check_identity(self, engine, peer_node, peer_connector, started) -> tuple[str, str] | None:

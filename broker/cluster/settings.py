@@ -10,11 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-__all__ = ["ClusterConfig", "HaConfig", "DEFAULT_CLUSTER_PASSWORD", "LOAD_BALANCING_MODES", "parse_address_filter",
+__all__ = ["ClusterConfig", "HaConfig", "DEFAULT_CLUSTER_PASSWORD", "SAMPLE_CLUSTER_PASSWORD", "LOAD_BALANCING_MODES", "parse_address_filter",
            "address_clustered", "Connector", "parse_connector", "HA_POLICIES"]
 
 #: the cluster password Artemis ships (``CHANGE ME!!``); a node using it (or none) warns at every start
 DEFAULT_CLUSTER_PASSWORD = "CHANGE ME!!"
+#: the password of the sample configs in etc/ (published): warned about, accepted from loopback only
+SAMPLE_CLUSTER_PASSWORD = "lodestone-sample-cluster-password"
 LOAD_BALANCING_MODES = ("OFF", "STRICT", "ON_DEMAND", "OFF_WITH_REDISTRIBUTION")
 #: Artemis's ha-policy kinds; only ``live-only`` is built (replication and shared store: the HA issue)
 HA_POLICIES = ("live-only", "replication", "shared-store")
@@ -132,7 +134,7 @@ class ClusterConfig:
     @property
     def weak_password(self) -> bool:
         """Warn at start: no password given, or Artemis's sample one."""
-        return not self.password_set or self.password == DEFAULT_CLUSTER_PASSWORD
+        return not self.password_set or self.password in (DEFAULT_CLUSTER_PASSWORD, SAMPLE_CLUSTER_PASSWORD)
 
 
 @dataclass(frozen=True)

@@ -122,3 +122,44 @@ def test_children_stop_when_the_supervisor_is_killed(local_deployment):
             break
         time.sleep(0.2)
     assert not alive
+
+
+def test_the_three_brokers_are_one_cluster(local_deployment):
+    """A producer on broker-1 and a consumer on broker-3 meet (ON_DEMAND over the cluster's
+    bridges); every node warns about the sample cluster password."""
+    proc, banner, tmp_path, ports = local_deployment
+    b1, b3 = (f"amqp://127.0.0.1:{ports[p]}" for p in (15672, 15674))
+    mgmt1 = f"http://127.0.0.1:{ports[18161]}"
+    from tests.serverproc import http_json
+
+    def meshed():
+        status, view = http_json(mgmt1 + "/api/v1/cluster", auth=("admin", "admin"))
+        return status == 200 and sum(1 for b in view["bridges"] if b["connected"]) == 2
+    deadline = time.monotonic() + 30
+    while not meshed():
+        assert time.monotonic() < deadline, "broker-1 never bridged to the two others"
+        time.sleep(0.1)
+    consumer = BlockingConnection(b3, timeout=20, user="app", password="app", allowed_mechs="PLAIN")
+    r = consumer.create_receiver("cluster.q", credit=100)
+
+    def known():
+        status, view = http_json(mgmt1 + "/api/v1/cluster", auth=("admin", "admin"))
+        return any(b["queue"] == "cluster.q" and b["consumers"] == 1 for b in view["remote_bindings"])
+    deadline = time.monotonic() + 30
+    while not known():
+        assert time.monotonic() < deadline, "broker-1 never learned broker-3's consumer"
+        time.sleep(0.1)
+    producer = BlockingConnection(b1, timeout=20, user="app", password="app", allowed_mechs="PLAIN")
+    s = producer.create_sender("cluster.q")
+    for i in range(50):
+        s.send(Message(body=f"m{i}", durable=True))
+    producer.close()
+    got = []
+    for _ in range(50):
+        got.append(r.receive(timeout=20).body)
+        r.accept()
+    consumer.close()
+    assert got == [f"m{i}" for i in range(50)]
+    for i in (1, 2, 3):
+        text = (tmp_path / "logs" / f"broker-{i}.log").read_text()
+        assert "cluster password is a published sample" in text
