@@ -318,7 +318,7 @@ class PeerConnection:
     def __init__(self, host: "EngineHost", url: str, *, credentials: tuple[str, str] | None = None,
                  retry: RetrySettings = RetrySettings(), ca_file: str | None = None,
                  ssl_context: ssl.SSLContext | None = None, name: str | None = None,
-                 on_event: Callable[[object], None] | None = None):
+                 on_event: Callable[[object], None] | None = None, idle_timeout_s: float | None = None):
         parts = urlsplit(url)
         if parts.scheme not in ("amqp", "amqps") or not parts.hostname:
             raise ValueError(f"peer url {url!r}: expected amqp://host:port or amqps://host:port")
@@ -334,6 +334,9 @@ class PeerConnection:
         self.retry = retry
         self.name = name or f"peer-{next(_peer_ids)}"
         self.on_event = on_event or (lambda ev: None)
+        #: our Open's idle-time-out for this connection (None: the host's); the peer must send
+        #: something that often, and proton sends heartbeats at half the peer's
+        self.idle_timeout_s = idle_timeout_s
         self.links: list = []
         self.engine: AmqpEngine | None = None
         self.attempts = 0            # every attempt made
@@ -479,6 +482,8 @@ class PeerConnection:
         wakeup = Wakeup()
         engine = AmqpEngine(self.host, conn_id=f"{self.name}-{attempt}", principal=None, source=self.url,
                             tls=self.tls, wake=wakeup.set, client=True, hostname=self.hostname)
+        if self.idle_timeout_s is not None:
+            engine.transport.idle_timeout = self.idle_timeout_s
         opened = False
         reconnect = self.connections > 0
 

@@ -134,7 +134,8 @@ class Bridge:
                               cfg.reconnect_attempts, cfg.initial_connect_attempts)
         self.peer = PeerConnection(cluster.node, url, credentials=(cfg.user, cfg.password), retry=retry,
                                    ca_file=cfg.ca_file, name=f"bridge-{cluster.node.short_id}-{url}",
-                                   on_event=self._event)
+                                   on_event=self._event,
+                                   idle_timeout_s=cfg.connection_ttl_ms / 1000.0 if cfg.connection_ttl_ms > 0 else None)
         self.sender = self.peer.sender(FORWARD_ADDRESS, self._outcome)
         self.receiver = self.peer.receiver(NOTIFY_ADDRESS, self._note, credit=1000)
         self.node_id: str | None = None
@@ -143,6 +144,7 @@ class Bridge:
         self.sf = None
         self.sub: Subscription | None = None
         self.forwarded = 0
+        self.inflight_bytes = 0  # forwarded and not yet acknowledged (confirmation-window-bytes)
         self.acked = 0
         self.bytes_acked = 0
         self.cancel_scope: trio.CancelScope | None = None
@@ -214,19 +216,28 @@ class Bridge:
         if self.sub is not None and self.sf is not None:
             self.sf.remove_subscription(self.sub)
         self.sf = sf
+        self.inflight_bytes = 0
         self.sub = Subscription(self._sf_sink, owner=self)
         self.sub.credit = SF_WINDOW
         sf.add_subscription(self.sub)
 
     def _sf_sink(self, sub: Subscription, msg: Message) -> None:
         self.forwarded += 1
+        self.inflight_bytes += len(msg.body)
+        window = self.cluster.cfg.confirmation_window_bytes
+        if window > 0 and self.inflight_bytes >= window:
+            sub.credit = 0  # Artemis confirmation-window-size: wait for acknowledgements
         self.sender.send(msg.body, msg.mid)
 
     def _outcome(self, mid, state: str) -> None:
+        if state not in ("accepted", "rejected"):
+            return  # released/modified: the other node did not take it; PeerSender sends it again
         sub, sf = self.sub, self.sf
         if sub is None or sf is None:
             return
         msg = sub.unacked.get(mid)
+        if msg is not None:
+            self.inflight_bytes -= len(msg.body)
         if state == "accepted":
             self.acked += 1
             if msg is not None:
@@ -237,8 +248,11 @@ class Bridge:
             log.warning("cluster peer rejected a forwarded message", extra={"fields": {
                 "peer": self.node_id, "state": state}})
             sf.settle(sub, mid, Outcome.REJECTED)
-        sub.credit += 1
-        sf.credit_changed(sub)
+        window = self.cluster.cfg.confirmation_window_bytes
+        if window <= 0 or self.inflight_bytes < window:
+            sub.credit = SF_WINDOW - len(sub.unacked)
+            if sub.credit > 0:
+                sf.credit_changed(sub)
 
     @property
     def pending(self) -> int:
@@ -662,14 +676,18 @@ class ClusterNode:
     def _enqueue_forward(self, via: str, env: Forwarded) -> bool:
         sf = self._sf_queue(via)
         data = encode_forward(env)
-        return sf.enqueue(Message(self.core.next_mid(), data, env.durable, env.address))
+        return sf.enqueue(Message(self.core.next_mid(), data, env.durable, env.address,
+                                  origin=("forward", len(env.message))))
 
     def account(self, peer: str | None, msg: Message, sf) -> None:
         """A forwarded message was accepted by ``peer``: count it in the activity log."""
-        direction = "redistribute" if msg.origin == "redistribute" else "forward"
+        # origin: (why, bytes of the message inside the envelope); after a restart only the
+        # envelope's size is known (a few dozen bytes more)
+        why, size = msg.origin if isinstance(msg.origin, tuple) else ("forward", len(msg.body))
+        direction = "redistribute" if why in ("redistribute", "scale-down") else "forward"
         acc = self.activity.setdefault(peer or "?", {}).setdefault((msg.address, direction), [0, 0])
         acc[0] += 1
-        acc[1] += len(msg.body)
+        acc[1] += size
 
     # -- forwarded messages in -------------------------------------------------------------------
     def _cache(self, origin: str) -> DuplicateCache:
@@ -919,7 +937,7 @@ class ClusterNode:
                                 msg.durable, msg.priority, msg.expires, msg.body)
                 sf = self._sf_queue(b.next_hop)
                 sf.enqueue(Message(self.core.next_mid(), encode_forward(env), msg.durable, msg.address,
-                                   origin="redistribute"))
+                                   origin=("redistribute", len(msg.body))))
         finally:
             if grouped:
                 store.end_group()
@@ -990,7 +1008,8 @@ class ClusterNode:
                                         msg.durable, msg.priority, msg.expires, msg.body,
                                         (q.routing_type, q.filter_text))
                         self._sf_queue(target.node_id).enqueue(
-                            Message(core.next_mid(), encode_forward(env), msg.durable, msg.address, origin="scale-down"))
+                            Message(core.next_mid(), encode_forward(env), msg.durable, msg.address,
+                                    origin=("scale-down", len(msg.body))))
                 finally:
                     if grouped:
                         store.end_group()

@@ -9,6 +9,7 @@ management API shows (bridges connected, remote consumers known), never on a fix
 from __future__ import annotations
 
 import collections
+import json
 
 import pytest
 
@@ -63,6 +64,21 @@ def test_on_demand_producer_on_a_meets_consumer_on_b(nodes_factory):
     assert bridge["to"] == b.node_id and bridge["forwarded"] == 200
     wait_until(lambda: cluster_view(a)["bridges"][0]["acked"] == 200, 10, "all forwards acknowledged")
     assert a.queue("orders")["depth"] == 0
+    # the activity log (flushed every second here): "forward" on A, "forward-in" on B, never "produce" on B
+    size = len(bodies[0].encode())  # the records count encoded message bytes; compare per-message counts
+
+    def records(node, direction):
+        path = node.data_dir / "activity.jsonl"
+        lines = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+        return [x for x in lines if x["direction"] == direction and x["address"] == "orders"]
+    wait_until(lambda: sum(x["messages"] for x in records(a, "forward")) == 200
+               and sum(x["messages"] for x in records(b, "forward-in")) == 200, 20, "forward records")
+    assert {x["peer_node_id"] for x in records(a, "forward")} == {b.node_id}
+    assert {x["peer_node_id"] for x in records(b, "forward-in")} == {a.node_id}
+    assert records(b, "produce") == []
+    assert sum(x["messages"] for x in records(a, "produce")) == 200
+    assert sum(x["bytes"] for x in records(a, "forward")) == sum(x["bytes"] for x in records(b, "forward-in")) \
+        == sum(x["bytes"] for x in records(a, "produce")) > 200 * size
 
 
 def _declare(name: str, routing: str = "anycast", **extra) -> dict:
