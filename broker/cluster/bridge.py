@@ -613,8 +613,8 @@ class ClusterNode:
     def declare(self, name: str, routing_types, filter_text: str | None, *, deleted: bool = False) -> bool:
         """An address declared (or deleted) through the management API: into the state, to every
         node. False when it would take the state past its cap (nothing changes)."""
-        note = AddressNote(name, tuple(sorted(routing_types)), filter_text, int(time.time() * 1000),
-                           self.node.node_id, deleted)
+        note = self.state.declaration(AddressNote(name, tuple(sorted(routing_types)), filter_text,
+                                                  int(time.time() * 1000), self.node.node_id, deleted))
         if not deleted and not self.state.would_fit(note):
             self.state.refused += 1
             return False

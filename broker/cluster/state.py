@@ -16,10 +16,11 @@ state after every (re)connection (so a node that joins later receives it) and ev
 it happens, and pass on what changed for them (so it crosses chains).
 
 **Conflicts** (:func:`merge`): the entry with the greater ``(version, origin)`` wins outright —
-latest declaration or deletion, ties broken by node id, so every node ends with the same state
-whatever the order the notes arrive in. Exception: two live declarations of one address with the
-*same* filter merge their routing types (declaring an address again adds a routing type, as
-Artemis's ``createAddress`` does); the winner's version is kept.
+latest declaration or deletion, ties broken by node id — a last-writer-wins register per address,
+so every node ends with the same state whatever the order the notes arrive in. Declaring an
+address that already stands with the same filter adds the new routing types to it (as Artemis's
+``createAddress`` does): the declaring node makes that union before it publishes the new
+version (:meth:`ClusterState.declaration`).
 
 **Cap**: the state's encoded size is bounded (``[cluster] max-state-bytes``); a declaration that
 would pass the bound is refused where it is made (the management API answers 507) and ignored,
@@ -40,13 +41,9 @@ def _key(n: AddressNote) -> tuple[int, str]:
 
 
 def merge(old: AddressNote | None, new: AddressNote) -> AddressNote:
-    """The entry that stands once ``new`` meets ``old`` (see the module doc)."""
+    """The entry that stands once ``new`` meets ``old`` (last writer wins; see the module doc)."""
     if old is None:
         return new
-    if not old.deleted and not new.deleted and old.filter_text == new.filter_text:
-        types = tuple(sorted(set(old.routing_types) | set(new.routing_types)))
-        winner = new if _key(new) > _key(old) else old
-        return replace(winner, routing_types=types)
     return new if _key(new) > _key(old) else old
 
 
@@ -76,6 +73,14 @@ class ClusterState:
         self.sizes[note.name] = size
         self.bytes = grown
         return new
+
+    def declaration(self, note: AddressNote) -> AddressNote:
+        """``note`` as the declaring node publishes it: a live declaration with the filter of the
+        live entry standing adds its routing types to that entry's."""
+        old = self.entries.get(note.name)
+        if old is not None and not old.deleted and not note.deleted and old.filter_text == note.filter_text:
+            return replace(note, routing_types=tuple(sorted(set(old.routing_types) | set(note.routing_types))))
+        return note
 
     def would_fit(self, note: AddressNote) -> bool:
         size = len(encode_note(note))

@@ -71,6 +71,7 @@ def test_conflicting_declarations_converge_on_the_latest(tmp_path, procs):
     # the same filter declared again with another routing type adds it (Artemis createAddress)
     assert declare(nodes[1], {"name": "q", "routing_types": ["multicast"], "filter": "x = 2"})[0] == 400
     assert declare(nodes[1], {"name": "r", "routing_types": ["anycast"]})[0] == 201
+    wait_until(lambda: addr(nodes[2], "r") is not None, 20, "r reaches node 2")
     assert declare(nodes[2], {"name": "r", "routing_types": ["multicast"]})[0] == 201
     wait_until(lambda: all((addr(n, "r") or {}).get("routing_types") == ["anycast", "multicast"] for n in nodes),
                20, "routing types merged")
