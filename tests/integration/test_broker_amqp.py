@@ -291,7 +291,8 @@ def test_management_api_and_activity_log(broker):
     assert me["user"] == "app" and me["source"].startswith("127.0.0.1:") and me["opened_at"]
     q = broker.queue("activity")
     assert set(q) == {"name", "address", "routing_type", "durable", "depth", "consumers", "enqueued",
-                      "acked", "dead_lettered", "expired", "temporary", "filter"}
+                      "acked", "dead_lettered", "expired", "temporary", "filter", "remote_bindings"}
+    assert q["remote_bindings"] == []  # a single node
     c.close()
     status, text = broker.management_get("/metrics")  # [management] metrics-auth = true by default
     assert status == 200 and 'lodestone_broker_queue_depth{queue="activity",address="activity"} 7' in text
