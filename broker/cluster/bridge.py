@@ -264,6 +264,11 @@ class Bridge:
     # -- notifications from the other node -------------------------------------------------------
     def _note(self, body: bytes) -> str:
         c = self.cluster
+        engine = self.peer.engine
+        if engine is not None and engine.error is not None:
+            # we are closing this connection (e.g. cut it off for a bad notification just before,
+            # in the same read): nothing more the peer says on it is believed
+            return "released"
         try:
             note = decode_note(body)
             c.apply_note(self, note)
@@ -272,7 +277,6 @@ class Bridge:
             log.warning("cluster peer sent a bad notification; cutting the connection off", extra={"fields": {
                 "peer": self.node_id, "connector": self.url, "condition": exc.condition,
                 "description": exc.description}})
-            engine = self.peer.engine
             if engine is not None:
                 engine.close_with(exc.condition, exc.description)
             return "rejected"

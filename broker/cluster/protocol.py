@@ -61,11 +61,12 @@ from dataclasses import dataclass
 
 from broker.amqp.host import INTERNAL_PREFIX
 from broker.amqp.codec import Described, Symbol, Timestamp, UByte, UInt, decode_all, encode
+from broker.core.selector import MAX_SELECTOR_BYTES
 from broker.errors import DecodeError
 
 __all__ = ["FORWARD_ADDRESS", "NOTIFY_ADDRESS", "CLUSTER_PREFIX", "INTERNAL_PREFIX", "Forwarded", "Hello", "Reset",
            "BindingNote", "Unbinding", "AddressNote", "ProtocolError", "encode_forward", "decode_forward", "encode_note",
-           "decode_note", "MAX_NAME", "MAX_TARGETS", "MAX_MEMBERS"]
+           "decode_note", "MAX_NAME", "MAX_FILTER", "MAX_TARGETS", "MAX_MEMBERS"]
 
 CLUSTER_PREFIX = "$lodestone.cluster."   # the cluster user's link addresses
 FORWARD_ADDRESS = CLUSTER_PREFIX + "forward"
@@ -74,17 +75,27 @@ NOTIFY_ADDRESS = CLUSTER_PREFIX + "notifications"
 FORWARD_DESCRIPTOR = Symbol("lodestone:forward:v1")
 NOTIFY_DESCRIPTOR = Symbol("lodestone:notify:v1")
 
-MAX_NAME = 1024        # characters in a node id, queue, address, URL or filter text
+# The limits must admit everything a node may have to announce: a binding the receiving node
+# refuses cuts the cluster link off, again after every reconnect (its snapshot repeats it).
+MAX_NAME = 0xFFFF      # characters in a node id, queue, address or URL (the journal's name limit, in bytes)
+MAX_FILTER = MAX_SELECTOR_BYTES  # characters in a queue or consumer filter (a selector's limit, in bytes)
 MAX_TARGETS = 65536    # (node, queue) targets of one forwarded message
 MAX_MEMBERS = 4096     # members in a hello
 MAX_FILTERS = 65536    # consumer filters of one binding
 ROUTING_TYPES = ("anycast", "multicast")
 
 
+MAX_DESCRIPTION = 256  # characters of a ProtocolError's description (it may quote what the peer sent)
+
+
 class ProtocolError(Exception):
     """A forwarded message or notification that is not the format (``condition`` says how)."""
 
     def __init__(self, condition: str, description: str):
+        # the description goes into a log line and the Close we send: a quoted 64 KiB name
+        # would make a Close frame larger than the peer's max-frame-size
+        if len(description) > MAX_DESCRIPTION:
+            description = description[:MAX_DESCRIPTION - 3] + "..."
         super().__init__(description)
         self.condition = condition
         self.description = description
@@ -120,11 +131,11 @@ def encode_forward(f: Forwarded) -> bytes:
     return encode(Described(FORWARD_DESCRIPTOR, fields))
 
 
-def _name(v, what: str, *, empty: bool = False) -> str:
+def _name(v, what: str, *, empty: bool = False, limit: int = MAX_NAME) -> str:
     if not isinstance(v, str) or isinstance(v, Symbol):
         raise _invalid(f"{what} must be a string")
-    if (not v and not empty) or len(v) > MAX_NAME:
-        raise _invalid(f"{what} must be 1..{MAX_NAME} characters")
+    if (not v and not empty) or len(v) > limit:
+        raise _invalid(f"{what} must be 1..{limit} characters")
     return v
 
 
@@ -139,7 +150,8 @@ def _body(data: bytes, descriptor: Symbol, what: str) -> list:
         value = decode_all(data)
     except DecodeError as exc:
         raise ProtocolError("amqp:decode-error", f"{what}: {exc}") from None
-    if not isinstance(value, Described) or value.descriptor != descriptor or not isinstance(value.value, list):
+    if not isinstance(value, Described) or not isinstance(value.descriptor, Symbol) \
+            or value.descriptor != descriptor or not isinstance(value.value, list):
         raise ProtocolError("amqp:decode-error", f"{what}: not a {descriptor} value")
     return value.value
 
@@ -155,7 +167,9 @@ def decode_forward(data: bytes) -> Forwarded:
         c = v[9]
         if not isinstance(c, list) or len(c) != 2 or c[0] not in ROUTING_TYPES:
             raise _invalid("create must be [routing type, filter]")
-        create = (c[0], _name(c[1], "create filter") if c[1] is not None else None)
+        if isinstance(c[0], Symbol):
+            raise _invalid("create must be [routing type, filter]")
+        create = (c[0], _name(c[1], "create filter", limit=MAX_FILTER) if c[1] is not None else None)
     if not isinstance(dup, bytes) or not 1 <= len(dup) <= 256:
         raise _invalid("dup-id must be 1..256 bytes")
     if not isinstance(targets, list) or not 1 <= len(targets) <= MAX_TARGETS:
@@ -246,20 +260,20 @@ def encode_note(n) -> bytes:
 def decode_note(data: bytes):
     """Decode and check one notification; :class:`ProtocolError` if it is not the format."""
     v = _body(data, NOTIFY_DESCRIPTOR, "notification")
-    if not v or not isinstance(v[0], str):
+    if not v or not isinstance(v[0], str) or isinstance(v[0], Symbol):
         raise _invalid("notification without a kind")
     kind, rest = v[0], v[1:]
     if kind == "binding":
         if len(rest) != 8:
             raise _invalid("binding notification needs 8 fields")
         node, queue, address, rtype, ftext, consumers, cfilters, distance = rest
-        if rtype not in ROUTING_TYPES:
+        if not isinstance(rtype, str) or isinstance(rtype, Symbol) or rtype not in ROUTING_TYPES:
             raise _invalid(f"routing type {rtype!r} must be anycast or multicast")
         if ftext is not None:
-            ftext = _name(ftext, "filter")
+            ftext = _name(ftext, "filter", limit=MAX_FILTER)
         if not isinstance(cfilters, list) or len(cfilters) > MAX_FILTERS:
             raise _invalid("consumer filters must be a list")
-        cf = tuple(_name(t, "consumer filter") for t in cfilters)
+        cf = tuple(_name(t, "consumer filter", limit=MAX_FILTER) for t in cfilters)
         n = _uint(consumers, "consumers", 1 << 31)
         if len(cf) > n:
             raise _invalid("more consumer filters than consumers")
@@ -273,14 +287,16 @@ def decode_note(data: bytes):
         if len(rest) != 6:
             raise _invalid("address notification needs 6 fields")
         name, types, ftext, version, origin, deleted = rest
-        if not isinstance(types, list) or not types or any(t not in ROUTING_TYPES for t in types) \
+        if not isinstance(types, list) or not types or any(isinstance(t, Symbol) or t not in ROUTING_TYPES
+                                                           for t in types) \
                 or len(set(types)) != len(types):
             raise _invalid("routing types must be a non-empty list of anycast/multicast")
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise _invalid("version must be a timestamp")
         if not isinstance(deleted, bool):
             raise _invalid("deleted must be a boolean")
-        return AddressNote(_name(name, "address"), tuple(types), _name(ftext, "filter") if ftext is not None else None,
+        return AddressNote(_name(name, "address"), tuple(types),
+                           _name(ftext, "filter", limit=MAX_FILTER) if ftext is not None else None,
                            int(version), _name(origin, "origin"), deleted)
     if kind == "reset":
         if rest:
