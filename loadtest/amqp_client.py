@@ -10,8 +10,17 @@ sets the pace. Socket reads are greedy: proton's stock Container reads at most o
 ``capacity()`` (8 KiB) per select pass, which throttles 4 KiB messages; we read until the socket
 would block.
 
-``--broker-pid``: the broker's utime+stime from /proc over the measured interval → µs per message.
-Time: first send → last receipt.
+``--broker-pid``: the broker's utime+stime from /proc over the measured interval → µs per message;
+a comma list (several brokers, e.g. the nodes of a cluster) gives their sum and, in
+``broker_cpu_us_per_msg_each``, each one's share. Time: first send → last receipt.
+``client_cpu_us_per_msg``: this client's own CPU over the same interval.
+
+``--rx-url``: the consumer connects there instead of ``--url`` (producer on one cluster node,
+consumer on another). ``--go-file PATH``: once both links are attached, print ``links-up`` and
+wait until PATH exists before sending (the caller checks meanwhile that the producer's node knows
+the consumer). ``--tail-s``: after the last receipt and the last settlement, wait this long and
+read the brokers' CPU again (``broker_cpu_tail_us_per_msg_each``: work the brokers still did for
+the run after the last receipt, e.g. acknowledgements between nodes).
 """
 
 from __future__ import annotations
@@ -39,6 +48,19 @@ def proc_cpu(pid: int) -> float | None:
         s = f.read()
     fields = s[s.rindex(")") + 2:].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def own_cpu() -> float:
+    """This process's user+system CPU seconds."""
+    t = os.times()
+    return t.user + t.system
+
+
+def procs_cpu(pids: list[int]) -> list[float] | None:
+    """utime+stime of each process, or None when no pid was given."""
+    if not pids:
+        return None
+    return [proc_cpu(p) for p in pids]
 
 
 def _greedy_readable(self, event):
@@ -82,13 +104,18 @@ class OneToOne(MessagingHandler):
         self.s_up = self.r_up = False
         self.sent = self.settled = self.accepted = self.received = 0
         self.t0 = self.t_last = None
-        self.cpu0 = self.cpu1 = None
+        self.pids = [int(p) for p in str(a.broker_pid).split(",") if int(p)]
+        self.cpu0 = self.cpu1 = self.cpu2 = None
+        self.own0 = self.own1 = None  # this client's own CPU
+        self.go = not a.go_file  # --go-file: hold the first send until that file exists
+        self.go_poller = None
+        self.tail = None
         self.error = None
         self.done = False
 
     def on_start(self, event):
-        c = event.container
-        self.rconn = c.connect(self.a.url)
+        c = self.container = event.container
+        self.rconn = c.connect(self.a.rx_url or self.a.url)
         self.receiver = c.create_receiver(self.rconn, self.a.address, name="bench-rx",
                                           options=Selector(self.a.selector) if self.a.selector else None)
         self.sconn = c.connect(self.a.url)
@@ -142,12 +169,16 @@ class OneToOne(MessagingHandler):
     def pump(self):
         if not (self.s_up and self.r_up):
             return
+        if not self.go:
+            self._await_go()
+            return
         snd = self.sender
         if self.a.tx_batch:
             self.pump_txn(snd)
             return
         if self.t0 is None and snd.credit > 0:
-            self.cpu0 = proc_cpu(self.a.broker_pid)
+            self.cpu0 = procs_cpu(self.pids)
+            self.own0 = own_cpu()
             self.t0 = time.monotonic()
         limit = min(self.a.n, self.settled + self.a.window)
         while self.sent < limit and snd.credit > 0:
@@ -161,7 +192,8 @@ class OneToOne(MessagingHandler):
         if txn is None or self.in_txn == self.a.tx_batch:
             return
         if self.t0 is None and snd.credit > 0:
-            self.cpu0 = proc_cpu(self.a.broker_pid)
+            self.cpu0 = procs_cpu(self.pids)
+            self.own0 = own_cpu()
             self.t0 = time.monotonic()
         batch_end = min(self.a.n, self.sent - self.in_txn + self.a.tx_batch)
         while self.sent < batch_end and snd.credit > 0:
@@ -174,6 +206,12 @@ class OneToOne(MessagingHandler):
             snd.advance()
         if self.sent == batch_end:
             txn.commit()
+
+    def _await_go(self):
+        if self.go_poller is None:
+            print("links-up", flush=True)
+            self.go_poller = _GoPoller(self)
+            self.container.schedule(0, self.go_poller)
 
     def on_accepted(self, event):
         self.accepted += 1
@@ -206,11 +244,17 @@ class OneToOne(MessagingHandler):
             link.flow(want)
         if self.received == self.a.n:
             self.t_last = time.monotonic()
-            self.cpu1 = proc_cpu(self.a.broker_pid)
+            self.cpu1 = procs_cpu(self.pids)
+            self.own1 = own_cpu()
         self.check()
 
     def check(self):
         if self.received == self.a.n and self.settled == self.a.n:
+            if self.a.tail_s > 0 and self.cpu1 is not None and not self.done:
+                if self.tail is None:
+                    self.tail = _Tail(self)
+                    self.container.schedule(self.a.tail_s, self.tail)
+                return
             self.finish()
 
     def finish(self):
@@ -241,9 +285,45 @@ class OneToOne(MessagingHandler):
             secs = self.t_last - self.t0
             r["secs"] = round(secs, 4)
             r["msgs_per_s"] = round(a.n / secs, 1)
+            if self.own0 is not None:
+                r["client_cpu_us_per_msg"] = round((self.own1 - self.own0) / a.n * 1e6, 1)
             if self.cpu0 is not None:
-                r["broker_cpu_us_per_msg"] = round((self.cpu1 - self.cpu0) / a.n * 1e6, 1)
+                each = [(c1 - c0) / a.n * 1e6 for c0, c1 in zip(self.cpu0, self.cpu1)]
+                r["broker_cpu_us_per_msg"] = round(sum(each), 1)
+                r["broker_cpu_us_per_msg_each"] = [round(e, 1) for e in each]
+            if self.cpu2 is not None:
+                r["broker_cpu_tail_us_per_msg_each"] = [round((c2 - c1) / a.n * 1e6, 1)
+                                                        for c1, c2 in zip(self.cpu1, self.cpu2)]
         return r
+
+
+class _GoPoller:
+    """--go-file: poll for the file every 10 ms, then start sending."""
+
+    def __init__(self, h: OneToOne):
+        self.h = h
+
+    def on_timer_task(self, event):
+        h = self.h
+        if h.done:
+            return
+        if os.path.exists(h.a.go_file):
+            h.go = True
+            h.pump()
+        else:
+            h.container.schedule(0.01, self)
+
+
+class _Tail:
+    """--tail-s: read the brokers' CPU once more, then close."""
+
+    def __init__(self, h: OneToOne):
+        self.h = h
+
+    def on_timer_task(self, event):
+        h = self.h
+        h.cpu2 = procs_cpu(h.pids)
+        h.finish()
 
 
 def main() -> int:
@@ -257,7 +337,11 @@ def main() -> int:
     p.add_argument("--tx-batch", type=int, default=0, help="send in transactions of this many messages")
     p.add_argument("--prefetch", type=int, default=1000)
     p.add_argument("--window", type=int, default=1000)
-    p.add_argument("--broker-pid", type=int, default=0)
+    p.add_argument("--broker-pid", default="0", help="a pid, or a comma list of pids (their CPU is summed)")
+    p.add_argument("--rx-url", default="", help="the consumer connects here (default: --url)")
+    p.add_argument("--go-file", default="", help="once both links are up, print links-up and wait for this file")
+    p.add_argument("--tail-s", type=float, default=0.0,
+                   help="after the end, wait this long and read the brokers' CPU again")
     p.add_argument("--timeout", type=float, default=300)
     a = p.parse_args()
     _handlers.IOHandler.on_selectable_readable = _greedy_readable
