@@ -19,6 +19,11 @@ job) is::
      "window_start": "2026-11-22T12:00:00.000Z", "window_end": "2026-11-22T12:00:10.000Z",
      "final": false}                              # true for the record written at connection close
 
+A cluster node also writes, per neighbour and address, ``forward``/``redistribute`` records (what
+it forwarded and the neighbour acknowledged) and ``forward-in`` records (what it received and
+stored), with ``connection_id`` ``cluster:<peer>``, null client fields and a last field
+``peer_node_id`` (broker.cluster.bridge).
+
 The file is appended to (never rewritten) and flushed after each batch of records.
 """
 
@@ -29,10 +34,12 @@ import time
 from pathlib import Path
 from typing import IO, Callable
 
-__all__ = ["ActivityLog", "iso_utc", "SCHEMA_FIELDS"]
+__all__ = ["ActivityLog", "iso_utc", "SCHEMA_FIELDS", "CLUSTER_FIELDS"]
 
 SCHEMA_FIELDS = ("ts", "node_id", "node", "connection_id", "container_id", "user", "source", "address",
                  "direction", "messages", "bytes", "window_start", "window_end", "final")
+#: a cluster record (direction forward, redistribute or forward-in) has one more field, last
+CLUSTER_FIELDS = SCHEMA_FIELDS + ("peer_node_id",)
 
 
 def iso_utc(ts: float) -> str:

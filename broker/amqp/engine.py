@@ -1241,7 +1241,11 @@ class AmqpEngine:
         if cl is None:
             h = self.owned.get(link)
             if h is not None:
-                h.on_flow(Link.wrap(link))
+                raw = getattr(h, "on_raw_flow", None)  # a handler on the hot path reads cproton itself
+                if raw is not None:
+                    raw(link)
+                else:
+                    h.on_flow(Link.wrap(link))
             return
         sub = cl.sub
         credit = _pn_link_credit(link)
@@ -1299,7 +1303,11 @@ class AmqpEngine:
                 return  # a coordinator link's declare / discharge
             h = self.owned.get(link)
             if h is not None:
-                h.on_delivery(Delivery.wrap(d))
+                raw = getattr(h, "on_raw_delivery", None)
+                if raw is not None:
+                    raw(d)
+                else:
+                    h.on_delivery(Delivery.wrap(d))
                 return
             # a link we refused or forgot: just settle what arrives
             if _pn_delivery_readable(d) and not _pn_delivery_partial(d):

@@ -49,7 +49,11 @@ from urllib.parse import urlsplit
 import trio
 from proton import Delivery, Link
 
-from broker.amqp.engine import AmqpEngine
+from broker.amqp.engine import (AmqpEngine, _from_buffer, _pn_delivery, _pn_delivery_link, _pn_delivery_partial,
+                                _pn_delivery_pending, _pn_delivery_readable, _pn_delivery_remote_state,
+                                _pn_delivery_settle, _pn_delivery_settled, _pn_delivery_update,
+                                _pn_delivery_updated, _pn_link_advance, _pn_link_credit, _pn_link_flow,
+                                _pn_link_recv, _pn_link_send)
 from broker.amqp.pump import RECV_BYTES, pump_engine
 from broker.amqp.sasl import NEED_DATA, LoginAccepted, LoginRefused, SaslClient
 from broker.errors import RemoteProtocolError
@@ -65,6 +69,7 @@ __all__ = ["RetrySettings", "PeerConnection", "PeerSender", "PeerReceiver", "Pee
            "PeerLoginRefused", "PeerConnectFailed", "PeerGaveUp", "open_peer_connection"]
 
 _peer_ids = itertools.count(1)
+_RECEIVED = Delivery.RECEIVED
 _OUTCOMES = {Delivery.ACCEPTED: "accepted", Delivery.REJECTED: "rejected", Delivery.RELEASED: "released",
              Delivery.MODIFIED: "modified"}
 
@@ -174,7 +179,8 @@ class PeerSender:
         self.unacked: "collections.OrderedDict[Any, bytes]" = collections.OrderedDict()
         self._queued: collections.deque = collections.deque()  # tokens waiting for credit / a link
         self._link: Link | None = None
-        self._inflight: dict = {}   # delivery tag -> token
+        self._raw = None            # the link's pn_link_t*
+        self._inflight: dict = {}   # raw pn_delivery_t* -> token
         self._transferred: set = set()  # unacknowledged tokens written on some connection
         self._tags = itertools.count(1)
         self.attached = False
@@ -203,12 +209,22 @@ class PeerSender:
     def on_flow(self, link: Link) -> None:
         self._pump()
 
+    def on_raw_flow(self, link) -> None:
+        self._pump()
+
     def on_delivery(self, d: Delivery) -> None:
-        if not (d.updated or d.settled) or d.remote_state == Delivery.RECEIVED:
+        self.on_raw_delivery(d._impl)
+
+    def on_raw_delivery(self, d) -> None:
+        """A disposition from the peer (raw ``pn_delivery_t*``: this runs once per message)."""
+        if not (_pn_delivery_updated(d) or _pn_delivery_settled(d)):
             return
-        token = self._inflight.pop(d.tag, None)
-        state = _OUTCOMES.get(d.remote_state)
-        d.settle()
+        remote = _pn_delivery_remote_state(d)
+        if remote == _RECEIVED:
+            return
+        token = self._inflight.pop(d, None)
+        state = _OUTCOMES.get(remote)
+        _pn_delivery_settle(d)
         if token is None or state is None:
             return
         if state == "accepted" or state == "rejected":
@@ -228,22 +244,27 @@ class PeerSender:
         self._inflight.clear()
         self._queued = collections.deque(self.unacked)
         self._link = engine.open_link(self, name=self.name, sender=True, address=self.address)
+        self._raw = self._link._impl
         return len(self._transferred)
 
     def _pump(self) -> None:
-        link = self._link
-        if link is None or not self.attached:
+        # raw cproton, as the engine's own consumer path (this runs once per message)
+        if self._link is None or not self.attached:
             return
+        raw = self._raw
+        queued = self._queued
+        unacked = self._inflight
         moved = False
-        while self._queued and link.credit > 0:
-            token = self._queued.popleft()
+        while queued and _pn_link_credit(raw) > 0:
+            token = queued.popleft()
             body = self.unacked.get(token)
             if body is None:
                 continue
-            d = link.delivery(b"%x" % next(self._tags))
-            link.send(body)
-            link.advance()
-            self._inflight[d.tag] = token
+            tag = b"%x" % next(self._tags)
+            d = _pn_delivery(raw, (len(tag), _from_buffer(tag)))
+            _pn_link_send(raw, _from_buffer(body), len(body))
+            _pn_link_advance(raw)
+            unacked[d] = token  # keyed by the raw pn_delivery_t* (cffi pointers hash by address)
             self._transferred.add(token)
             self.sent += 1
             moved = True

@@ -60,6 +60,9 @@ from urllib.parse import urlsplit
 
 import trio
 
+from broker.amqp.engine import (_from_buffer, _pn_delivery_link, _pn_delivery_partial, _pn_delivery_pending,
+                                _pn_delivery_readable, _pn_link_advance, _pn_link_credit, _pn_link_flow,
+                                _pn_link_recv)
 from broker.amqp.peer import (PeerConnected, PeerConnectFailed, PeerConnection, PeerDisconnected, PeerGaveUp,
                               PeerLoginRefused, RetrySettings)
 from broker.cluster.dupcache import DuplicateCache
@@ -250,8 +253,11 @@ class Bridge:
             sf.settle(sub, mid, Outcome.REJECTED)
         window = self.cluster.cfg.confirmation_window_bytes
         if window <= 0 or self.inflight_bytes < window:
-            sub.credit = SF_WINDOW - len(sub.unacked)
-            if sub.credit > 0:
+            # top up in batches (a quarter of the window, or when nothing is in flight): one
+            # dispatch hands out many messages instead of one per acknowledgement
+            free = SF_WINDOW - len(sub.unacked)
+            if free >= SF_WINDOW // 4 or not sub.unacked:
+                sub.credit = free
                 sf.credit_changed(sub)
 
     @property
@@ -312,15 +318,24 @@ class _ForwardIn:
         self.link = None
 
     def on_delivery(self, d) -> None:
-        link = d.link
-        if d.partial or not d.readable:
+        self.on_raw_delivery(d._impl)
+
+    def on_raw_delivery(self, d) -> None:
+        """One forwarded message (raw ``pn_delivery_t*``, read as the engine reads producers')."""
+        if _pn_delivery_partial(d) or not _pn_delivery_readable(d):
             return
-        data = link.recv(d.pending)
-        link.advance()
+        link = _pn_delivery_link(d)
+        n = _pn_delivery_pending(d)
+        buf = bytearray(n)
+        got = _pn_link_recv(link, _from_buffer(buf), n)
+        _pn_link_advance(link)
+        if got < n:
+            del buf[max(got, 0):]
         self.received += 1
-        if link.credit < FORWARD_CREDIT // 2:
-            link.flow(FORWARD_CREDIT - link.credit)
-        self.cluster.receive_forward(self, d._impl, data)
+        credit = _pn_link_credit(link)
+        if credit < FORWARD_CREDIT // 2:
+            _pn_link_flow(link, FORWARD_CREDIT - credit)
+        self.cluster.receive_forward(self, d, bytes(buf))
 
 
 class _NotifyOut:
@@ -706,6 +721,8 @@ class ClusterNode:
 
     def receive_forward(self, fin: _ForwardIn, d, data: bytes) -> None:
         engine = fin.engine
+        if engine.error is not None:
+            return  # we cut this peer off: what it sent after that is not taken (it resends elsewhere/later)
         try:
             f = decode_forward(data)
         except ProtocolError as exc:

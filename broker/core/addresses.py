@@ -423,10 +423,13 @@ class Broker:
         that reaches no queue (a multicast address without subscribers) is dropped, as in Artemis;
         so is one that a queue's filter does not accept, for that queue.
 
-        Once the cluster has remote bindings the message is load-balanced instead
-        (:meth:`_publish_clustered`); until then this loop is all there is.
+        When other nodes have bindings for the address (or a wildcard address matching it) the
+        message is load-balanced instead (:meth:`_publish_clustered`); otherwise this loop is all
+        there is, as on a single node.
         """
-        if self.cluster.count:
+        remote = self.cluster.by_address
+        if remote and (address in remote or (self.wildcard_addresses and
+                                             any(w.name in remote for w in self._targets(address)))):
             return self._publish_clustered(address, body, durable, priority, expires, origin)
         addr = self.addresses.get(address)
         if self.wildcard_addresses:

@@ -13,6 +13,8 @@ import json
 
 import pytest
 
+from broker.activity import CLUSTER_FIELDS
+
 from tests.clusterproc import (cluster_view, connect, known_bindings, receive, remote_consumers, send,
                                start_cluster, wait_known_consumers, wait_mesh, wait_remote_bindings,
                                wait_remote_consumers, wait_until)
@@ -73,6 +75,7 @@ def test_on_demand_producer_on_a_meets_consumer_on_b(nodes_factory):
         return [x for x in lines if x["direction"] == direction and x["address"] == "orders"]
     wait_until(lambda: sum(x["messages"] for x in records(a, "forward")) == 200
                and sum(x["messages"] for x in records(b, "forward-in")) == 200, 20, "forward records")
+    assert all(list(x) == list(CLUSTER_FIELDS) for x in records(a, "forward") + records(b, "forward-in"))
     assert {x["peer_node_id"] for x in records(a, "forward")} == {b.node_id}
     assert {x["peer_node_id"] for x in records(b, "forward-in")} == {a.node_id}
     assert records(b, "produce") == []
