@@ -109,9 +109,10 @@ def _invalid(what: str) -> ProtocolError:
 
 # -- forwarded messages ------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Forwarded:
-    """One forwarded message (see the module doc)."""
+    """One forwarded message (see the module doc). Not frozen: one is made per forwarded message,
+    and a frozen dataclass's ``__init__`` costs three times as much; treat it as a value."""
 
     dup_id: bytes
     origin: str

@@ -486,7 +486,7 @@ class Broker:
         stored = False
         routed = False
         for view in views:
-            decision = route(view, probe, self.load_balancing, self.rotation)
+            decision = route(view, probe, self.load_balancing, self.rotation, explain=False)
             for name in decision.local:
                 msg = Message(self.next_mid(), body, durable, address, 0, priority, expires, origin)
                 msg.view = probe.view

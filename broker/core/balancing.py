@@ -183,14 +183,30 @@ def next_binding(group: Sequence, msg: Message, mode: LoadBalancing, start: int)
     return None
 
 
-def route(bindings: Bindings, msg: Message, mode: LoadBalancing, rotation: Rotation) -> RouteDecision:
-    """Decide where ``msg``, sent to ``bindings.address``, goes (see the module doc)."""
+def route(bindings: Bindings, msg: Message, mode: LoadBalancing, rotation: Rotation, *,
+          explain: bool = True) -> RouteDecision:
+    """Decide where ``msg``, sent to ``bindings.address``, goes (see the module doc).
+
+    ``explain`` False leaves ``picks`` empty (the broker's per-message path: a pick is only an
+    explanation). A routing name with only a local queue is decided without the rotation (a
+    group of one takes its only matching binding)."""
     local: list[str] = []
-    picks: list[Pick] = []
-    forwards: dict[str, list[tuple[str, str]]] = {}
+    picks: list[Pick] | None = [] if explain else None
+    forwards: dict[str, list[tuple[str, str]]] | None = None
     address = bindings.address
+    local_queues = bindings.local
+    remote = bindings.remote
     for name in bindings.routing_names():
-        group = bindings.group(name)
+        r = remote.get(name)
+        q = local_queues.get(name)
+        if not r:  # a group of one, local
+            f = q.filter
+            if f is None or f(msg):
+                local.append(name)
+                if picks is not None:
+                    picks.append(Pick(name, None, "only"))
+            continue
+        group = [q, *r.values()] if q is not None else list(r.values())
         key = (address, name)
         chosen = next_binding(group, msg, mode, rotation.get(key, len(group)))
         if chosen is None:
@@ -202,9 +218,14 @@ def route(bindings: Bindings, msg: Message, mode: LoadBalancing, rotation: Rotat
             local.append(b.name)
         else:
             rb = b.binding
+            if forwards is None:
+                forwards = {}
             forwards.setdefault(rb.next_hop, []).append((rb.node_id, rb.queue))
-        picks.append(Pick(name, b.node_id, why))
-    return RouteDecision(tuple(local), tuple(Forward(via, tuple(t)) for via, t in forwards.items()), tuple(picks))
+        if picks is not None:
+            picks.append(Pick(name, b.node_id, why))
+    return RouteDecision(tuple(local),
+                         tuple(Forward(via, tuple(t)) for via, t in forwards.items()) if forwards else (),
+                         tuple(picks) if picks else ())
 
 
 # -- redistribution ----------------------------------------------------------------------------
