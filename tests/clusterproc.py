@@ -172,6 +172,23 @@ def receive(node: BrokerProcess, address: str, n: int, *, timeout_s: float = 20.
         c.close()
 
 
+def assert_forwards(a: BrokerProcess, b: BrokerProcess, address: str = "orders", n: int = 20) -> None:
+    """The cluster serves: ``n`` durable messages sent on A reach a consumer on B, in order, once."""
+    cb = connect(b)
+    try:
+        r = cb.create_receiver(address, credit=max(n, 1))
+        wait_known_consumers(a, address, 1)
+        bodies = [f"{address}-{i}" for i in range(n)]
+        send(a, address, bodies)
+        got = []
+        for _ in range(n):
+            got.append(r.receive(timeout=20).body)
+            r.accept()
+        assert got == bodies
+    finally:
+        cb.close()
+
+
 def drain(node: BrokerProcess, address: str, *, quiet_s: float = 1.0) -> list:
     """Everything that arrives until ``quiet_s`` passes with nothing."""
     from proton import Timeout

@@ -474,6 +474,18 @@ class ConsumerLink:
         self.presettled = False
 
 
+def read_transfer(link, d) -> bytes:
+    """The whole payload of a complete transfer (raw ``pn_link_t*``, ``pn_delivery_t*``), and
+    move the link on to the next delivery."""
+    n = _pn_delivery_pending(d)
+    buf = bytearray(n)
+    got = _pn_link_recv(link, _from_buffer(buf), n)
+    _pn_link_advance(link)
+    if got < n:
+        del buf[max(got, 0):]
+    return bytes(buf)
+
+
 # -- the engine ------------------------------------------------------------------------------
 
 class AmqpEngine:
@@ -1283,16 +1295,11 @@ class AmqpEngine:
         if pl is not None:
             if _pn_delivery_partial(d) or not _pn_delivery_readable(d):
                 return
-            n = _pn_delivery_pending(d)
-            buf = bytearray(n)
-            got = _pn_link_recv(link, _from_buffer(buf), n)
-            _pn_link_advance(link)
-            if got < n:
-                del buf[max(got, 0):]
+            data = read_transfer(link, d)
             if self.txn is not None and _pn_delivery_remote_state(d) == _TXN_STATE:
-                self.txn.on_transfer(pl, d, bytes(buf))  # §4.4.1 transactional send
+                self.txn.on_transfer(pl, d, data)  # §4.4.1 transactional send
             else:
-                self._publish(pl, d, bytes(buf))
+                self._publish(pl, d, data)
             credit = _pn_link_credit(link)
             if credit < self.window >> 1:
                 _pn_link_flow(link, self.window - credit)

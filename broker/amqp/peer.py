@@ -49,11 +49,9 @@ from urllib.parse import urlsplit
 import trio
 from proton import Delivery, Link
 
-from broker.amqp.engine import (AmqpEngine, _from_buffer, _pn_delivery, _pn_delivery_link, _pn_delivery_partial,
-                                _pn_delivery_pending, _pn_delivery_readable, _pn_delivery_remote_state,
-                                _pn_delivery_settle, _pn_delivery_settled, _pn_delivery_update,
-                                _pn_delivery_updated, _pn_link_advance, _pn_link_credit, _pn_link_flow,
-                                _pn_link_recv, _pn_link_send)
+from broker.amqp.engine import (AmqpEngine, _from_buffer, _pn_delivery, _pn_delivery_remote_state, _pn_delivery_settle,
+                                _pn_delivery_settled, _pn_delivery_updated, _pn_link_advance, _pn_link_credit,
+                                _pn_link_send)
 from broker.amqp.pump import RECV_BYTES, pump_engine
 from broker.amqp.sasl import NEED_DATA, LoginAccepted, LoginRefused, SaslClient
 from broker.errors import RemoteProtocolError

@@ -60,14 +60,13 @@ from urllib.parse import urlsplit
 
 import trio
 
-from broker.amqp.engine import (_from_buffer, _pn_delivery_link, _pn_delivery_partial, _pn_delivery_pending,
-                                _pn_delivery_readable, _pn_link_advance, _pn_link_credit, _pn_link_flow,
-                                _pn_link_recv)
+from broker.amqp.engine import (_pn_delivery_link, _pn_delivery_partial, _pn_delivery_readable, _pn_link_credit,
+                                _pn_link_flow, read_transfer)
 from broker.amqp.peer import (PeerConnected, PeerConnectFailed, PeerConnection, PeerDisconnected, PeerGaveUp,
                               PeerLoginRefused, RetrySettings)
 from broker.cluster.dupcache import DuplicateCache
 from broker.cluster.state import ClusterState
-from broker.cluster.protocol import (CLUSTER_PREFIX, FORWARD_ADDRESS, NOTIFY_ADDRESS, AddressNote, BindingNote, Forwarded,
+from broker.cluster.protocol import (FORWARD_ADDRESS, NOTIFY_ADDRESS, AddressNote, BindingNote, Forwarded,
                                      Hello,
                                      ProtocolError, Reset, Unbinding, decode_forward, decode_note, encode_forward,
                                      encode_note)
@@ -325,17 +324,12 @@ class _ForwardIn:
         if _pn_delivery_partial(d) or not _pn_delivery_readable(d):
             return
         link = _pn_delivery_link(d)
-        n = _pn_delivery_pending(d)
-        buf = bytearray(n)
-        got = _pn_link_recv(link, _from_buffer(buf), n)
-        _pn_link_advance(link)
-        if got < n:
-            del buf[max(got, 0):]
+        data = read_transfer(link, d)
         self.received += 1
         credit = _pn_link_credit(link)
         if credit < FORWARD_CREDIT // 2:
             _pn_link_flow(link, FORWARD_CREDIT - credit)
-        self.cluster.receive_forward(self, d, bytes(buf))
+        self.cluster.receive_forward(self, d, data)
 
 
 class _NotifyOut:

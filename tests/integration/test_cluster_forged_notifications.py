@@ -227,14 +227,6 @@ def fake():
     f.stop()
 
 
-@pytest.fixture
-def procs():
-    made = []
-    yield made
-    for n in made:
-        if n.proc is not None and n.proc.poll() is None:
-            n.kill()
-
 
 def _bad_notes(node) -> int:
     return cluster_view(node)["counters"].get("bad_notifications", 0)

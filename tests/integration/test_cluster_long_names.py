@@ -18,14 +18,6 @@ from tests.clusterproc import cluster_view, connect, start_node, wait_known_cons
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
-@pytest.fixture
-def procs():
-    made = []
-    yield made
-    for n in made:
-        if n.proc is not None and n.proc.poll() is None:
-            n.kill()
-
 
 def _receive(r, n: int) -> list:
     got = []

@@ -16,14 +16,6 @@ from tests.clusterproc import cluster_view, connect, start_node, wait_mesh, wait
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture
-def procs():
-    made = []
-    yield made
-    for n in made:
-        if n.proc is not None and n.proc.poll() is None:
-            n.kill()
-
 
 def _sub(node, container_id: str):
     ct = Container()

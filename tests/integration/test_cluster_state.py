@@ -17,14 +17,6 @@ from tests.serverproc import http_json
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture
-def procs():
-    made = []
-    yield made
-    for n in made:
-        if n.proc is not None and n.proc.poll() is None:
-            n.kill()
-
 
 def declare(node, body) -> tuple[int, object]:
     return http_json(node.management_url + "/api/v1/addresses", method="POST", body=body, auth=ADMIN, timeout_s=10)
