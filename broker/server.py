@@ -137,8 +137,9 @@ async def _run_cluster(node: Node, ccfg, amqp_urls: list[str], mgmt_url: str, *,
     from broker.cluster.bridge import ClusterNode
 
     connector = ccfg.connector or amqp_urls[0]
-    if connector.rsplit(":", 1)[-1] == "0":  # port 0 in the config: the port the OS picked
-        connector = amqp_urls[0]
+    if connector.rsplit(":", 1)[-1] == "0":  # port 0 in the config: the first acceptor of its scheme, as bound
+        scheme = connector.split("://", 1)[0]
+        connector = next((u for u in amqp_urls if u.startswith(scheme + "://")), amqp_urls[0])
     if ccfg.weak_password:
         log.warning("cluster password is %s: anyone who knows it can join this cluster, so cluster logins with "
                     "it are accepted from loopback addresses only; set [cluster] password",

@@ -40,9 +40,15 @@ def cluster_config(*, mode: str = "ON_DEMAND", static: list[str] = (), extra: di
 
 
 def start_node(tmp_path: Path, name: str, *, static: list[str] = (), mode: str = "ON_DEMAND",
-               extra: dict[str, Any] | None = None, config: dict[str, dict[str, Any]] | None = None) -> BrokerProcess:
+               extra: dict[str, Any] | None = None, config: dict[str, dict[str, Any]] | None = None,
+               tls=None) -> BrokerProcess:
+    """One cluster node. ``tls`` (a trustme CA): an amqps acceptor too, and the cluster runs over
+    it (connector ``amqps://…``, ``ca-file`` the CA)."""
     workdir = Path(tmp_path) / name
-    path = write_config(workdir, name=name, config=cluster_config(mode=mode, static=static, extra=extra, config=config))
+    if tls is not None:
+        extra = {"connector": "amqps://127.0.0.1:0", "ca-file": str(workdir / "ca.pem"), **(extra or {})}
+    path = write_config(workdir, name=name, tls=tls,
+                        config=cluster_config(mode=mode, static=static, extra=extra, config=config))
     return BrokerProcess(workdir, path).start()
 
 

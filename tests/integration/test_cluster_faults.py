@@ -153,12 +153,17 @@ def test_wrong_cluster_password_is_refused_and_the_cluster_keeps_working(tmp_pat
     assert_forwards(a, b)
 
 
-def _refused(node) -> int:
+def _event(node, event: str) -> int:
+    """``lodestone_broker_events_total{event=…}`` from the node's /metrics."""
     status, text = node.management_get("/metrics")
     for line in text.splitlines():
-        if line.startswith('lodestone_broker_events_total{event="cluster_login_refused"}'):
+        if line.startswith(f'lodestone_broker_events_total{{event="{event}"}}'):
             return int(float(line.split()[-1]))
     return 0
+
+
+def _refused(node) -> int:
+    return _event(node, "cluster_login_refused")
 
 
 def test_cluster_key_mismatch_is_refused_and_logged_once(tmp_path, procs):
@@ -232,3 +237,24 @@ def test_two_active_nodes_with_one_node_id_the_newcomer_is_refused(tmp_path, pro
     assert cluster_view(a)["duplicate_of"] is None
     assert_forwards(a, b)  # A and B keep serving each other
     assert {m["node_id"] for m in cluster_view(b)["members"]} == {a.node_id}
+
+
+def test_the_cluster_runs_over_tls_and_a_peer_it_cannot_verify_stays_out(tmp_path, procs):
+    """Connectors amqps://, verified with [cluster] ca-file; a node whose certificate comes from
+    another CA is never bridged to (the TLS handshake fails) and the pair keeps serving."""
+    import trustme
+    ca = trustme.CA()
+    a = start_node(tmp_path, "a", tls=ca, config={"addresses.orders": {"routing-types": ["anycast"]}})
+    procs.append(a)
+    b = start_node(tmp_path, "b", tls=ca, static=[a.amqps_url], config={"addresses.orders": {"routing-types": ["anycast"]}})
+    procs.append(b)
+    wait_mesh([a, b])
+    assert all(x["connector"].startswith("amqps://") for n in (a, b) for x in cluster_view(n)["bridges"])
+    assert_forwards(a, b)
+    stranger = start_node(tmp_path, "stranger", tls=trustme.CA(), static=[a.amqps_url])
+    procs.append(stranger)
+    # the stranger cannot verify A (another CA): its bridge never connects; A never learns it
+    wait_until(lambda: _event(stranger, "peer_connect_failed") >= 2, 20, "the stranger's TLS handshakes fail")
+    assert not any(x["connected"] for x in cluster_view(stranger)["bridges"])
+    assert stranger.node_id not in {m["node_id"] for m in cluster_view(a)["members"]}
+    assert_forwards(b, a, n=5)
