@@ -543,6 +543,7 @@ class AmqpEngine:
         self._session = None   # client mode: the session our owned links use
         self.on_open: Callable[["AmqpEngine"], None] | None = None  # client mode: told after the host
         self.remote_properties = None  # client mode: the peer's Open properties
+        self.before_output: Callable[[], None] | None = None  # see take_output
         if client:
             conn = self.connection
             conn.container = host.container_id
@@ -614,7 +615,10 @@ class AmqpEngine:
         return True
 
     def take_output(self) -> bytes:
-        """Everything the transport wants to write now (b"" if nothing)."""
+        """Everything the transport wants to write now (b"" if nothing). ``before_output`` (a
+        client-mode owner's) runs first, so what it sends leaves in this write."""
+        if self.before_output is not None and not self.closed:
+            self.before_output()
         t = self.transport
         out = []
         while True:

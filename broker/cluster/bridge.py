@@ -65,11 +65,10 @@ from broker.amqp.engine import (_pn_delivery_link, _pn_delivery_partial, _pn_del
 from broker.amqp.peer import (PeerConnected, PeerConnectFailed, PeerConnection, PeerDisconnected, PeerGaveUp,
                               PeerLoginRefused, RetrySettings)
 from broker.cluster.dupcache import DuplicateCache
-from broker.cluster.state import ClusterState
-from broker.cluster.protocol import (FORWARD_ADDRESS, NOTIFY_ADDRESS, AddressNote, BindingNote, Forwarded,
-                                     Hello,
-                                     ProtocolError, Reset, Unbinding, decode_forward, decode_note, encode_forward,
+from broker.cluster.protocol import (FORWARD_ADDRESS, NOTIFY_ADDRESS, AddressNote, BindingNote, Forwarded, Hello,
+                                     ProtocolError, Reset, Unbinding, decode_forwards, decode_note, encode_forward,
                                      encode_note)
+from broker.cluster.state import ClusterState
 from broker.cluster.settings import parse_connector
 from broker.core.addresses import ANYCAST, MULTICAST
 from broker.core.balancing import LoadBalancing
@@ -91,6 +90,8 @@ SF_PREFIX = "$lodestone.sf."
 DUP_PREFIX = "$lodestone.records.dupids."   # broker.node.INTERNAL_RECORDS_PREFIX + "dupids."
 CLUSTER_ROLE = "$cluster"
 SF_WINDOW = 1000          # forwarded messages in flight per bridge (unaccepted)
+BATCH_MESSAGES = 256      # forwarded messages in one transfer at most
+BATCH_BYTES = 256 * 1024  # and about this many bytes
 FORWARD_CREDIT = 1000     # credit we grant an inbound forward link
 NOTIFY_BACKLOG = 200_000  # notifications waiting for a subscriber's credit before it is cut off
 REDISTRIBUTE_BATCH = 500
@@ -146,6 +147,9 @@ class Bridge:
         self.sf = None
         self.sub: Subscription | None = None
         self.forwarded = 0
+        self.transfers = 0       # transfers on the forward link (each carries a batch)
+        self._batch: list[Message] = []   # handed out by the store-and-forward queue, not yet sent
+        self._batch_bytes = 0
         self.inflight_bytes = 0  # forwarded and not yet acknowledged (confirmation-window-bytes)
         self.acked = 0
         self.bytes_acked = 0
@@ -166,6 +170,7 @@ class Bridge:
         if self.cancel_scope is not None:
             self.cancel_scope.cancel()
         if self.sub is not None and self.sf is not None:
+            self._batch = []
             self.sf.remove_subscription(self.sub)  # what was in flight goes back to the queue
             self.sub = None
 
@@ -196,7 +201,11 @@ class Bridge:
                 return
             self.connected = True
             self.since = time.time()
+            engine = self.peer.engine
+            if engine is not None:
+                engine.before_output = self._flush  # a batch goes out with the next write
             c.bridge_up(self, ev.node_id)
+            self._flush()
         elif isinstance(ev, (PeerDisconnected, PeerConnectFailed, PeerGaveUp)):
             if self.retire:
                 self.stop()
@@ -219,43 +228,68 @@ class Bridge:
             self.sf.remove_subscription(self.sub)
         self.sf = sf
         self.inflight_bytes = 0
+        self._batch = []
+        self._batch_bytes = 0
         self.sub = Subscription(self._sf_sink, owner=self)
         self.sub.credit = SF_WINDOW
         sf.add_subscription(self.sub)
 
     def _sf_sink(self, sub: Subscription, msg: Message) -> None:
+        """The store-and-forward queue hands out a message: it joins the batch that goes out in
+        one transfer right before the bridge connection next writes (``_flush``)."""
         self.forwarded += 1
         self.inflight_bytes += len(msg.body)
         window = self.cluster.cfg.confirmation_window_bytes
         if window > 0 and self.inflight_bytes >= window:
             sub.credit = 0  # Artemis confirmation-window-size: wait for acknowledgements
-        self.sender.send(msg.body, msg.mid)
+        batch = self._batch
+        batch.append(msg)
+        self._batch_bytes += len(msg.body)
+        if self._batch_bytes >= BATCH_BYTES or len(batch) >= BATCH_MESSAGES:
+            self._flush()
+        elif len(batch) == 1:
+            self.peer._wake()  # the writer's take_output calls _flush first
 
-    def _outcome(self, mid, state: str) -> None:
+    def _flush(self) -> None:
+        """Send the batch as one transfer (the engine's ``before_output``; also when it is full)."""
+        batch = self._batch
+        if not batch:
+            return
+        self._batch = []
+        self._batch_bytes = 0
+        body = batch[0].body if len(batch) == 1 else b"".join(m.body for m in batch)
+        self.sender.send(body, tuple(m.mid for m in batch))
+        self.transfers += 1
+
+    def _outcome(self, mids, state: str) -> None:
         if state not in ("accepted", "rejected"):
             return  # released/modified: the other node did not take it; PeerSender sends it again
         sub, sf = self.sub, self.sf
         if sub is None or sf is None:
             return
-        msg = sub.unacked.get(mid)
-        if msg is not None:
+        accepted = state == "accepted"
+        if not accepted:  # the other node could not take it (it logged why): dead-letter it here
+            log.warning("cluster peer rejected forwarded messages", extra={"fields": {
+                "peer": self.node_id, "state": state, "messages": len(mids)}})
+        unacked = sub.unacked
+        for mid in mids:
+            msg = unacked.get(mid)
+            if msg is None:
+                continue
             self.inflight_bytes -= len(msg.body)
-        if state == "accepted":
-            self.acked += 1
-            if msg is not None:
+            if accepted:
+                self.acked += 1
                 self.bytes_acked += len(msg.body)
                 self.cluster.account(self.node_id, msg, sf)
-            sf.settle(sub, mid, Outcome.ACCEPTED)
-        else:  # rejected: the other node could not take it (it logged why): dead-letter it here
-            log.warning("cluster peer rejected a forwarded message", extra={"fields": {
-                "peer": self.node_id, "state": state}})
-            sf.settle(sub, mid, Outcome.REJECTED)
+                sf.settle(sub, mid, Outcome.ACCEPTED)
+            else:
+                sf.settle(sub, mid, Outcome.REJECTED)
         window = self.cluster.cfg.confirmation_window_bytes
         if window <= 0 or self.inflight_bytes < window:
             # top up in batches (a quarter of the window, or when nothing is in flight): one
             # dispatch hands out many messages instead of one per acknowledgement
-            free = SF_WINDOW - len(sub.unacked)
-            if free >= SF_WINDOW // 4 or not sub.unacked:
+            free = SF_WINDOW - len(unacked)
+            if free >= SF_WINDOW // 4 or not unacked:
                 sub.credit = free
                 sf.credit_changed(sub)
 
@@ -290,6 +324,7 @@ class Bridge:
     def describe(self) -> dict:
         return {"to": self.node_id, "connector": self.url, "connected": self.connected,
                 "forwarded": self.forwarded, "acked": self.acked, "pending": self.pending,
+                "transfers": self.transfers,
                 "duplicates_dropped": self.cluster.duplicates_from(self.node_id),
                 "since": self.since}
 
@@ -714,11 +749,14 @@ class ClusterNode:
         return c.dropped if c is not None else 0
 
     def receive_forward(self, fin: _ForwardIn, d, data: bytes) -> None:
+        """One transfer of a neighbour's forward link: its forwarded messages are stored (or sent
+        on) in one journal group with their duplicate ids, and the transfer is accepted once that
+        group is durable."""
         engine = fin.engine
         if engine.error is not None:
             return  # we cut this peer off: what it sent after that is not taken (it resends elsewhere/later)
         try:
-            f = decode_forward(data)
+            fs = decode_forwards(data)
         except ProtocolError as exc:
             self.counters["bad_forwards"] += 1
             log.warning("cluster peer sent a malformed forwarded message; cutting the connection off",
@@ -728,33 +766,37 @@ class ClusterNode:
             engine.close_with(exc.condition, exc.description)
             return
         dedup = self.cfg.duplicate_detection
-        if dedup and self._cache(f.origin).seen(f.dup_id):
-            self.counters["duplicates_dropped"] += 1
-            if f.durable and self.node.journal is not None:
-                engine.accept_when_synced(d)  # the first copy may still wait for its fsync
-            else:
-                engine.accept(d)
-            return
+        journal = self.node.journal is not None
+        persist = dedup and self.cfg.persist_id_cache and journal
         store = self.core.store
-        persist = dedup and f.durable and self.cfg.persist_id_cache and self.node.journal is not None
-        grouped = f.durable and self.node.journal is not None
+        grouped = journal and any(f.durable for f in fs)
+        peer = fin.peer_node
+        sync = False
         if grouped:
             store.begin_group()
         try:
-            stored = self._deliver(f, fin.peer_node or f.origin)
-            if persist:
-                token = self.core.next_mid()
-                store.add_record(DUP_PREFIX + f.origin, token, f.dup_id)
-            else:
+            evicted = []
+            for f in fs:
+                cache = self._cache(f.origin) if dedup else None
+                if cache is not None and cache.seen(f.dup_id):
+                    self.counters["duplicates_dropped"] += 1
+                    sync = sync or (f.durable and journal)  # the first copy may still wait for its fsync
+                    continue
+                if self._deliver(f, peer or f.origin):
+                    sync = True
                 token = None
+                if persist and f.durable:
+                    token = self.core.next_mid()
+                    store.add_record(DUP_PREFIX + f.origin, token, f.dup_id)
+                if cache is not None:
+                    evicted.extend((f.origin, t) for _id, t in cache.add(f.dup_id, token) if t is not None)
+            if journal:
+                for origin, t in evicted:
+                    store.remove_record(DUP_PREFIX + origin, t)
         finally:
-            if grouped:
-                wrote = store.end_group()
-        if dedup:
-            for _old, old_token in self._cache(f.origin).add(f.dup_id, token):
-                if old_token is not None and self.node.journal is not None:
-                    store.remove_record(DUP_PREFIX + f.origin, old_token)
-        if grouped and (stored or wrote):
+            if grouped and store.end_group():
+                sync = True
+        if sync:
             engine.accept_when_synced(d)
         else:
             engine.accept(d)

@@ -12,7 +12,9 @@ node attaches two links to addresses only the cluster user may use:
   notifications* (Artemis: the bridge's consumer on the management notification address), so
   the dialling node learns which queues the other has, with their filters and consumers.
 
-A **forwarded message** is one AMQP value (the transfer's whole payload), a described list:
+A transfer on the forward link carries one or more **forwarded messages** back to back (a
+bridge puts whatever it has to send in one transfer; the receiving node's acknowledgement covers
+them all). A forwarded message is one AMQP value, a described list:
 
 ``lodestone:forward:v1`` [dup-id (binary), origin node id (string), address (string),
 targets (list of [node id, queue] pairs), hops (uint), durable (bool), priority (ubyte),
@@ -61,12 +63,12 @@ import struct
 from dataclasses import dataclass
 
 from broker.amqp.host import INTERNAL_PREFIX
-from broker.amqp.codec import Described, Symbol, Timestamp, UByte, UInt, decode_all, encode
+from broker.amqp.codec import Described, Symbol, Timestamp, UByte, UInt, decode as amqp_decode, decode_all, encode
 from broker.core.selector import MAX_SELECTOR_BYTES
 from broker.errors import DecodeError
 
 __all__ = ["FORWARD_ADDRESS", "NOTIFY_ADDRESS", "CLUSTER_PREFIX", "INTERNAL_PREFIX", "Forwarded", "Hello", "Reset",
-           "BindingNote", "Unbinding", "AddressNote", "ProtocolError", "encode_forward", "decode_forward", "encode_note",
+           "BindingNote", "Unbinding", "AddressNote", "ProtocolError", "encode_forward", "decode_forward", "decode_forwards", "MAX_BATCH", "encode_note",
            "decode_note", "MAX_NAME", "MAX_FILTER", "MAX_TARGETS", "MAX_MEMBERS"]
 
 CLUSTER_PREFIX = "$lodestone.cluster."   # the cluster user's link addresses
@@ -81,6 +83,7 @@ _FORWARD_HEAD = b"\x00\xa3" + bytes((len(FORWARD_DESCRIPTOR),)) + FORWARD_DESCRI
 # refuses cuts the cluster link off, again after every reconnect (its snapshot repeats it).
 MAX_NAME = 0xFFFF      # characters in a node id, queue, address or URL (the journal's name limit, in bytes)
 MAX_FILTER = MAX_SELECTOR_BYTES  # characters in a queue or consumer filter (a selector's limit, in bytes)
+MAX_BATCH = 65536     # forwarded messages in one transfer
 MAX_TARGETS = 65536    # (node, queue) targets of one forwarded message
 MAX_MEMBERS = 4096     # members in a hello
 MAX_FILTERS = 65536    # consumer filters of one binding
@@ -334,6 +337,43 @@ def decode_forward(data: bytes) -> Forwarded:
         v = _fast_forward_fields(data)
     except (_NotFast, IndexError, struct.error):
         v = _body(data, FORWARD_DESCRIPTOR, "forwarded message")
+    return _forward_from_fields(v)
+
+
+def decode_forwards(data: bytes) -> list[Forwarded]:
+    """Decode one transfer of the forward link: one or more forwarded messages, back to back
+    (a bridge sends what it has in one transfer); :class:`ProtocolError` if any is not the format."""
+    out: list[Forwarded] = []
+    end = len(data)
+    pos = 0
+    head = len(_FORWARD_HEAD)
+    while pos < end:
+        if len(out) >= MAX_BATCH:
+            raise _invalid(f"more than {MAX_BATCH} forwarded messages in one transfer")
+        nxt = -1
+        if data[pos:pos + head] == _FORWARD_HEAD and pos + head + 3 <= end:
+            c = data[pos + head]
+            if c == 0xC0:
+                nxt = pos + head + 2 + data[pos + head + 1]
+            elif c == 0xD0 and pos + head + 9 <= end:
+                nxt = pos + head + 5 + _U_I(data, pos + head + 1)[0]
+        if 0 < nxt <= end:
+            out.append(decode_forward(data[pos:nxt] if (pos or nxt != end) else data))
+            pos = nxt
+            continue
+        try:  # not the usual layout: the generic codec finds where this value ends, or says why not
+            value, nxt = amqp_decode(data, pos)
+        except DecodeError as exc:
+            raise ProtocolError("amqp:decode-error", f"forwarded message: {exc}") from None
+        out.append(decode_forward(data[pos:nxt]))
+        pos = nxt
+    if not out:
+        raise ProtocolError("amqp:decode-error", "forwarded message: empty transfer")
+    return out
+
+
+def _forward_from_fields(v: list) -> Forwarded:
+    """Check a forwarded message's fields (fast or generic decoding) and build it."""
     if len(v) not in (9, 10):
         raise _invalid(f"forwarded message has {len(v)} fields, expected 9 or 10")
     dup, origin, address, targets, hops, durable, priority, expires, message = v[:9]
