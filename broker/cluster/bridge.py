@@ -73,7 +73,7 @@ from broker.cluster.settings import parse_connector
 from broker.core.addresses import ANYCAST, MULTICAST
 from broker.core.balancing import LoadBalancing
 from broker.core.bindings import RemoteBinding
-from broker.core.deliveries import Message, Outcome
+from broker.core.deliveries import DEFAULT_PRIORITY, Message, Outcome
 from broker.core.queues import Subscription
 from broker.trioutil import Wakeup
 
@@ -457,6 +457,7 @@ class ClusterNode:
         self._seq = count(1)
         self._nursery: trio.Nursery | None = None
         self._changed = Wakeup()
+        self._sf: dict[str, object] = {}   # node id -> its store-and-forward queue
         self.groups: dict[str, str | None] = {}   # node id -> its scale-down group (from its hello)
         self.scaling_down = False
         self.scaled_down = 0
@@ -528,12 +529,16 @@ class ClusterNode:
             self.forget_via(b.node_id)
 
     def _sf_queue(self, node_id: str):
+        q = self._sf.get(node_id)
+        if q is not None and not q.deleted:
+            return q
         name = f"{SF_PREFIX}{self.cfg.name}.{node_id}"
         q = self.core.queues.get(name)
         if q is None:
             self.core.declare_address(name, [ANYCAST])
             q = self.core.queues[name]
         q.max_delivery_count = 0  # a bridge that reconnects is not a failed delivery
+        self._sf[node_id] = q
         return q
 
     # -- what we tell others -----------------------------------------------------------------
@@ -716,16 +721,20 @@ class ClusterNode:
         return self._epoch + struct.pack(">Q", next(self._seq))
 
     def _on_forward(self, fwd, msg: Message) -> bool:
-        """``Broker.on_forward``: one copy for neighbour ``fwd.via`` into its store-and-forward queue."""
+        """``Broker.on_forward``: one copy for neighbour ``fwd.via`` into its store-and-forward
+        queue (``msg`` is the core's fresh copy for this forward: it becomes the queue's entry)."""
+        body = msg.body
         env = Forwarded(self._dup_id(), self.node.node_id, msg.address, fwd.targets, 0, msg.durable, msg.priority,
-                        msg.expires, msg.body)
-        return self._enqueue_forward(fwd.via, env)
+                        msg.expires, body)
+        msg.body = encode_forward(env)
+        msg.origin = ("forward", len(body))
+        msg.priority = DEFAULT_PRIORITY  # one FIFO per neighbour: order per producer is kept
+        msg.expires = 0                  # it expires (if at all) where it is delivered
+        return self._sf_queue(fwd.via).enqueue(msg)
 
     def _enqueue_forward(self, via: str, env: Forwarded) -> bool:
-        sf = self._sf_queue(via)
-        data = encode_forward(env)
-        return sf.enqueue(Message(self.core.next_mid(), data, env.durable, env.address,
-                                  origin=("forward", len(env.message))))
+        return self._sf_queue(via).enqueue(Message(self.core.next_mid(), encode_forward(env), env.durable,
+                                                   env.address, origin=("forward", len(env.message))))
 
     def account(self, peer: str | None, msg: Message, sf) -> None:
         """A forwarded message was accepted by ``peer``: count it in the activity log."""

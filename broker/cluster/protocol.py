@@ -133,12 +133,15 @@ def encode_forward(f: Forwarded) -> bytes:
     """The bytes of one forwarded message: exactly what the generic codec writes for the
     described list (``encode_forward_generic``; a test holds the two equal), built directly —
     every forwarded message pays for this, so it skips the codec's per-value dispatch."""
-    parts = [_vbin(f.dup_id), _str(f.origin), _str(f.address)]
+    parts = [_vbin(f.dup_id), _str_cached(f.origin), _str_cached(f.address)]
     targets = f.targets
-    if targets:
-        parts.append(_list([_list([_str(n), _str(q)], 2) for n, q in targets], len(targets)))
-    else:
-        parts.append(b"\x45")
+    enc = _TARGETS.get(targets)
+    if enc is None:
+        enc = _list([_list([_str(n), _str(q)], 2) for n, q in targets], len(targets)) if targets else b"\x45"
+        if len(_TARGETS) >= _CACHE_ENTRIES:
+            _TARGETS.clear()
+        _TARGETS[targets] = enc
+    parts.append(enc)
     hops = f.hops
     parts.append(b"\x43" if hops == 0 else (b"\x52" + _P_B(hops) if 0 < hops <= 0xFF else b"\x70" + _P_I(hops)))
     parts.append(b"\x41" if f.durable else b"\x42")
@@ -169,6 +172,23 @@ _P_II = struct.Struct(">II").pack
 _U_I = struct.Struct(">I").unpack_from
 _U_II = struct.Struct(">II").unpack_from
 _U_q = struct.Struct(">q").unpack_from
+
+
+# the strings and target lists a node forwards to are few (its addresses, its neighbours' queues):
+# their encodings are kept, up to a bound
+_CACHE_ENTRIES = 4096
+_STRS: dict[str, bytes] = {}
+_TARGETS: dict[tuple, bytes] = {}
+
+
+def _str_cached(v: str) -> bytes:
+    enc = _STRS.get(v)
+    if enc is None:
+        enc = _str(v)
+        if len(_STRS) >= _CACHE_ENTRIES:
+            _STRS.clear()
+        _STRS[v] = enc
+    return enc
 
 
 def _vbin(b: bytes) -> bytes:
