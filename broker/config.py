@@ -15,7 +15,8 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from broker.cluster.settings import HA_POLICIES, LOAD_BALANCING_MODES, ClusterConfig, HaConfig, parse_connector
+from broker.cluster.settings import (HA_POLICIES, LOAD_BALANCING_MODES, BroadcastGroupConfig, ClusterConfig,
+                                     DiscoveryGroupConfig, HaConfig, parse_connector)
 from broker.core.filters import SelectorError, compile_queue_filter
 from broker.core.addresses import ANYCAST, MULTICAST, AddressSettings, SettingsResolver, WildcardSettings
 from broker.core.limits import SourceLimits, source_limits_from
@@ -150,6 +151,8 @@ class BrokerConfig:
     extra: dict = field(default_factory=dict)
     cluster: ClusterConfig | None = None  # [cluster]; None: a single node
     ha: HaConfig = field(default_factory=HaConfig)  # [ha]
+    broadcast_groups: tuple[BroadcastGroupConfig, ...] = ()  # [broadcast-groups.<name>]
+    discovery_groups: tuple[DiscoveryGroupConfig, ...] = ()  # [discovery-groups.<name>]
 
 
 def _address_settings(t: Table, base: AddressSettings) -> AddressSettings:
@@ -221,7 +224,7 @@ def _not_empty(t: Table, key: str, value: str | None) -> str | None:
     return value
 
 
-def _cluster(t: Table) -> ClusterConfig:
+def _cluster(t: Table, discovery_groups: dict) -> ClusterConfig:
     """``[cluster]`` (Artemis ``cluster-connection``; docs/cluster.md maps the names)."""
     d = ClusterConfig()
     name = _not_empty(t, "name", t.str("name", d.name))
@@ -229,10 +232,10 @@ def _cluster(t: Table) -> ClusterConfig:
     static = _connectors(t, "static-connectors")
     discovery = t.str("discovery-group", None)
     if discovery is not None:
-        if t.has("static-connectors"):
+        if static:
             raise t.error("discovery-group", f"{discovery!r}: set discovery-group or static-connectors, not both")
-        raise t.error("discovery-group", f"{discovery!r}: discovery groups come with the discovery issue, "
-                      "not supported yet: use static-connectors")
+        if discovery not in discovery_groups:
+            raise t.error("discovery-group", f"{discovery!r}: no [discovery-groups.{discovery}] table")
     user = _not_empty(t, "user", t.str("user", d.user))
     password = t.str("password", d.password)
     mode = t.choice("message-load-balancing", LOAD_BALANCING_MODES, d.message_load_balancing)
@@ -275,6 +278,47 @@ def _cluster(t: Table) -> ClusterConfig:
         id_cache_size=id_cache, persist_id_cache=persist_ids, allow_direct_connections_only=direct_only,
         key=key, require_client_key=require_key, ca_file=None if ca is None else str(ca),
         max_state_bytes=max_state)
+
+
+def _multicast_group(t: Table) -> tuple[str, int]:
+    addr = t.str("group-address")
+    try:
+        ip = ipaddress.IPv4Address(addr)
+    except ValueError:
+        raise t.error("group-address", f"{addr!r} is not an IPv4 address") from None
+    if not ip.is_multicast:
+        raise t.error("group-address", f"{addr!r} is not a multicast address (224.0.0.0/4)")
+    return addr, t.int("group-port", min=1, max=65535)
+
+
+def _bind_address(t: Table) -> str:
+    addr = t.str("local-bind-address", "0.0.0.0")
+    try:
+        ipaddress.IPv4Address(addr)
+    except ValueError:
+        raise t.error("local-bind-address", f"{addr!r} is not an IPv4 address") from None
+    return addr
+
+
+def _broadcast_group(name: str, t: Table) -> BroadcastGroupConfig:
+    """``[broadcast-groups.<name>]`` (Artemis ``broadcast-group``)."""
+    group, port = _multicast_group(t)
+    bind = _bind_address(t)
+    bind_port = t.int("local-bind-port", -1, min=-1, max=65535)
+    period = t.int("broadcast-period-ms", 2000, min=1)
+    connectors = _connectors(t, "connectors")
+    t.done()
+    return BroadcastGroupConfig(name, group, port, bind, bind_port, period, connectors)
+
+
+def _discovery_group(name: str, t: Table) -> DiscoveryGroupConfig:
+    """``[discovery-groups.<name>]`` (Artemis ``discovery-group``)."""
+    group, port = _multicast_group(t)
+    bind = _bind_address(t)
+    refresh = t.int("refresh-timeout-ms", 10000, min=1)
+    initial = t.int("initial-wait-timeout-ms", 10000, min=0)
+    t.done()
+    return DiscoveryGroupConfig(name, group, port, bind, refresh, initial)
 
 
 def _ha(t: Table, cluster: ClusterConfig | None) -> HaConfig:
@@ -405,7 +449,9 @@ def load_config(file: str | Path) -> BrokerConfig:
         t.done()
         decls.append(AddressDecl(aname, tuple(rts), qfilter))
 
-    cluster = _cluster(root.table("cluster")) if root.has("cluster") else None
+    broadcast_groups = tuple(_broadcast_group(name, t) for name, t in root.tables("broadcast-groups").items())
+    discovery_groups = {name: _discovery_group(name, t) for name, t in root.tables("discovery-groups").items()}
+    cluster = _cluster(root.table("cluster"), discovery_groups) if root.has("cluster") else None
     ha = _ha(root.table("ha"), cluster)
 
     lg = root.table("logging")
@@ -417,7 +463,8 @@ def load_config(file: str | Path) -> BrokerConfig:
                         max_frame, idle, window, journal, activity, settings, tuple(decls),
                         level, json_lines, handshake, max_sessions, max_links, limits,
                         link_stealing=link_stealing, expiry_scan_period_ms=expiry_scan, wildcards=wildcards,
-                        cluster=cluster, ha=ha)
+                        cluster=cluster, ha=ha, broadcast_groups=broadcast_groups,
+                        discovery_groups=tuple(discovery_groups.values()))
 
 
 def check_anonymous(cfg: BrokerConfig, anonymous_enabled: bool) -> None:

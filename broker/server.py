@@ -87,6 +87,8 @@ async def run_node(cfg: "BrokerConfig", *, task_status=trio.TASK_STATUS_IGNORED)
                         ccfg = cfg.cluster
                         if ccfg is not None:
                             await services.start(_run_cluster, node, ccfg, amqp_urls, mgmt_url)
+                        for bg in cfg.broadcast_groups:
+                            services.start_soon(_run_broadcast, node, bg, amqp_urls, mgmt_url)
                         if node.activity is not None:
                             services.start_soon(node.activity_flusher)
                         if cfg.expiry_scan_period_ms > 0:
@@ -129,6 +131,34 @@ async def _in_scope(scope: trio.CancelScope, fn, *args, task_status=trio.TASK_ST
     """Run ``fn(*args)`` (a ``task_status`` task) inside ``scope``, so it can be stopped alone."""
     with scope:
         await fn(*args, task_status=task_status)
+
+
+async def _run_broadcast(node: Node, bg, amqp_urls: list[str], mgmt_url: str) -> None:
+    """A broadcast group (Artemis ``broadcast-group``): announce this node over UDP multicast."""
+    from broker.cluster.discovery import Announcement
+    from broker.cluster.udp import broadcast
+
+    ccfg = node.cfg.cluster
+    if bg.connectors:
+        connectors = bg.connectors
+    elif node.cluster is not None:
+        connectors = (node.cluster.connector,)
+    else:
+        connectors = tuple(amqp_urls[:1])
+    name = ccfg.name if ccfg is not None else node.cfg.name
+    key = ccfg.key if ccfg is not None else None
+    node.broadcast_counters[bg.name] = counters = {}
+    log.info("broadcast group starting", extra={"fields": {"group": bg.name, "address": bg.group_address,
+                                                            "port": bg.group_port, "connectors": list(connectors)}})
+    try:
+        await broadcast(bg.group_address, bg.group_port,
+                        lambda seq: Announcement(node.node_id, name, mgmt_url, connectors, seq),
+                        period_s=bg.broadcast_period_ms / 1000.0, bind_address=bg.local_bind_address,
+                        bind_port=bg.local_bind_port, key=key, counters=counters)
+    except OSError as exc:  # the bind address is not this host's, say: the node keeps serving
+        counters["bind_failed"] = 1
+        log.error("broadcast group %s cannot bind %s:%d: %s; this node is not announced", bg.name,
+                  bg.local_bind_address, bg.local_bind_port, exc)
 
 
 async def _run_cluster(node: Node, ccfg, amqp_urls: list[str], mgmt_url: str, *,

@@ -64,6 +64,7 @@ from broker.amqp.engine import (_pn_delivery_link, _pn_delivery_partial, _pn_del
                                 _pn_link_flow, read_transfer)
 from broker.amqp.peer import (PeerConnected, PeerConnectFailed, PeerConnection, PeerDisconnected, PeerGaveUp,
                               PeerLoginRefused, RetrySettings)
+from broker.cluster.discovery import DiscoveryGroup
 from broker.cluster.dupcache import DuplicateCache
 from broker.cluster.protocol import (FORWARD_ADDRESS, NOTIFY_ADDRESS, AddressNote, BindingNote, Forwarded, Hello,
                                      ProtocolError, Reset, Unbinding, decode_forwards, decode_note, encode_forward,
@@ -95,6 +96,7 @@ BATCH_BYTES = 256 * 1024  # and about this many bytes
 FORWARD_CREDIT = 1000     # credit we grant an inbound forward link
 NOTIFY_BACKLOG = 200_000  # notifications waiting for a subscriber's credit before it is cut off
 REDISTRIBUTE_BATCH = 500
+MAX_UNANSWERED_DISCOVERED = 64  # bridges to discovered members that have not answered yet
 
 
 def _loopback(ip: str | None) -> bool:
@@ -463,6 +465,10 @@ class ClusterNode:
         self.scaled_down = 0
         self.identities: dict[str, tuple[str, int]] = {}  # node id -> (connector, start ms) seen inbound
         self.duplicate_of: str | None = None  # set when this node is the newcomer of a duplicate id
+        self.discovery_cfg = next((d for d in node.cfg.discovery_groups if d.name == cfg.discovery_group), None) \
+            if cfg.discovery_group else None
+        self.discovery = DiscoveryGroup(node.node_id, (self.discovery_cfg.refresh_timeout_ms / 1000.0
+                                                       if self.discovery_cfg else 10.0), cluster=cfg.name, key=cfg.key)
         self.state = ClusterState(cfg.max_state_bytes)
         for decl in node.cfg.addresses:
             self.state.offer(AddressNote(decl.name, tuple(sorted(decl.routing_types)), decl.filter, 0, node.node_id))
@@ -475,7 +481,70 @@ class ClusterNode:
             for url in self.cfg.static_connectors:
                 self.connect(url)
             nursery.start_soon(self.redistributor)
+            if self.discovery_cfg is not None:
+                nursery.start_soon(self._discover)
+                nursery.start_soon(self._initial_wait)
             task_status.started(self)
+
+    # -- discovery (broker.cluster.discovery, broker.cluster.udp) -------------------------------
+    async def _discover(self) -> None:
+        """Follow the discovery group: dial members as they are heard; forget one that goes
+        silent and is not connected. A group the host cannot join is retried (logged once)."""
+        from broker.cluster.udp import listen
+        d = self.discovery_cfg
+        logged = False
+        while True:
+            try:
+                await listen(d.group_address, d.group_port, self.discovery, self._discovered,
+                             bind_address=d.local_bind_address)
+            except OSError as exc:
+                self.counters["discovery_join_failed"] += 1
+                if not logged:
+                    logged = True
+                    log.error("cannot listen to discovery group %s (%s:%d): %s; retrying every refresh timeout",
+                              d.name, d.group_address, d.group_port, exc)
+                await trio.sleep(d.refresh_timeout_ms / 1000.0)
+
+    async def _initial_wait(self) -> None:
+        d = self.discovery_cfg
+        await trio.sleep(d.initial_wait_timeout_ms / 1000.0)
+        if not self.discovery.entries:
+            log.warning("discovery group %s heard no other node within initial-wait-timeout-ms (%d)",
+                        d.name, d.initial_wait_timeout_ms)
+
+    def _discovered(self, kind: str, entry) -> None:
+        a = entry.announcement
+        if kind in ("added", "changed"):
+            self.counters[f"discovery_{kind}"] += 1
+            url = self._pick_connector(a.connectors)
+            b = self.by_node.get(a.node_id)
+            if b is None or (kind == "changed" and not b.connected):
+                # an unsigned group can be fed made-up members: dial only so many at once that
+                # have never answered (they are dropped when their entries expire)
+                unanswered = sum(1 for x in self.bridges.values() if x.node_id is None and not x.stopped)
+                if unanswered >= MAX_UNANSWERED_DISCOVERED:
+                    self.counters["discovery_dial_capped"] += 1
+                    return
+                self.connect(url)
+        elif kind == "removed":
+            self.counters["discovery_removed"] += 1
+            b = self.by_node.get(a.node_id)
+            if b is not None and not b.connected:  # gone for good, as far as discovery knows
+                b.stop()
+                self.bridges.pop(b.url, None)
+                self.by_node.pop(a.node_id, None)
+                self.members.pop(a.node_id, None)
+                self.forget_via(a.node_id)
+            for url in a.connectors:  # a bridge that never reached the announced node
+                x = self.bridges.get(url)
+                if x is not None and x.node_id is None:
+                    x.stop()
+                    del self.bridges[url]
+
+    def _pick_connector(self, connectors) -> str:
+        """The announced connector of our own connector's scheme (amqps for a TLS cluster)."""
+        scheme = self.connector.split("://", 1)[0]
+        return next((c for c in connectors if c.startswith(scheme + "://")), connectors[0])
 
     def connect(self, url: str) -> Bridge | None:
         """Start a bridge to ``url`` unless one exists (or it is this node)."""
@@ -1115,6 +1184,12 @@ class ClusterNode:
                                      "routing_type": b.routing_type, "consumers": b.consumers,
                                      "distance": b.distance, "connected": b.connected}
                                     for b in self.core.cluster],
+                "discovery": None if self.discovery_cfg is None else {
+                    "group": self.discovery_cfg.name, "counters": dict(self.discovery.counters),
+                    "entries": [{"node_id": e.node_id, "connectors": list(e.announcement.connectors),
+                                 "management_url": e.announcement.management_url,
+                                 "age_s": round(time.monotonic() - e.last_seen, 3)}
+                                for e in self.discovery.entries.values()]},
                 "state": {"addresses": len(self.state), "bytes": self.state.bytes, "cap_bytes": self.state.max_bytes,
                           "refused": self.state.refused},
                 "redistributed": self.redistributed, "counters": dict(self.counters)}

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-__all__ = ["ClusterConfig", "HaConfig", "DEFAULT_CLUSTER_PASSWORD", "SAMPLE_CLUSTER_PASSWORD", "LOAD_BALANCING_MODES", "parse_address_filter",
+__all__ = ["ClusterConfig", "HaConfig", "BroadcastGroupConfig", "DiscoveryGroupConfig", "DEFAULT_CLUSTER_PASSWORD", "SAMPLE_CLUSTER_PASSWORD", "LOAD_BALANCING_MODES", "parse_address_filter",
            "address_clustered", "Connector", "parse_connector", "HA_POLICIES"]
 
 #: the cluster password Artemis ships (``CHANGE ME!!``); a node using it (or none) warns at every start
@@ -135,6 +135,31 @@ class ClusterConfig:
     def weak_password(self) -> bool:
         """Warn at start: no password given, or Artemis's sample one."""
         return not self.password_set or self.password in (DEFAULT_CLUSTER_PASSWORD, SAMPLE_CLUSTER_PASSWORD)
+
+
+@dataclass(frozen=True)
+class BroadcastGroupConfig:
+    """``[broadcast-groups.<name>]`` (Artemis ``broadcast-group``): announce this node over UDP."""
+
+    name: str
+    group_address: str
+    group_port: int
+    local_bind_address: str = "0.0.0.0"
+    local_bind_port: int = -1               # -1: any
+    broadcast_period_ms: int = 2000
+    connectors: tuple[str, ...] = ()        # empty: the cluster's connector (or the first acceptor)
+
+
+@dataclass(frozen=True)
+class DiscoveryGroupConfig:
+    """``[discovery-groups.<name>]`` (Artemis ``discovery-group``): listen for announcements."""
+
+    name: str
+    group_address: str
+    group_port: int
+    local_bind_address: str = "0.0.0.0"
+    refresh_timeout_ms: int = 10000
+    initial_wait_timeout_ms: int = 10000
 
 
 @dataclass(frozen=True)

@@ -178,8 +178,20 @@ BAD = [
     (CLUSTER + "static-connectors = ['amqp://h:1', 'tcp://h:2']\n", "cluster.static-connectors[1]",
      "'tcp://h:2' must be an amqp://"),
     (CLUSTER + "static-connectors = ['amqp://h:0']\n", "cluster.static-connectors[0]", "'amqp://h:0' has port 0"),
-    (CLUSTER + "discovery-group = 'dg'\n", "cluster.discovery-group", "'dg': discovery groups come with the "
-     "discovery issue, not supported yet: use static-connectors"),
+    (CLUSTER + "discovery-group = 'dg'\n", "cluster.discovery-group", "'dg': no [discovery-groups.dg] table"),
+    (BASE + "[discovery-groups.dg]\ngroup-address = '10.0.0.1'\ngroup-port = 9876\n", "discovery-groups.dg.group-address",
+     "'10.0.0.1' is not a multicast address"),
+    (BASE + "[discovery-groups.dg]\ngroup-address = 'x'\ngroup-port = 9876\n", "discovery-groups.dg.group-address",
+     "'x' is not an IPv4 address"),
+    (BASE + "[discovery-groups.dg]\ngroup-address = '231.7.7.7'\n", "discovery-groups.dg.group-port", "missing"),
+    (BASE + "[discovery-groups.dg]\ngroup-address = '231.7.7.7'\ngroup-port = 9876\nrefresh-timeout-ms = 0\n",
+     "discovery-groups.dg.refresh-timeout-ms", "0 must be > 0"),
+    (BASE + "[broadcast-groups.bg]\ngroup-address = '231.7.7.7'\ngroup-port = 9876\nlocal-bind-port = -2\n",
+     "broadcast-groups.bg.local-bind-port", "-2 must be >= -1"),
+    (BASE + "[broadcast-groups.bg]\ngroup-address = '231.7.7.7'\ngroup-port = 9876\nconnectors = ['amqp://h']\n",
+     "broadcast-groups.bg.connectors[0]", "'amqp://h'"),
+    (BASE + "[broadcast-groups.bg]\ngroup-address = '231.7.7.7'\ngroup-port = 9876\nperiod = 5\n",
+     "broadcast-groups.bg.period", "unknown key"),
     (CLUSTER + "discovery-group = 'dg'\nstatic-connectors = ['amqp://h:1']\n", "cluster.discovery-group",
      "'dg': set discovery-group or static-connectors, not both"),
     (CLUSTER + "conector = 'amqp://h:1'\n", "cluster.conector", "unknown key (value 'amqp://h:1')"),
@@ -301,3 +313,28 @@ def test_parse_connector(url, expected):
     c = parse_connector(url)
     assert c == expected and c.tls == (c.scheme == "amqps")
     assert parse_connector(str(c)) == c
+
+
+def test_broadcast_and_discovery_groups(tmp_path):
+    from broker.cluster.settings import BroadcastGroupConfig, DiscoveryGroupConfig
+    cfg = load_config(write(tmp_path, BASE + """
+[broadcast-groups.bg]
+group-address = "231.7.7.7"
+group-port = 9876
+local-bind-address = "127.0.0.1"
+broadcast-period-ms = 500
+connectors = ["amqp://127.0.0.1:5672"]
+
+[discovery-groups.dg]
+group-address = "231.7.7.7"
+group-port = 9876
+refresh-timeout-ms = 3000
+
+[cluster]
+connector = "amqp://127.0.0.1:15672"
+discovery-group = "dg"
+"""))
+    assert cfg.broadcast_groups == (BroadcastGroupConfig("bg", "231.7.7.7", 9876, "127.0.0.1", -1, 500,
+                                                         ("amqp://127.0.0.1:5672",)),)
+    assert cfg.discovery_groups == (DiscoveryGroupConfig("dg", "231.7.7.7", 9876, "0.0.0.0", 3000, 10000),)
+    assert cfg.cluster.discovery_group == "dg" and cfg.cluster.static_connectors == ()

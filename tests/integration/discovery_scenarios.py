@@ -1,0 +1,155 @@
+"""Discovery scenarios, each run inside a network namespace that routes multicast on loopback
+(tests/netns.py; tests/integration/test_cluster_discovery.py runs them). Real broker processes
+(tests/clusterproc.py), ports from the OS; each scenario asserts and exits 0, or fails with the
+reason on stderr.
+
+    python -m tests.integration.discovery_scenarios <scenario> <work dir>
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from tests.clusterproc import (cluster_view, connect, send, start_node, wait_known_consumers, wait_mesh,
+                               wait_until)
+
+GROUP, PORT, OTHER_PORT = "231.7.7.7", 9876, 9877
+PERIOD_MS, REFRESH_MS = 200, 1500
+
+
+def groups(port: int = PORT, *, broadcast: bool = True, refresh_ms: int = REFRESH_MS) -> dict:
+    cfg = {"discovery-groups.dg": {"group-address": GROUP, "group-port": port, "refresh-timeout-ms": refresh_ms,
+                                   "initial-wait-timeout-ms": 1000}}
+    if broadcast:
+        cfg["broadcast-groups.bg"] = {"group-address": GROUP, "group-port": port, "local-bind-address": "127.0.0.1",
+                                      "broadcast-period-ms": PERIOD_MS}
+    return cfg
+
+
+def node(work: Path, name: str, *, port: int = PORT, broadcast: bool = True, extra: dict | None = None,
+         config: dict | None = None):
+    return start_node(work, name, extra={"discovery-group": "dg", **(extra or {})},
+                      config={**groups(port, broadcast=broadcast), **(config or {})})
+
+
+def entries(n) -> dict:
+    d = cluster_view(n)["discovery"]
+    return {e["node_id"]: e for e in d["entries"]}
+
+
+def counters(n) -> dict:
+    return cluster_view(n)["discovery"]["counters"]
+
+
+def see(work: Path) -> None:
+    """A discovery group sees a broadcaster within the refresh timeout, nothing on another port,
+    ignores its own node, and loses a stopped broadcaster only after the refresh timeout."""
+    listener = node(work, "listener", broadcast=False)
+    elsewhere = node(work, "elsewhere", port=OTHER_PORT, broadcast=False)
+    t0 = time.monotonic()
+    a = node(work, "a")
+    try:
+        wait_until(lambda: a.node_id in entries(listener), REFRESH_MS / 1000.0 + 2, "listener hears a")
+        heard_after = time.monotonic() - t0
+        wait_until(lambda: counters(a)["own"] >= 2, 10, "a hears its own broadcasts")
+        assert a.node_id not in entries(a), "a group must ignore its own node"
+        assert entries(elsewhere) == {} and counters(elsewhere)["received"] == 0, "another port hears nothing"
+        wait_mesh([a, listener])  # discovery alone made the bridges
+        a.terminate()
+        stopped = time.monotonic()
+        gone_after = wait_until(lambda: (a.node_id not in entries(listener)) and (time.monotonic() - stopped), 10,
+                                "the entry expires")
+        # the last packet came at most one period before the stop
+        assert gone_after >= (REFRESH_MS - PERIOD_MS) / 1000.0 - 0.05, f"expired too early: {gone_after:.2f} s"
+        assert gone_after <= REFRESH_MS / 1000.0 + 1.5, f"expired too late: {gone_after:.2f} s"
+        print(f"heard after {heard_after:.2f} s (start included); expired {gone_after:.2f} s after the stop")
+    finally:
+        for n in (a, listener, elsewhere):
+            n.kill()
+
+
+def balance(work: Path) -> None:
+    """Three nodes found by discovery alone balance messages as with static connectors."""
+    nodes = [node(work, f"n{i}", config={"addresses.orders": {"routing-types": ["anycast"]}}) for i in range(3)]
+    try:
+        wait_mesh(nodes)
+        conns, receivers = [], []
+        for n in nodes:
+            c = connect(n)
+            conns.append(c)
+            receivers.append(c.create_receiver("orders", credit=300))
+        wait_known_consumers(nodes[0], "orders", 2)
+        send(nodes[0], "orders", [f"m{i}" for i in range(300)])
+        counts = []
+        seen = set()
+        for r in receivers:
+            got = []
+            for _ in range(100):
+                got.append(r.receive(timeout=20).body)
+                r.accept()
+            counts.append(len(got))
+            seen.update(got)
+        assert counts == [100, 100, 100] and len(seen) == 300, counts
+        for c in conns:
+            c.close()
+        for n in nodes:
+            assert n.queue("orders")["depth"] == 0
+        print("300 messages: 100 / 100 / 100")
+    finally:
+        for n in nodes:
+            n.kill()
+
+
+def flood(work: Path) -> None:
+    """Garbage, forged (unsigned, wrongly signed) and made-up announcements are counted and
+    dropped; a group flooded with made-up members keeps its real ones."""
+    from broker.cluster.discovery import MAX_ENTRIES, Announcement, encode_announcement
+    keyed = {"key": "the-cluster-key"}
+    a = node(work, "a", extra=keyed)
+    b = node(work, "b", extra=keyed)
+    plain = node(work, "plain", port=OTHER_PORT)  # a cluster without a key, for the member flood
+    try:
+        wait_mesh([a, b])
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton("127.0.0.1"))
+        s.bind(("127.0.0.1", 0))
+        garbage = [b"", b"LDSc", os.urandom(64), b"LDSc\x01\x00" + os.urandom(40), b"x" * 2000]
+        forged = [encode_announcement(Announcement("evil-node", "test-cluster", "", ("amqp://127.0.0.1:1",), 1)),
+                  encode_announcement(Announcement("evil-node", "test-cluster", "", ("amqp://127.0.0.1:1",), 2),
+                                      key="a-wrong-key")]
+        before = counters(b)["garbage"]
+        for pkt in garbage + forged:
+            s.sendto(pkt, (GROUP, PORT))
+        wait_until(lambda: counters(b)["garbage"] >= before + len(garbage) + len(forged), 10, "counted as garbage")
+        assert "evil-node" not in entries(b)
+        # a flood of made-up members on the keyless group: the table fills, the real one stays
+        wait_until(lambda: len(entries(plain)) == 0 and counters(plain)["own"] > 0, 10, "plain hears itself")
+        real = node(work, "real", port=OTHER_PORT)
+        wait_until(lambda: real.node_id in entries(plain), 10, "plain hears real")
+        for i in range(MAX_ENTRIES + 500):  # paced: a burst faster than the node reads just overflows its buffer
+            s.sendto(encode_announcement(Announcement(f"fake-{i}", "test-cluster", "", ("amqp://127.0.0.1:9",), 1)),
+                     (GROUP, OTHER_PORT))
+            if i % 50 == 49:
+                time.sleep(0.005)
+        wait_until(lambda: counters(plain)["full"] > 0, 20, "the table filled up")
+        time_full = time.monotonic()
+        # the real member keeps refreshing its entry (older than a refresh timeout would have expired)
+        wait_until(lambda: time.monotonic() - time_full > REFRESH_MS / 1000.0 + 0.5, 10, "a refresh timeout")
+        ents = entries(plain)
+        assert real.node_id in ents and ents[real.node_id]["age_s"] < REFRESH_MS / 1000.0, ents.get(real.node_id)
+        assert len(ents) <= MAX_ENTRIES
+        real.kill()
+        print(f"garbage {counters(b)['garbage']}, full {counters(plain)['full']}")
+    finally:
+        for n in (a, b, plain):
+            n.kill()
+
+
+if __name__ == "__main__":
+    scenario, work = sys.argv[1], Path(sys.argv[2])
+    work.mkdir(parents=True, exist_ok=True)
+    {"see": see, "balance": balance, "flood": flood}[scenario](work)
