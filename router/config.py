@@ -31,6 +31,7 @@ from router.core.filters import compile_key_filter, compile_local_filter
 from router.core.keys import KeyType
 from router.core.policies import Target, create_policy
 from router.core.pool import membership_source_names
+from router import cluster_source  # noqa: F401  (registers the "cluster" membership source)
 from router.errors import FilterError, PolicyError
 
 ARTEMIS_DEFAULTS = {"key-type": "SOURCE_IP", "check-period": 5000, "quorum-size": 1,
@@ -109,7 +110,9 @@ class PoolConfig:
     password: str | None = None
     targets: tuple[TargetConfig, ...] = ()
     source: str = "static"
-    source_options: Mapping[str, str] = field(default_factory=dict)  # for dynamic sources
+    #: dynamic sources' options: cluster = {"seed-connectors": (url, ...), "leave-after-ms": int};
+    #: an imported discovery-group pool = the group's settings (strings)
+    source_options: Mapping[str, object] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -379,12 +382,29 @@ def _pool(t: Table) -> PoolConfig:
         if tc.name in names:
             raise t.error(f"targets[{i}].name", f"{tc.name!r} is used by two targets")
         names.add(tc.name)
+    options: dict = {}
+    if source == "cluster":
+        if targets:
+            raise t.error("targets", "a cluster pool takes its targets from the cluster "
+                                     "(use seed-connectors)")
+        seeds = t.str_list("seed-connectors", [])
+        if not seeds:
+            raise t.error("seed-connectors", "a cluster pool needs at least one broker "
+                                             "management URL")
+        for i, url in enumerate(seeds):
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise t.error(f"seed-connectors[{i}]", f"{url!r} must be an http:// or https:// "
+                                                       "management URL")
+        options = {"seed-connectors": tuple(seeds),
+                   "leave-after-ms": t.int("leave-after-ms", cluster_source.DEFAULT_LEAVE_AFTER_MS,
+                                           min=0)}
     p = PoolConfig(check_period_ms=t.int("check-period", 5000, min=1),
                    quorum_size=t.int("quorum-size", 1, min=1),
                    quorum_timeout_ms=t.int("quorum-timeout", 3000, min=0),
                    local_target_enabled=t.bool("local-target-enabled", False),
                    username=t.str("username", None), password=t.str("password", None),
-                   targets=targets, source=source)
+                   targets=targets, source=source, source_options=options)
     if source == "static" and not targets:
         raise t.error("targets", "a static pool needs at least one [[...pool.targets]]")
     t.done()
@@ -505,9 +525,11 @@ def import_artemis_xml(path: str | Path, *, local_target: TargetConfig | None = 
     ``HASH=FNV1A, VIRTUAL_NODES=1`` and CONSISTENT_HASH_MODULO ``HASH=FNV1A`` unless set, and keys
     resolve as Artemis does. A discovery-group pool becomes ``source = "discovery"`` with the
     group's settings as ``source_options`` (``discovery-group`` = its name, plus each child
-    element of the ``<discovery-group>``), a cluster-connection pool ``source = "cluster"``
-    (Artemis precedence: cluster > discovery > static); either is refused while no membership
-    source of that name is registered (they come with the cluster issue). Errors are ConfigError
+    element of the ``<discovery-group>``), refused while no ``discovery`` membership source is
+    registered (the discovery issue); a cluster-connection pool ``source = "cluster"`` seeded with
+    the management URLs of the local target and of the cluster-connection's connectors (its
+    ``connector-ref`` and ``static-connectors``; at least one is needed) — Artemis precedence:
+    cluster > discovery > static. Errors are ConfigError
     naming the file and ``connection-routers.<name>.<element>``.
     """
     from defusedxml import ElementTree as DET
@@ -547,6 +569,14 @@ def import_artemis_xml(path: str | Path, *, local_target: TargetConfig | None = 
     for g in _children(dgs, "discovery-group") if dgs is not None else []:
         groups[g.get("name")] = {_local(c.tag): (c.text or "").strip() for c in g
                                  if isinstance(c.tag, str)}
+    # cluster-connection name → its connector-refs (this broker's, then static-connectors')
+    clusters: dict[str, list[str]] = {}
+    ccs = _child(core, "cluster-connections")
+    for cc in _children(ccs, "cluster-connection") if ccs is not None else []:
+        refs = [(_text(cc, "connector-ref") or "")]
+        sc = _child(cc, "static-connectors")
+        refs += [(ref.text or "").strip() for ref in (_children(sc, "connector-ref") if sc is not None else [])]
+        clusters[cc.get("name") or ""] = [r for r in refs if r]
     out: dict[str, RouterConfig] = {}
     crs = _child(core, "connection-routers")
     for r in _children(crs, "connection-router") if crs is not None else []:
@@ -616,7 +646,22 @@ def import_artemis_xml(path: str | Path, *, local_target: TargetConfig | None = 
             dg = _child(po, "discovery-group-ref")
             if _child(po, "cluster-connection") is not None:
                 source, where_src = "cluster", "pool.cluster-connection"
-                options = {"cluster-connection": _text(po, "cluster-connection") or ""}
+                ccn = _text(po, "cluster-connection") or ""
+                if ccn not in clusters:
+                    raise err(where_src, f"{ccn!r} is not a <cluster-connection>")
+                # the cluster is read from a broker's management API: the seeds are the
+                # management URLs given for the cluster-connection's connectors and the local
+                # target's (broker.xml has none)
+                seeds = [(management_urls or {})[c] for c in clusters[ccn] if c in (management_urls or {})]
+                if local_target is not None and local_target.management_url:
+                    seeds.insert(0, local_target.management_url)
+                if not seeds:
+                    raise err(where_src, f"{ccn!r}: a cluster pool reads the cluster from a broker's "
+                                         "management API; give a management-url to the local target "
+                                         "or to one of the cluster-connection's connectors "
+                                         f"({', '.join(clusters[ccn]) or 'none'})")
+                options = {"seed-connectors": tuple(dict.fromkeys(seeds)),
+                           "leave-after-ms": cluster_source.DEFAULT_LEAVE_AFTER_MS}
             elif dg is not None:
                 g = dg.get("discovery-group-name")
                 if g not in groups:

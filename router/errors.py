@@ -43,3 +43,7 @@ class CacheBackendError(RemoteRouterError):
 
 class CacheBackendTimeout(CacheBackendError):
     """A call to the shared cache backend did not answer within its deadline."""
+
+
+class ClusterViewError(RemoteRouterError, ValueError):
+    """A broker's ``GET /api/v1/cluster`` answer is not a cluster view (``source = "cluster"``)."""

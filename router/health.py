@@ -126,7 +126,8 @@ async def run_health_checks(pool: Pool, *, check_period_ms: int, username: str |
     (``min(check-period, 2 s)``), so a slow or hung target delays only itself. ``on_round`` is
     called after each probe result (the supervisor then pushes the pool to its workers).
     ``started()`` is reported once every target present at start has a first result.
-    Targets that join or leave the pool (discovery) get or lose their task within a period.
+    Targets that join or leave the pool (a dynamic membership source) get or lose their task
+    as soon as the pool changes.
     ``credentials`` maps a target's name to its own (username, password), overriding the pool's.
     """
     period = check_period_ms / 1000.0
@@ -183,9 +184,21 @@ async def run_health_checks(pool: Pool, *, check_period_ms: int, username: str |
             for slot in set(tasks) - slots:
                 tasks.pop(slot).cancel()
 
+        changed = trio.Event()
+
+        def on_pool_change(_pool: Pool) -> None:
+            changed.set()
+
         reconcile()
         await all_first.wait()
         task_status.started()
-        while True:
-            await trio.sleep(period)
-            reconcile()
+        pool.listeners.append(on_pool_change)
+        try:
+            while True:
+                # a target that joins is probed at once, one that leaves loses its task at once
+                with trio.move_on_after(period):
+                    await changed.wait()
+                changed = trio.Event()
+                reconcile()
+        finally:
+            pool.listeners.remove(on_pool_change)

@@ -277,6 +277,9 @@ class ManagementApi:
         if pool is None:
             return None
         snap = pool.snapshot() if hasattr(pool, "snapshot") else {}
+        membership = getattr(service, "membership_status", None)
+        if membership is not None and membership() is not None:
+            snap["membership"] = membership()  # a dynamic source: where it reads, last error
         return snap
 
     def cache_view(self, name: str, query: dict | None = None) -> Any:

@@ -58,7 +58,8 @@ from router.core.filters import compile_key_filter, compile_local_filter
 from router.core.keys import ConnectionInfo, KeyResolver
 from router.core.pins import PinTable, load_pins
 from router.core.policies import create_policy
-from router.core.pool import Pool, create_membership_source
+from router.core.policies.base import Target
+from router.core.pool import FollowContext, Pool, create_membership_source
 from router.errors import CacheBackendError, CacheBackendTimeout, PinFileError
 from router.health import run_health_checks
 
@@ -115,9 +116,14 @@ class RouterService:
         local_t = config.local_target.to_target() if config.local_target else None
         self._holder = Pool(quorum_size=pc.quorum_size if pc else 1, local_target=local_t,
                             local_target_enabled=bool(pc and pc.local_target_enabled))
+        self._source = None
         if pc is not None:
-            create_membership_source(pc.source, [t.to_target() for t in pc.targets],
-                                     pc.source_options).start(self._holder)
+            self._source = create_membership_source(pc.source, [t.to_target() for t in pc.targets],
+                                                    pc.source_options)
+            self._source.start(self._holder)
+        #: a dynamic membership source (cluster): followed by the prober (``run``), pushed by
+        #: the supervisor to its workers with the probe results (``pool_states``)
+        self.dynamic_membership = bool(getattr(self._source, "dynamic", False))
         self._holder.listeners.append(self._on_pool_change)
         policy = (create_policy(config.policy.name, config.policy.properties, self.rng)
                   if config.policy else None)
@@ -290,21 +296,42 @@ class RouterService:
         self.counters["cache_evictions"] = cache.evictions
         return conflicts
 
-    def pool_states(self) -> list[list]:
-        """Owner: the probed targets' results, for ``apply_pool_states`` in the workers."""
-        return [[st.target.slot, st.ready, st.target.node_id, st.connection_count, st.last_error]
-                for st in self._holder.all_states() if st.probes]
+    def pool_states(self) -> dict[str, Any]:
+        """Owner: the probed targets' results, for ``apply_pool_states`` in the workers; with a
+        dynamic membership source also the members (``[name, host, port, tls, management_url,
+        node_id]`` in pool order), which the workers adopt first."""
+        members = None
+        if self.dynamic_membership:
+            members = [[t.name, t.host, t.port, t.tls, t.management_url, t.node_id]
+                       for t in (st.target for st in self._holder.members if not st.local)]
+        return {"members": members,
+                "states": [[st.target.slot, st.ready, st.target.node_id, st.connection_count,
+                            st.last_error] for st in self._holder.all_states() if st.probes]}
 
-    def apply_pool_states(self, states: list[list]) -> None:
-        """Follower: take the supervisor's probe results (unknown targets are ignored)."""
+    def apply_pool_states(self, pushed: dict[str, Any]) -> None:
+        """Follower: take the supervisor's membership (dynamic sources) and probe results
+        (unknown targets are ignored)."""
+        if pushed.get("members") is not None:
+            self._holder.sync_members(Target(node_id, host, int(port), bool(tls), mgmt, name)
+                                      for name, host, port, tls, mgmt, node_id in pushed["members"])
         now = self.clock()
-        for slot, ready, node_id, count, error in states:
+        for slot, ready, node_id, count, error in pushed["states"]:
             self._holder.report_probe(slot, bool(ready), node_id, count, now, error=error)
+
+    def membership_status(self) -> dict[str, Any] | None:
+        """A dynamic membership source's state (seeds, members, last read, last error), or None
+        (static pool; a worker, which follows its supervisor)."""
+        if self._source is None or self.follower or not hasattr(self._source, "status"):
+            return None
+        return self._source.status()
 
     def status(self) -> dict[str, Any]:
         """Management summary: pool, counters, degraded state, filters, policy."""
+        pool = self._holder.snapshot()
+        if self.membership_status() is not None:
+            pool["membership"] = self.membership_status()
         return {"name": self.name, "degraded": self.degraded,
-                "degraded_reason": self.degraded_reason, "pool": self._holder.snapshot(),
+                "degraded_reason": self.degraded_reason, "pool": pool,
                 "policy": self.core.policy.describe() if self.core.policy else None,
                 "key_filter": self.get_key_filter(),
                 "local_target_filter": self.get_local_target_filter(),
@@ -322,7 +349,9 @@ class RouterService:
         pc = self.config.pool
         try:
             async with trio.open_nursery() as nursery:
-                if self._holder.all_states() and not self.follower:
+                if self.dynamic_membership and not self.follower:
+                    await nursery.start(self._follow_membership)
+                if (self._holder.all_states() or self.dynamic_membership) and not self.follower:
                     await nursery.start(self._health_task)
                 if self._store is not None:
                     nursery.start_soon(self._persist_loop)
@@ -356,6 +385,8 @@ class RouterService:
         if self._closed:
             return
         self._closed = True
+        if self._source is not None and hasattr(self._source, "close"):
+            self._source.close()
         self.flush()
         if self._store is not None:
             self._store.close()
@@ -410,7 +441,18 @@ class RouterService:
         return dataclasses.replace(d, explanation=dataclasses.replace(d.explanation,
                                                                       waited_s=waited))
 
-    # -- internals: health ----------------------------------------------------------------------
+    # -- internals: membership and health ----------------------------------------------------
+    async def _follow_membership(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        pc = self.config.pool
+
+        def on_change() -> None:  # the supervisor pushes the new membership to its workers
+            for cb in list(self.round_listeners):
+                cb()
+
+        await self._source.follow(self._holder, FollowContext(
+            pc.check_period_ms, pc.username, pc.password, self.clock, on_change),
+            task_status=task_status)
+
     async def _health_task(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         pc = self.config.pool
 

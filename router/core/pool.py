@@ -100,6 +100,34 @@ class Pool:
                 return True
         return False
 
+    def sync_members(self, targets: Iterable[Target]) -> bool:
+        """Make the members (the local target aside) exactly ``targets``, in that order: how a
+        worker follows its supervisor's dynamic membership. A member whose name, address, TLS
+        and management URL are unchanged keeps its state. True if anything changed."""
+        def key(t: Target) -> tuple:
+            return (t.slot, t.host, t.port, t.tls, t.management_url)
+
+        want = list(targets)
+        want_keys = [key(t) for t in want]
+        wanted = set(want_keys)
+        changed = False
+        for st in [st for st in self.members if not st.local and key(st.target) not in wanted]:
+            self.members.remove(st)
+            changed = True
+        have = [st for st in self.members if not st.local]
+        i = 0
+        while i < len(have) and i < len(want) and key(have[i].target) == want_keys[i]:
+            i += 1
+        for st in have[i:]:  # out of order (rare): rebuild the tail in the wanted order
+            self.members.remove(st)
+            changed = True
+        for t in want[i:]:
+            self.members.append(TargetState(t))
+            changed = True
+        if changed:
+            self._changed()
+        return changed
+
     def all_states(self) -> list[TargetState]:
         """Every tracked target: pool members in order, then the local target if not a member."""
         out = list(self.members)
@@ -201,16 +229,43 @@ class Pool:
 
 
 # -- membership sources ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class FollowContext:
+    """What the shell gives a dynamic source's ``follow``: its period, the pool's management
+    credentials, the clock (monotonic seconds), and ``on_change`` to call after it changed the
+    pool (the supervisor of a multi-worker router then pushes the membership to its workers)."""
+
+    check_period_ms: int
+    username: str | None = None
+    password: str | None = None
+    clock: Callable[[], float] | None = None
+    on_change: Callable[[], None] | None = None
+
+
 class MembershipSource(Protocol):
-    """Feeds a pool's membership. ``start(pool)`` adds the initial members; a dynamic source
-    (discovery, cluster — later issues) keeps calling ``add_target``/``remove_target`` from the
-    shell."""
+    """Feeds a pool's membership, with a lifetime:
+
+    * ``start(pool)`` (sync, at construction) adds the members known up front;
+    * ``async follow(pool, context, task_status)`` (dynamic sources: ``dynamic = True``) runs
+      in the shell for the router's lifetime, reports ``task_status.started()`` after its first
+      attempt, and keeps calling ``add_target``/``remove_target``; it is cancelled at shutdown;
+    * ``close()`` releases what the source holds (idempotent).
+
+    Only the process that probes follows (with ``workers > 1`` the supervisor); workers get the
+    membership with the probe results (``RouterService.apply_pool_states``).
+    """
+
+    dynamic: bool
 
     def start(self, pool: Pool) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class StaticSource:
     """The configured target list, in config order."""
+
+    dynamic = False
 
     def __init__(self, targets: Iterable[Target], options: dict | None = None) -> None:
         self.targets = list(targets)
@@ -220,6 +275,9 @@ class StaticSource:
     def start(self, pool: Pool) -> None:
         for t in self.targets:
             pool.add_target(t)
+
+    def close(self) -> None:
+        pass
 
 
 MembershipFactory = Callable[[list[Target], dict], MembershipSource]

@@ -246,3 +246,24 @@ def test_xml_discovery_pool_maps_to_a_discovery_source(tmp_path):
         assert started == [dict(eb.pool.source_options)]
     finally:
         del MEMBERSHIP_SOURCES["discovery"]
+
+
+def test_xml_cluster_connection_pool_maps_to_a_cluster_source(tmp_path):
+    p = tmp_path / "broker.xml"
+    p.write_text(REALISTIC_XML.replace("""<static-connectors><connector-ref>node2</connector-ref></static-connectors>""",
+                                       """<cluster-connection>cluster1</cluster-connection>"""))
+    with pytest.raises(ConfigError) as ei:  # broker.xml has no management URLs
+        import_artemis_xml(p, local_target=LOCAL)
+    assert ei.value.path == "connection-routers.evenly-balance.pool.cluster-connection"
+    assert "'cluster1'" in ei.value.message and "management-url" in ei.value.message
+    # a management URL for the cluster-connection's connector (or the local target) seeds it
+    eb = import_artemis_xml(p, local_target=LOCAL,
+                            management_urls={"artemis": "http://127.0.0.1:8161",
+                                             "node1": "http://10.1.0.1:8161"})["evenly-balance"]
+    assert eb.pool.source == "cluster" and eb.pool.targets == ()
+    assert eb.pool.source_options == {"seed-connectors": ("http://127.0.0.1:8161",), "leave-after-ms": 30000}
+    svc = RouterService(eb)
+    assert svc.dynamic_membership and svc.membership_status()["seed_connectors"] == ["http://127.0.0.1:8161"]
+    p.write_text(p.read_text().replace("<cluster-connection>cluster1<", "<cluster-connection>nope<"))
+    with pytest.raises(ConfigError, match="'nope' is not a <cluster-connection>"):
+        import_artemis_xml(p, local_target=LOCAL, management_urls={"artemis": "http://127.0.0.1:8161"})

@@ -1,0 +1,172 @@
+"""Cluster membership for ``source = "cluster"`` pools: the broker cluster's view → pool targets.
+
+Theory of operation
+-------------------
+A broker with a ``[cluster]`` table answers ``GET /api/v1/cluster`` with itself (``node_id``,
+``connector``) and the *other* nodes it knows (``members: [{node_id, connector, management_url,
+connected}]``). ``parse_cluster_view`` turns one answer into ``ViewMember``s: the answering node
+(its management URL is the URL that was asked, and it is alive: it answered) and each member
+(alive iff its bridge is ``connected``). A connector ``amqp://host:port`` (``amqps://`` = TLS)
+gives the target's host and port; the target's name is the node id.
+
+``ClusterMembership`` is the plain state the shell advances with every view it reads
+(``observe(view, now)`` → ``MembershipChange``):
+
+* a node seen in a view for the first time **joins** (alive or not: health probes gate it);
+* a node's *last alive* time is the last view that showed it alive (it answered, or a node had a
+  connected bridge to it); a node seen by no view as alive for ``leave_after_s`` **leaves** —
+  listed with ``connected = false``, or no longer listed at all. A broker's view keeps a killed
+  member listed (disconnected) for ever, so "left the cluster" has to be a time-out; until then
+  the health probe already keeps it out of new connections;
+* a node whose connector or management URL changed (restarted elsewhere) is **updated**
+  (replaced in the pool: it is probed again before it gets connections);
+* membership changes only when a view was read: if no node answers, the pool keeps what it had.
+
+``candidates(seeds)`` is the order in which the shell asks: the node that answered last, the
+other known nodes (by management URL), then the configured seeds, without duplicates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+from urllib.parse import urlsplit
+
+from router.core.policies.base import Target
+from router.errors import ClusterViewError
+
+AMQP_SCHEMES = {"amqp": False, "tcp": False, "amqps": True, "ssl": True}
+
+
+@dataclass(frozen=True, slots=True)
+class ViewMember:
+    """One node of a cluster view."""
+
+    node_id: str
+    host: str
+    port: int
+    tls: bool
+    management_url: str | None
+    alive: bool
+
+    def to_target(self) -> Target:
+        return Target(self.node_id, self.host, self.port, self.tls, self.management_url,
+                      self.node_id)
+
+
+def parse_connector(url: str) -> tuple[str, int, bool]:
+    """``amqp[s]://host:port`` → (host, port, tls). Raises ValueError."""
+    if not isinstance(url, str):
+        raise ValueError(f"connector {url!r} is not a string")
+    parts = urlsplit(url)
+    if parts.scheme not in AMQP_SCHEMES:
+        raise ValueError(f"connector {url!r}: scheme must be amqp:// or amqps://")
+    host, port = parts.hostname, parts.port
+    if not host or not port:
+        raise ValueError(f"connector {url!r} has no host:port")
+    return host, port, AMQP_SCHEMES[parts.scheme]
+
+
+def parse_cluster_view(body: Any, answered_url: str) -> list[ViewMember]:
+    """One ``GET /api/v1/cluster`` body from ``answered_url`` → the nodes it names, the answering
+    node first. Raises ClusterViewError if the body is not a cluster view; a member with a
+    bad entry is skipped (the others still count)."""
+    if not isinstance(body, dict):
+        raise ClusterViewError("cluster view is not a JSON object")
+    node_id = body.get("node_id")
+    if not isinstance(node_id, str) or not node_id:
+        raise ClusterViewError("cluster view has no node_id")
+    try:
+        host, port, tls = parse_connector(body.get("connector"))
+    except ValueError as exc:
+        raise ClusterViewError(f"cluster view of {node_id}: {exc}") from None
+    out = [ViewMember(node_id, host, port, tls, answered_url.rstrip("/"), True)]
+    members = body.get("members")
+    if not isinstance(members, list):
+        raise ClusterViewError(f"cluster view of {node_id} has no members list")
+    seen = {node_id}
+    for m in members:
+        if not isinstance(m, dict):
+            continue
+        mid = m.get("node_id")
+        if not isinstance(mid, str) or not mid or mid in seen:
+            continue
+        try:
+            host, port, tls = parse_connector(m.get("connector"))
+        except ValueError:
+            continue
+        mgmt = m.get("management_url")
+        mgmt = mgmt.rstrip("/") if isinstance(mgmt, str) and mgmt else None
+        seen.add(mid)
+        out.append(ViewMember(mid, host, port, tls, mgmt, m.get("connected") is True))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class MembershipChange:
+    """What one view changed: targets to add, slots to remove (an update is both)."""
+
+    added: tuple[Target, ...] = ()
+    removed: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.removed)
+
+
+@dataclass(slots=True)
+class _Known:
+    member: ViewMember
+    last_alive: float
+
+
+@dataclass
+class ClusterMembership:
+    """The nodes a cluster pool holds, advanced by the views the shell reads (pure state)."""
+
+    leave_after_s: float
+    known: dict[str, _Known] = field(default_factory=dict)
+    answered_by: str | None = None  # management URL of the node that answered last
+
+    def observe(self, view: Iterable[ViewMember], now: float) -> MembershipChange:
+        added: list[Target] = []
+        removed: list[str] = []
+        for m in view:
+            k = self.known.get(m.node_id)
+            if k is None:
+                self.known[m.node_id] = _Known(m, now)
+                added.append(m.to_target())
+                continue
+            old = k.member
+            if m.alive:
+                k.last_alive = now
+            # where it is: trust what an alive view says (the node itself, or a connected bridge)
+            moved = (m.host, m.port, m.tls) != (old.host, old.port, old.tls) or (
+                m.management_url is not None and m.management_url != old.management_url)
+            if moved and (m.alive or not old.alive):
+                if m.management_url is None:
+                    m = ViewMember(m.node_id, m.host, m.port, m.tls, old.management_url, m.alive)
+                k.member = m
+                removed.append(m.node_id)
+                added.append(m.to_target())
+        for node_id, k in list(self.known.items()):
+            if now - k.last_alive > self.leave_after_s:
+                del self.known[node_id]
+                removed.append(node_id)
+        view_ids = set(self.known)
+        added = [t for t in added if t.name in view_ids]
+        return MembershipChange(tuple(added), tuple(dict.fromkeys(removed)))
+
+    def answered(self, url: str) -> None:
+        self.answered_by = url.rstrip("/")
+
+    def candidates(self, seeds: Iterable[str]) -> list[str]:
+        """Management URLs to ask, in order: last answering node, other known nodes, seeds."""
+        urls: list[str] = []
+        if self.answered_by:
+            urls.append(self.answered_by)
+        urls += [k.member.management_url for k in self.known.values() if k.member.management_url]
+        urls += [s.rstrip("/") for s in seeds]
+        return list(dict.fromkeys(urls))
+
+    def targets(self) -> list[Target]:
+        return [k.member.to_target() for k in self.known.values()]
