@@ -265,9 +265,11 @@ class Node:
 
     @property
     def server_open_properties(self) -> dict:
-        """Extra Open properties of accepted connections: a cluster node's start time, so two
-        nodes with one node id can tell which one is the newcomer (broker.cluster.bridge)."""
-        return {"started-ms": self.cluster.started_ms} if self.cluster is not None else {}
+        """Extra Open properties of accepted connections, for a cluster node: its start time, so
+        two nodes with one node id can tell which one is the newcomer (broker.cluster.bridge),
+        and the cluster's live members, for clients (``lodestone:cluster-members``,
+        docs/cluster.md "Topology to clients")."""
+        return self.cluster.open_properties() if self.cluster is not None else {}
 
     def address_created(self, address: str) -> None:
         self.counters["addresses_auto_created"] += 1

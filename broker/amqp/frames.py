@@ -51,7 +51,7 @@ __all__ = [
     "redirect_frames", "refuse_frames", "close_frames", "CONNECTION_ESTABLISHMENT_FAILED",
     "failed_open", "artemis_redirect_description", "artemis_rejected_description",
     "artemis_not_ready_description", "ARTEMIS_FAILED_OPEN_CONTAINER_ID",
-    "MIN_MAX_FRAME_SIZE", "FOLLOWS_REDIRECT",
+    "MIN_MAX_FRAME_SIZE", "FOLLOWS_REDIRECT", "CLUSTER_MEMBERS", "MAX_CLUSTER_MEMBERS",
 ]
 
 #: §2.2 protocol headers: "AMQP" + protocol-id + major + minor + revision.
@@ -543,6 +543,13 @@ def _failed_open(container_id: str, hostname: str | None = None) -> bytes:
 #: ``clients/node/lodestone-redirect.js``). An ``auto`` acceptor may redirect such clients and
 #: proxy the rest (``mode = "auto"``). A plain string: write it as an AMQP symbol.
 FOLLOWS_REDIRECT = "lodestone:follows-redirect"
+
+#: Open property of a cluster node (connections it accepts): the cluster's live members, a list
+#: of maps ``{"node-id": str, "connector": "amqp://host:port"}``, the answering node first, at
+#: most :data:`MAX_CLUSTER_MEMBERS` entries (docs/cluster.md, "Topology to clients";
+#: ``router.client.topology`` reads it). A plain string: written as an AMQP symbol.
+CLUSTER_MEMBERS = "lodestone:cluster-members"
+MAX_CLUSTER_MEMBERS = 256
 
 
 def redirect_frames(

@@ -62,6 +62,7 @@ import trio
 
 from broker.amqp.engine import (_pn_delivery_link, _pn_delivery_partial, _pn_delivery_readable, _pn_link_credit,
                                 _pn_link_flow, read_transfer)
+from broker.amqp.frames import CLUSTER_MEMBERS, MAX_CLUSTER_MEMBERS
 from broker.amqp.peer import (PeerConnected, PeerConnectFailed, PeerConnection, PeerDisconnected, PeerGaveUp,
                               PeerLoginRefused, RetrySettings)
 from broker.cluster.discovery import DiscoveryGroup
@@ -1165,6 +1166,25 @@ class ClusterNode:
         return {"target": target.node_id, "messages": moved, "pending": left}
 
     # -- views ---------------------------------------------------------------------------------
+    def open_properties(self) -> dict:
+        """What this node adds to the Open of every connection it accepts."""
+        return {"started-ms": self.started_ms, CLUSTER_MEMBERS: self.client_topology()}
+
+    def client_topology(self) -> list[dict]:
+        """The live members for clients (the Open property ``lodestone:cluster-members``, see
+        docs/cluster.md "Topology to clients"): this node first, then every member whose bridge
+        is connected, by node id; each ``{"node-id", "connector"}``; at most
+        :data:`MAX_CLUSTER_MEMBERS` entries."""
+        out = [{"node-id": self.node.node_id, "connector": self.connector}]
+        for node_id in sorted(self.members):
+            if len(out) >= MAX_CLUSTER_MEMBERS:
+                break
+            b = self.by_node.get(node_id)
+            m = self.members[node_id]
+            if node_id != self.node.node_id and b is not None and b.connected and m.connector:
+                out.append({"node-id": node_id, "connector": m.connector})
+        return out
+
     def take_activity(self) -> dict:
         out, self.activity = self.activity, {}
         return out

@@ -7,6 +7,9 @@ desired capabilities (``lodestone:follows-redirect``, :data:`FOLLOWS_REDIRECT`):
 * event-driven (``Container`` + ``MessagingHandler``): :func:`connect` instead of
   ``container.connect`` (or :class:`RedirectingContainer`) — :mod:`router.client.events`;
 * blocking: :func:`connect_following_redirects` — :mod:`router.client.blocking`;
+* topology-aware connections to a broker cluster (learn the live members from each broker's
+  Open, balance new connections over them): :class:`ClusterConnector` —
+  :mod:`router.client.balanced` (pure rules in :mod:`router.client.topology`);
 * management-API lookups (connect straight to the broker the router names, fall back to the
   front door): :class:`TargetLookup`, :func:`connect_via_management` — :mod:`router.client.lookup`.
 
@@ -17,14 +20,17 @@ same ones. See ``docs/clients.md``.
 
 from broker.amqp.frames import FOLLOWS_REDIRECT
 from router.client.blocking import RouterRefusedClosed, _open_once, connect_following_redirects  # noqa: F401
-from router.client.errors import RedirectError, RedirectLoop, RouterRefused, TooManyRedirects
+from router.client.balanced import ClusterConnector
+from router.client.errors import NoBrokerReachable, RedirectError, RedirectLoop, RouterRefused, TooManyRedirects
 from router.client.events import RedirectFollower, RedirectingContainer, connect
 from router.client.hops import ESTABLISHMENT_FAILED, FORCED, REDIRECT, HopPlan
 from router.client.lookup import TargetLookup, connect_via_management
+from router.client.topology import POLICIES, Member, Topology, UrlListError, parse_urls
 
 __all__ = [
     "FOLLOWS_REDIRECT", "REDIRECT", "FORCED", "ESTABLISHMENT_FAILED",
     "connect_following_redirects", "connect", "RedirectingContainer", "RedirectFollower",
     "TargetLookup", "connect_via_management", "HopPlan",
     "RedirectError", "RedirectLoop", "TooManyRedirects", "RouterRefused", "RouterRefusedClosed",
+    "ClusterConnector", "Topology", "Member", "POLICIES", "parse_urls", "UrlListError", "NoBrokerReachable",
 ]

@@ -40,3 +40,15 @@ class RouterRefused(ConnectionError):
         self.attempts = attempts
         self.hops = hops
         self.transient = transient
+
+
+class NoBrokerReachable(ConnectionError):
+    """The topology-aware connector (:class:`router.client.balanced.ClusterConnector`) tried every
+    member it knows and every starting URL, and none took the connection. ``attempts`` lists
+    ``(url, exception)`` in the order tried."""
+
+    def __init__(self, attempts: list[tuple[str, Exception]]):
+        tried = "; ".join(f"{url}: {exc}" for url, exc in attempts)
+        super().__init__(f"no broker took the connection ({tried})")
+        self.attempts = attempts
+        self.urls = [url for url, _ in attempts]
