@@ -32,7 +32,8 @@ from router.core.keys import KeyType
 from router.core.policies import Target, create_policy
 from router.core.pool import membership_source_names
 from router import cluster_source  # noqa: F401  (registers the "cluster" membership source)
-from router.errors import FilterError, PolicyError
+from router import discovery_source  # noqa: F401  (registers the "discovery" membership source)
+from router.errors import FilterError, MembershipSourceError, PolicyError
 
 ARTEMIS_DEFAULTS = {"key-type": "SOURCE_IP", "check-period": 5000, "quorum-size": 1,
                     "quorum-timeout": 3000, "timeout": 0}
@@ -111,7 +112,7 @@ class PoolConfig:
     targets: tuple[TargetConfig, ...] = ()
     source: str = "static"
     #: dynamic sources' options: cluster = {"seed-connectors": (url, ...), "leave-after-ms": int};
-    #: an imported discovery-group pool = the group's settings (strings)
+    #: discovery = the checked ``[...pool.discovery-group]`` (``discovery_source.check_options``)
     source_options: Mapping[str, object] = field(default_factory=dict)
 
 
@@ -399,6 +400,11 @@ def _pool(t: Table) -> PoolConfig:
         options = {"seed-connectors": tuple(seeds),
                    "leave-after-ms": t.int("leave-after-ms", cluster_source.DEFAULT_LEAVE_AFTER_MS,
                                            min=0)}
+    if source == "discovery":
+        if targets:
+            raise t.error("targets", "a discovery pool takes its targets from the brokers' "
+                                     "announcements (use [...pool.discovery-group])")
+        options = _discovery_group(t.table("discovery-group", required=True))
     p = PoolConfig(check_period_ms=t.int("check-period", 5000, min=1),
                    quorum_size=t.int("quorum-size", 1, min=1),
                    quorum_timeout_ms=t.int("quorum-timeout", 3000, min=0),
@@ -409,6 +415,21 @@ def _pool(t: Table) -> PoolConfig:
         raise t.error("targets", "a static pool needs at least one [[...pool.targets]]")
     t.done()
     return p
+
+
+def _discovery_group(d: Table) -> dict:
+    """``[routers.<r>.pool.discovery-group]``: the keys of a broker's ``[discovery-groups.*]``
+    plus ``cluster`` (only its announcements) and ``key`` (only packets signed with it)."""
+    raw = {"group-address": d.str("group-address"), "group-port": d.int("group-port"),
+           "local-bind-address": d.str("local-bind-address", "0.0.0.0"),
+           "refresh-timeout-ms": d.int("refresh-timeout-ms", 10_000),
+           "initial-wait-timeout-ms": d.int("initial-wait-timeout-ms", 10_000),
+           "cluster": d.str("cluster", None), "key": d.str("key", None)}
+    d.done()
+    try:
+        return discovery_source.check_options(raw)
+    except MembershipSourceError as exc:
+        raise d.error(exc.key, exc.detail) from None
 
 
 def _router(name: str, t: Table) -> RouterConfig:
@@ -524,9 +545,9 @@ def import_artemis_xml(path: str | Path, *, local_target: TargetConfig | None = 
     may supply them, else the target is probed by TCP connect. CONSISTENT_HASH gets
     ``HASH=FNV1A, VIRTUAL_NODES=1`` and CONSISTENT_HASH_MODULO ``HASH=FNV1A`` unless set, and keys
     resolve as Artemis does. A discovery-group pool becomes ``source = "discovery"`` with the
-    group's settings as ``source_options`` (``discovery-group`` = its name, plus each child
-    element of the ``<discovery-group>``), refused while no ``discovery`` membership source is
-    registered (the discovery issue); a cluster-connection pool ``source = "cluster"`` seeded with
+    ``<discovery-group>``'s group-address, group-port, local-bind-address, refresh-timeout and
+    initial-wait-timeout (ms) as its options (JGroups settings are refused); it hears Lodestone
+    brokers' broadcast groups, not Artemis's UDP format; a cluster-connection pool ``source = "cluster"`` seeded with
     the management URLs of the local target and of the cluster-connection's connectors (its
     ``connector-ref`` and ``static-connectors``; at least one is needed) — Artemis precedence:
     cluster > discovery > static. Errors are ConfigError
@@ -667,7 +688,22 @@ def import_artemis_xml(path: str | Path, *, local_target: TargetConfig | None = 
                 if g not in groups:
                     raise err("pool.discovery-group-ref", f"{g!r} is not a <discovery-group>")
                 source, where_src = "discovery", "pool.discovery-group-ref"
-                options = {"discovery-group": g, **groups[g]}
+                # Artemis's <discovery-group> elements → the discovery source's options; the
+                # router then hears Lodestone brokers' broadcast groups (Artemis's own UDP
+                # packet is another format), JGroups is not supported
+                xml_keys = {"group-address": "group-address", "group-port": "group-port",
+                            "local-bind-address": "local-bind-address",
+                            "refresh-timeout": "refresh-timeout-ms",
+                            "initial-wait-timeout": "initial-wait-timeout-ms"}
+                other = sorted(set(groups[g]) - set(xml_keys))
+                if other:
+                    raise err(where_src, f"{g!r}: <{other[0]}> is not supported in a discovery "
+                                         f"pool (supported: {', '.join(xml_keys)})")
+                try:
+                    options = discovery_source.check_options(
+                        {xml_keys[k]: v for k, v in groups[g].items()})
+                except MembershipSourceError as exc:
+                    raise err(where_src, f"{g!r}: {exc}") from None
             if source != "static" and source not in membership_source_names():
                 raise err(where_src, f"{next(iter(options.values()))!r}: {source} pools are not "
                                      f"supported yet (no {source!r} membership source; known: "

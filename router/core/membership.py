@@ -24,6 +24,13 @@ gives the target's host and port; the target's name is the node id.
 
 ``candidates(seeds)`` is the order in which the shell asks: the node that answered last, the
 other known nodes (by management URL), then the configured seeds, without duplicates.
+
+``source = "discovery"`` has no view to read: the brokers' broadcast groups announce them and the
+router's own :class:`broker.cluster.discovery.DiscoveryGroup` keeps the entries it hears.
+``discovery_change`` maps each change of that table to a ``MembershipChange``: an announced node
+joins (``announced_target``: named by its node id, the first connector's address, the announced
+management URL for probes), one whose announcement changed is replaced, and one whose entry was
+not refreshed within the refresh timeout leaves.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 from urllib.parse import urlsplit
 
+from broker.cluster.discovery import Announcement
 from router.core.policies.base import Target
 from router.errors import ClusterViewError
 
@@ -170,3 +178,29 @@ class ClusterMembership:
 
     def targets(self) -> list[Target]:
         return [k.member.to_target() for k in self.known.values()]
+
+
+# -- source = "discovery": what a discovery group heard → pool targets ------------------------
+def announced_target(a: Announcement) -> Target:
+    """The target a broker's announcement names: the node id (name and node id), the first
+    connector's host/port/TLS, probes through the announced management URL (None if empty).
+    Raises ValueError if the first connector has no host:port."""
+    host, port, tls = parse_connector(a.connectors[0])
+    return Target(a.node_id, host, port, tls, a.management_url.rstrip("/") or None, a.node_id)
+
+
+def discovery_change(kind: str, a: Announcement) -> tuple[MembershipChange, str | None]:
+    """One change of a discovery group's table (``added``, ``changed``, ``removed``: an entry
+    not refreshed within the refresh timeout) → the pool change, and why the announced node
+    cannot be a target (None if it can). An entry that changed leaves and joins again (probed
+    again before it gets connections); one whose connector is unusable does not join."""
+    if kind == "removed":
+        return MembershipChange(removed=(a.node_id,)), None
+    if kind not in ("added", "changed"):
+        raise ValueError(f"unknown discovery change {kind!r}")
+    removed = (a.node_id,) if kind == "changed" else ()
+    try:
+        target = announced_target(a)
+    except ValueError as exc:
+        return MembershipChange(removed=removed), f"{a.node_id}: {exc}"
+    return MembershipChange((target,), removed), None

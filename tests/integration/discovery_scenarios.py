@@ -149,7 +149,109 @@ def flood(work: Path) -> None:
             n.kill()
 
 
+def router_pool(work: Path) -> None:
+    """A router's discovery pool (source = "discovery") follows the brokers' signed broadcasts:
+    both join and take clients through the proxy acceptor; a killed one leaves after the
+    refresh timeout and clients keep being routed to the other."""
+    from proton.utils import BlockingConnection
+
+    from tests.brokerproc import wait_for
+    from tests.routerproc import start_router, toml_str
+    from tests.serverproc import REPO
+
+    key = "the-cluster-key"
+    nodes = [node(work, n, extra={"key": key}) for n in ("a", "b")]
+    router = None
+    try:
+        ids = {n.node_id for n in nodes}
+        router = start_router(work / "router", "\n".join([
+            'name = "r"', f'users-file = {toml_str(str(REPO / "etc" / "users.toml"))}',
+            "[management]", "port = 0", 'user = "admin"', 'password = "admin"',
+            "[[acceptors]]", 'name = "proxy"', "port = 0", 'router = "main"', 'mode = "proxy"',
+            "[routers.main]", 'key-type = "CLIENT_ID"',
+            "[routers.main.policy]", 'name = "CONSISTENT_HASH"',
+            "[routers.main.pool]", 'source = "discovery"', "check-period = 200", "quorum-timeout = 0",
+            'username = "admin"', 'password = "admin"',
+            "[routers.main.pool.discovery-group]", f'group-address = "{GROUP}"', f"group-port = {PORT}",
+            f"refresh-timeout-ms = {REFRESH_MS}", "initial-wait-timeout-ms = 5000",
+            'cluster = "test-cluster"', f'key = "{key}"']) + "\n", expect=2)
+
+        def pool() -> dict:
+            status, body = router.get("/api/v1/routers/main/pool")
+            assert status == 200, body
+            return body
+
+        def ready() -> set:
+            return {t["node_id"] for t in pool()["targets"] if t["ready"]}
+
+        def members() -> set:
+            return {t["name"] for t in pool()["targets"]}
+
+        def landed(k: str) -> str:
+            conn = BlockingConnection(router.url("proxy"), container_id=k, user="app", password="app",
+                                      allowed_mechs="PLAIN", allow_insecure_mechs=True, timeout=10)
+            try:
+                def where():
+                    found = [n.node_id for n in nodes if n.proc.poll() is None
+                             and any(c["container_id"] == k for c in n.management_get("/api/v1/connections")[1])]
+                    return found or None
+                found = wait_for(where, 10)
+                assert len(found) == 1, found
+                return found[0]
+            finally:
+                conn.close()
+
+        wait_until(lambda: ready() == ids, 15, "both brokers join the pool, probed ready")
+        p = pool()
+        assert members() == ids, p
+        assert {t["port"] for t in p["targets"]} == {n.port for n in nodes}, p
+        m = p["membership"]
+        assert m["source"] == "discovery" and m["members"] == sorted(ids) and m["last_error"] is None, m
+        assert m["signed_only"] and m["joined"] == 2, m
+        seen: dict[str, str] = {}
+        for i in range(60):
+            seen[f"k{i}"] = landed(f"k{i}")
+            if set(seen.values()) == ids:
+                break
+        assert set(seen.values()) == ids, seen
+
+        gone, stays = nodes[1], nodes[0]
+        gone.kill()
+        killed = time.monotonic()
+        # the health probe takes it out of routing first; it stays a member until its entry expires
+        wait_until(lambda: gone.node_id not in ready(), 10, "the killed broker is not ready")
+        still_member = gone.node_id in members()
+        n, wrong = 0, []
+
+        def left():
+            nonlocal n  # clients keep being routed while the dead broker is still a member
+            n += 1
+            try:
+                where = landed(f"during-{n}")
+            except AssertionError as exc:  # wait_until would retry it: record it instead
+                where = f"not routed: {exc}"
+            if where != stays.node_id:
+                wrong.append(where)
+            return (gone.node_id not in members()) and time.monotonic() - killed
+        left_after = wait_until(left, REFRESH_MS / 1000.0 + 10, "the killed broker leaves the pool")
+        assert not wrong, wrong
+        assert still_member, "it left before the refresh timeout"
+        # its last announcement came at most one period before the kill
+        assert left_after >= (REFRESH_MS - PERIOD_MS) / 1000.0 - 0.05, f"left too early: {left_after:.2f} s"
+        m = pool()["membership"]
+        assert m["members"] == [stays.node_id] and m["left"] == 1, m
+        assert ready() == members() == {stays.node_id}
+        for k in list(seen)[:10]:
+            assert landed(k) == stays.node_id
+        print(f"both joined; {n} clients routed while it was leaving; left {left_after:.2f} s after the kill")
+    finally:
+        if router is not None:
+            router.terminate()
+        for n in nodes:
+            n.kill()
+
+
 if __name__ == "__main__":
     scenario, work = sys.argv[1], Path(sys.argv[2])
     work.mkdir(parents=True, exist_ok=True)
-    {"see": see, "balance": balance, "flood": flood}[scenario](work)
+    {"see": see, "balance": balance, "flood": flood, "router_pool": router_pool}[scenario](work)

@@ -9,8 +9,6 @@ import pytest
 from broker.tomlconfig import ConfigError
 from router.config import TargetConfig, import_artemis_xml, load_router_config
 from router.core.keys import ConnectionInfo, KeyType
-from router.core.pool import _SOURCES as MEMBERSHIP_SOURCES
-from router.core.pool import register_membership_source
 from router.policies import fnv1a_utf16
 from router.service import RouterService
 
@@ -223,29 +221,27 @@ def test_xml_discovery_pool_maps_to_a_discovery_source(tmp_path):
     xml = REALISTIC_XML.replace("""<static-connectors><connector-ref>node2</connector-ref></static-connectors>""",
                                 """<discovery-group-ref discovery-group-name="dg1"/>""")
     p.write_text(xml)
-    with pytest.raises(ConfigError) as ei:  # no discovery membership source yet
-        import_artemis_xml(p, local_target=LOCAL)
-    assert ei.value.path == "connection-routers.evenly-balance.pool.discovery-group-ref"
-    assert "'dg1'" in ei.value.message and "not supported yet" in ei.value.message
-    started = []
-
-    class FakeDiscovery:
-        def __init__(self, targets, options):
-            self.options = options
-
-        def start(self, pool):
-            started.append(self.options)
-
-    register_membership_source("discovery", FakeDiscovery)
-    try:
-        eb = import_artemis_xml(p, local_target=LOCAL)["evenly-balance"]
-        assert eb.pool.source == "discovery" and eb.pool.targets == ()
-        assert eb.pool.source_options == {"discovery-group": "dg1", "group-address": "231.7.7.7",
-                                          "group-port": "9876", "refresh-timeout": "10000"}
-        RouterService(eb)
-        assert started == [dict(eb.pool.source_options)]
-    finally:
-        del MEMBERSHIP_SOURCES["discovery"]
+    eb = import_artemis_xml(p, local_target=LOCAL)["evenly-balance"]
+    assert eb.pool.source == "discovery" and eb.pool.targets == ()
+    assert eb.pool.source_options == {"group-address": "231.7.7.7", "group-port": 9876,
+                                      "local-bind-address": "0.0.0.0", "refresh-timeout-ms": 10000,
+                                      "initial-wait-timeout-ms": 10000, "cluster": None, "key": None}
+    service = RouterService(eb)
+    assert service.dynamic_membership
+    # JGroups, and values the source refuses, are ConfigErrors naming the pool's reference
+    for old, new, msg in (("<refresh-timeout>10000</refresh-timeout>", "<jgroups-file>j.xml</jgroups-file>",
+                           "<jgroups-file> is not supported"),
+                          ("<group-port>9876</group-port>", "<group-port>x</group-port>",
+                           "group-port: 'x' is not an integer"),
+                          ("<group-address>231.7.7.7</group-address>\n        <group-port>",
+                           "<group-address>10.0.0.1</group-address>\n        <group-port>",
+                           "not a multicast address")):
+        assert old in xml, old
+        p.write_text(xml.replace(old, new))
+        with pytest.raises(ConfigError) as ei:
+            import_artemis_xml(p, local_target=LOCAL)
+        assert ei.value.path == "connection-routers.evenly-balance.pool.discovery-group-ref"
+        assert "'dg1'" in ei.value.message and msg in ei.value.message, ei.value.message
 
 
 def test_xml_cluster_connection_pool_maps_to_a_cluster_source(tmp_path):

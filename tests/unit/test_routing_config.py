@@ -83,8 +83,8 @@ def test_persisted_defaults_to_embedded(tmp_path):
     ("[routers.r.cache]\nbackend = 'redis'", "routers.r.cache.redis-url", "missing"),
     ("[routers.r.cache]\nbackend = 'memory'\npersisted = true", "routers.r.cache.backend",
      "cannot be persisted"),
-    ("[routers.r.pool]\nsource = 'discovery'", "routers.r.pool.source",
-     "'discovery' is not available"),
+    ("[routers.r.pool]\nsource = 'mdns'", "routers.r.pool.source",
+     "'mdns' is not available"),
     ("[routers.r.pool]\ncheck_period = 5", "routers.r.pool.check_period", "unknown key"),
     ("[[acceptors]]\nname = 'a'\nport = 1\nrouter = 'nope'", "acceptors[0].router",
      "'nope' is not a router"),
@@ -196,12 +196,12 @@ def test_import_artemis_xml_errors(tmp_path, change, path, msg):
     assert ei.value.path == path and msg in ei.value.message, str(ei.value)
 
 
-def test_import_artemis_xml_unsupported_pools_and_bad_xml(tmp_path):
+def test_import_artemis_xml_incomplete_discovery_pools_and_bad_xml(tmp_path):
     p = tmp_path / "broker.xml"
     p.write_text(BROKER_XML.replace(
         "<static-connectors><connector-ref>c1</connector-ref><connector-ref>c2</connector-ref>\n"
         "      </static-connectors>", '<discovery-group-ref discovery-group-name="dg1"/>'))
-    with pytest.raises(ConfigError, match="discovery pools are not supported yet"):
+    with pytest.raises(ConfigError, match="'dg1': discovery-group.group-address: missing"):
         import_artemis_xml(p)
     p.write_text('<!DOCTYPE x [<!ENTITY a "aaaa">]><configuration>&a;</configuration>')
     with pytest.raises(ConfigError, match="invalid XML"):

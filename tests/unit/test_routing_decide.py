@@ -228,5 +228,5 @@ def test_membership_sources():
     pool = Pool()
     src.start(pool)
     assert [st.target.name for st in pool.members] == ["t0", "t1"]
-    with pytest.raises(MembershipSourceError, match="'discovery' is not available"):
-        create_membership_source("discovery", [])
+    with pytest.raises(MembershipSourceError, match="'mdns' is not available"):
+        create_membership_source("mdns", [])
