@@ -37,7 +37,8 @@ class ClusterConnector:
     """New ``BlockingConnection`` objects spread over a cluster's live members.
 
     ``urls``: one URL, Artemis's list ``(amqp://a:1,amqp://b:2)`` or a sequence of URLs — the
-    starting point, used until an Open lists the members and whenever none of them answers.
+    starting point, used until an Open lists the members and whenever none of them answers — or
+    ``udp://group:port?…``: the brokers heard on that discovery group (:mod:`router.client.discovered`).
     ``policy``: ``round-robin`` (default), ``random``, ``random-sticky``, ``first-element``
     (Artemis's class names work too). ``rng``: a ``random.Random`` (seed it for repeatable
     choices). ``kwargs`` go to every ``BlockingConnection`` (``timeout``, ``user``, ``password``,
@@ -47,7 +48,16 @@ class ClusterConnector:
 
     def __init__(self, urls: str | Sequence[str], *, policy: str = "round-robin",
                  rng: random.Random | None = None, **kwargs):
+        self.discoverer = None
+        if isinstance(urls, str) and urls.strip().startswith("udp://"):
+            # a discovery group (router.client.discovered): the brokers heard are the starting point
+            from router.client.discovered import Discoverer, parse_discovery_url
+            self.discoverer = Discoverer(parse_discovery_url(urls))
+            urls = "amqp://0.0.0.0:0"  # a placeholder: replaced by what is heard before each plan
         self.topology = Topology(urls, policy=policy, rng=rng)
+        if self.discoverer is not None:
+            self.topology.starting = []
+        self._waited = False
         self.kwargs = kwargs
         self._credentials_from = next((m.url for m in self.topology.starting if "@" in m.url), None)
         self._lock = threading.Lock()
@@ -61,6 +71,15 @@ class ClusterConnector:
         """Open a ``BlockingConnection`` to the broker the policy picks (see the class doc). The
         connection has ``lodestone_url`` (where it went, without a password) and ``lodestone_node_id`` (the Open's
         ``node-id``, or None). Raises :class:`NoBrokerReachable`."""
+        if self.discoverer is not None:
+            heard = self.discoverer.members(wait=not self._waited)
+            self._waited = True
+            with self._lock:
+                self.topology.starting = heard
+            if not heard and not self.topology.members:
+                spec = self.discoverer.spec
+                raise NoBrokerReachable([(f"udp://{spec.group_address}:{spec.group_port}",
+                                          TimeoutError("no broker heard on the discovery group"))])
         with self._lock:
             plan = self.topology.plan()
         options = {**self.kwargs, **kwargs}
@@ -82,6 +101,12 @@ class ClusterConnector:
             conn.lodestone_node_id = str(node_id) if node_id is not None else None
             return conn
         raise NoBrokerReachable(attempts)
+
+
+    def close(self) -> None:
+        """Stop listening to the discovery group (a ``udp://`` starting point); nothing otherwise."""
+        if self.discoverer is not None:
+            self.discoverer.close()
 
 
 __all__ = ["ClusterConnector", "NoBrokerReachable"]

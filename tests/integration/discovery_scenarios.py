@@ -251,7 +251,40 @@ def router_pool(work: Path) -> None:
             n.kill()
 
 
+def client_udp(work: Path) -> None:
+    """A client given only udp://group:port hears two brokers (broadcast groups, no cluster) and
+    spreads its connections over them round-robin; a garbage datagram changes nothing."""
+    from router.client import ClusterConnector
+    bg = {"broadcast-groups.bg": groups()["broadcast-groups.bg"]}
+    from tests.brokerproc import BrokerProcess, write_config
+    brokers = []
+    for name in ("b1", "b2"):
+        path = write_config(work / name, name=name, config=bg)
+        brokers.append(BrokerProcess(work / name, path).start())
+    connector = ClusterConnector(f"udp://{GROUP}:{PORT}?refresh-timeout={REFRESH_MS}&initial-wait-timeout=5000",
+                                 user="app", password="app", timeout=10, allowed_mechs="PLAIN")
+    try:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton("127.0.0.1"))
+        s.sendto(b"not an announcement", (GROUP, PORT))
+        wait_until(lambda: len(connector.discoverer.members(wait=True)) == 2, 10, "the client hears both brokers")
+        assert connector.discoverer.group.counters["garbage"] >= 1
+        conns = [connector.connect(container_id=f"udp-client-{i}") for i in range(4)]
+        where = sorted(c.lodestone_url for c in conns)
+        assert where == sorted([b.amqp_url for b in brokers] * 2), where
+        for b in brokers:
+            status, cs = b.management_get("/api/v1/connections")
+            assert sum(1 for c in cs if (c["container_id"] or "").startswith("udp-client-")) == 2, cs
+        for c in conns:
+            c.close()
+        print("4 connections: 2 / 2")
+    finally:
+        connector.close()
+        for b in brokers:
+            b.kill()
+
+
 if __name__ == "__main__":
     scenario, work = sys.argv[1], Path(sys.argv[2])
     work.mkdir(parents=True, exist_ok=True)
-    {"see": see, "balance": balance, "flood": flood, "router_pool": router_pool}[scenario](work)
+    {"see": see, "balance": balance, "flood": flood, "router_pool": router_pool, "client_udp": client_udp}[scenario](work)

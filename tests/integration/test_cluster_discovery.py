@@ -33,3 +33,7 @@ def test_a_cluster_formed_by_discovery_alone_balances_messages(tmp_path):
 
 def test_garbage_forged_and_flooding_announcements_are_counted_and_dropped(tmp_path):
     assert "garbage" in _run("flood", tmp_path)
+
+
+def test_a_client_given_only_a_discovery_group_spreads_its_connections(tmp_path):
+    assert "2 / 2" in _run("client_udp", tmp_path)
