@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from broker.amqp.host import INTERNAL_PREFIX
 from broker.core.security import MANAGEMENT_ADDRESS
 from broker.http import (
     HttpError,
@@ -292,7 +293,7 @@ def _create_address(node: "Node", principal, body) -> Response:
     name = body.get("name")
     types = body.get("routing_types", ["anycast"])
     ftext = body.get("filter")
-    if not isinstance(name, str) or not name or len(name) > 1024 or name.startswith("$lodestone."):
+    if not isinstance(name, str) or not name or len(name) > 1024 or name.startswith(INTERNAL_PREFIX):
         raise HttpError(400, f"name {name!r} must be a non-empty string of at most 1024 characters, not internal")
     if not isinstance(types, list) or not types or any(t not in ("anycast", "multicast") for t in types):
         raise HttpError(400, f"routing_types {types!r} must be a non-empty list of anycast/multicast")

@@ -38,7 +38,9 @@ of a connection to a peer broker — ``Transport(Transport.CLIENT)`` (SASL done 
 :class:`broker.amqp.sasl.SaslClient`), our Open (container-id, ``hostname``, the ``node-id``
 property) sent first. Links are opened by the owner (:meth:`AmqpEngine.open_link`) with a handler
 object that gets the link's attach/detach, flow and deliveries (``on_attached``, ``on_detached``,
-``on_flow``, ``on_delivery``) — they live in ``self.owned``, off the producer/consumer hot path.
+``on_flow``, ``on_delivery``; a handler on a per-message path has ``on_raw_flow`` /
+``on_raw_delivery`` instead, which get proton's raw pointers and are preferred) — they live in
+``self.owned``, off the producer/consumer hot path.
 A link the peer attaches on its own is refused with ``amqp:not-allowed``. A failure before the
 peer's Open closes our (already sent) Open with the error; the peer's Close condition becomes
 ``error``.

@@ -204,14 +204,8 @@ class PeerSender:
         self._link = None
         self.peer._link_detached(self, condition)
 
-    def on_flow(self, link: Link) -> None:
-        self._pump()
-
     def on_raw_flow(self, link) -> None:
         self._pump()
-
-    def on_delivery(self, d: Delivery) -> None:
-        self.on_raw_delivery(d._impl)
 
     def on_raw_delivery(self, d) -> None:
         """A disposition from the peer (raw ``pn_delivery_t*``: this runs once per message)."""

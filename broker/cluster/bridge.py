@@ -63,6 +63,7 @@ import trio
 from broker.amqp.engine import (_pn_delivery_link, _pn_delivery_partial, _pn_delivery_readable, _pn_link_credit,
                                 _pn_link_flow, read_transfer)
 from broker.amqp.frames import CLUSTER_MEMBERS, MAX_CLUSTER_MEMBERS
+from broker.amqp.host import INTERNAL_PREFIX
 from broker.amqp.peer import (PeerConnected, PeerConnectFailed, PeerConnection, PeerDisconnected, PeerGaveUp,
                               PeerLoginRefused, RetrySettings)
 from broker.cluster.discovery import DiscoveryGroup
@@ -71,7 +72,7 @@ from broker.cluster.protocol import (FORWARD_ADDRESS, NOTIFY_ADDRESS, AddressNot
                                      ProtocolError, Reset, Unbinding, decode_forwards, decode_note, encode_forward,
                                      encode_note)
 from broker.cluster.state import ClusterState
-from broker.cluster.settings import parse_connector
+from broker.cluster.settings import address_clustered, parse_connector
 from broker.core.addresses import ANYCAST, MULTICAST
 from broker.core.balancing import LoadBalancing
 from broker.core.bindings import RemoteBinding
@@ -185,16 +186,12 @@ class Bridge:
                 props = (self.peer.engine.remote_properties if self.peer.engine is not None else None) or {}
                 started = props.get("started-ms") if isinstance(props, dict) else None
                 if isinstance(started, int) and started != c.started_ms:
-                    # another active node with our node id (a copied data directory)
-                    newcomer, keeper = (c.connector, self.url) if c.started_ms >= started else (self.url, c.connector)
-                    c._duplicate(ev.node_id, newcomer, keeper)
-                    if newcomer == c.connector:
-                        c.duplicate_of = self.url
-                    # close (after our attaches went out, so the other node sees and logs it
-                    # too), then stop on the disconnect
+                    # another active node with our node id (a copied data directory): close
+                    # (after our attaches went out, so the other node sees and logs it too),
+                    # then stop on the disconnect
                     self.retire = True
-                    self.peer.engine.close_with("amqp:precondition-failed", f"duplicate node id {ev.node_id}: "
-                                                f"{newcomer} started after {keeper}; the newcomer is refused")
+                    self.peer.engine.close_with("amqp:precondition-failed",
+                                                c._duplicate_of_us(ev.node_id, self.url, started))
                     return
                 else:
                     log.info("cluster connector reaches this node itself; not bridging to it",
@@ -353,9 +350,6 @@ class _ForwardIn:
 
     def on_detached(self, link, condition) -> None:
         self.link = None
-
-    def on_delivery(self, d) -> None:
-        self.on_raw_delivery(d._impl)
 
     def on_raw_delivery(self, d) -> None:
         """One forwarded message (raw ``pn_delivery_t*``, read as the engine reads producers')."""
@@ -531,16 +525,14 @@ class ClusterNode:
             self.counters["discovery_removed"] += 1
             b = self.by_node.get(a.node_id)
             if b is not None and not b.connected:  # gone for good, as far as discovery knows
-                b.stop()
-                self.bridges.pop(b.url, None)
+                self._retire(b)
                 self.by_node.pop(a.node_id, None)
                 self.members.pop(a.node_id, None)
                 self.forget_via(a.node_id)
             for url in a.connectors:  # a bridge that never reached the announced node
                 x = self.bridges.get(url)
                 if x is not None and x.node_id is None:
-                    x.stop()
-                    del self.bridges[url]
+                    self._retire(x)
 
     def _pick_connector(self, connectors) -> str:
         """The announced connector of our own connector's scheme (amqps for a TLS cluster)."""
@@ -561,11 +553,17 @@ class ClusterNode:
         for b in list(self.bridges.values()):
             b.stop()
 
+    def _retire(self, b: Bridge) -> None:
+        """Stop a bridge for good and forget its connector (it may be dialled again later)."""
+        b.stop()
+        if self.bridges.get(b.url) is b:
+            del self.bridges[b.url]
+
     # -- filters ------------------------------------------------------------------------------
     def clustered(self, address: str) -> bool:
-        if address.startswith("$lodestone."):
+        """Is ``address`` clustered (the ``address`` filter; internal addresses never are)?"""
+        if address.startswith(INTERNAL_PREFIX):
             return False
-        from broker.cluster.settings import address_clustered
         return address_clustered(address, self._include, self._exclude)
 
     # -- bridges -------------------------------------------------------------------------------
@@ -579,8 +577,7 @@ class ClusterNode:
         if other is not None and other is not b:
             # the same node reached through another connector (it restarted on a new port, or
             # two URLs name it): keep the newest, retire the other
-            other.stop()
-            self.bridges.pop(other.url, None)
+            self._retire(other)
         b.node_id = node_id
         self.by_node[node_id] = b
         b.attach_sf(self._sf_queue(node_id))
@@ -626,7 +623,7 @@ class ClusterNode:
         notes: list = [self.hello(), Reset()]
         notes.extend(self.state)
         for q in list(self.core.queues.values()):
-            if self.clustered(q.address) and not q.name.startswith("$lodestone."):
+            if self.clustered(q.address) and not q.name.startswith(INTERNAL_PREFIX):
                 notes.append(self._local_note(q))
         if self.cfg.max_hops > 1:
             for b in self.core.cluster:
@@ -647,7 +644,7 @@ class ClusterNode:
             self._broadcast(self._local_note(q))
 
     def _queue_changed(self, q, created: bool) -> None:
-        if not self.clustered(q.address) or q.name.startswith("$lodestone."):
+        if not self.clustered(q.address) or q.name.startswith(INTERNAL_PREFIX):
             return
         if created:
             self._broadcast(self._local_note(q))
@@ -700,7 +697,7 @@ class ClusterNode:
 
     # -- the replicated cluster state (broker.cluster.state) ----------------------------------
     def _state_note(self, note: AddressNote) -> None:
-        if note.name.startswith("$lodestone."):
+        if note.name.startswith(INTERNAL_PREFIX):
             raise ProtocolError("amqp:invalid-field", f"address {note.name!r} is internal")
         changed = self.state.offer(note)
         if changed is None:
@@ -890,9 +887,9 @@ class ClusterNode:
         for node_id, qname in f.targets:
             if node_id == me:
                 q = core.queues.get(qname)
-                if q is None and f.create is not None and not qname.startswith("$lodestone."):
+                if q is None and f.create is not None and not qname.startswith(INTERNAL_PREFIX):
                     q = self._create_for_scale_down(f, qname)
-                if q is None or q.deleted or qname.startswith("$lodestone."):
+                if q is None or q.deleted or qname.startswith(INTERNAL_PREFIX):
                     self.counters["forward_unroutable"] += 1
                     continue
                 msg = Message(core.next_mid(), f.message, f.durable, f.address, 0, f.priority, f.expires)
@@ -968,13 +965,7 @@ class ClusterNode:
         if peer_node == me:
             if started == self.started_ms and connector == self.connector:
                 return ("amqp:precondition-failed", "a connection to this node itself")
-            newcomer, keeper = ((connector, self.connector) if started >= self.started_ms
-                                else (self.connector, connector))
-            self._duplicate(peer_node, newcomer, keeper)
-            if newcomer == self.connector:
-                self.duplicate_of = connector
-            return ("amqp:precondition-failed", f"duplicate node id {peer_node}: {newcomer} started after "
-                                                f"{keeper}; the newcomer is refused")
+            return ("amqp:precondition-failed", self._duplicate_of_us(peer_node, connector, started))
         known = self.identities.get(peer_node)
         if known is None or known[0] == connector:
             self.identities[peer_node] = (connector, started)
@@ -989,6 +980,17 @@ class ClusterNode:
         self._duplicate(peer_node, known[0], connector)  # the older one showed up second
         self.identities[peer_node] = (connector, started)
         return None
+
+    def _duplicate_of_us(self, node_id: str, other: str, other_started: int) -> str:
+        """Another active node (at ``other``) has our node id: the one that started later — on a
+        tie, the greater connector — is the newcomer. Logs both, remembers when the newcomer is
+        us, and returns the refusal's description. Both sides of a connection decide alike."""
+        we_are_newer = (self.started_ms, self.connector) > (other_started, other)
+        newcomer, keeper = (self.connector, other) if we_are_newer else (other, self.connector)
+        self._duplicate(node_id, newcomer, keeper)
+        if we_are_newer:
+            self.duplicate_of = other
+        return f"duplicate node id {node_id}: {newcomer} started after {keeper}; the newcomer is refused"
 
     def _duplicate(self, node_id: str, newcomer: str, keeper: str) -> None:
         self.counters["duplicate_node_id"] += 1
@@ -1128,7 +1130,7 @@ class ClusterNode:
         queues = 0
         store = core.store
         for q in list(core.queues.values()):
-            if q.name.startswith("$lodestone.") or q.deleted:
+            if q.name.startswith(INTERNAL_PREFIX) or q.deleted:
                 continue
             if q.messages:
                 queues += 1

@@ -431,21 +431,7 @@ class Broker:
         if remote and (address in remote or (self.wildcard_addresses and
                                              any(w.name in remote for w in self._targets(address)))):
             return self._publish_clustered(address, body, durable, priority, expires, origin)
-        addr = self.addresses.get(address)
-        if self.wildcard_addresses:
-            wild = self._routes.get(address)
-            if wild is None:
-                match = self.wildcards.match
-                wild = tuple(w for name, w in self.wildcard_addresses.items()
-                             if name != address and match(name, address))
-                if len(self._routes) > 10_000:
-                    self._routes.clear()
-                self._routes[address] = wild
-            targets = ((addr,) if addr is not None else ()) + wild
-        elif addr is None:
-            targets = ()
-        else:
-            targets = (addr,)
+        targets = self._targets(address)
         stored = False
         routed = False
         for a in targets:
