@@ -31,6 +31,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="override the management port (0 = OS-chosen)")
     run.add_argument("--data-dir", type=Path, default=None, help="override [node] data-dir")
     run.add_argument("--name", default=None, help="override [node] name")
+    run.add_argument("--static-connectors", default=None, metavar="URL[,URL...]",
+                     help="override how [cluster] finds its members: these static connectors instead "
+                          "of its discovery-group (lodestone-local's fallback where multicast fails)")
     chk = sub.add_parser("check", help="validate a broker config (and its users file) and exit")
     chk.add_argument("config", type=Path, help="broker config file, e.g. etc/broker.toml")
     hp = sub.add_parser("hash-password", help="print an scrypt hash for the users file", add_help=False)
@@ -55,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             if value is not None and not 0 <= value <= 65535:
                 raise ConfigError("<command line>", opt, f"{value} must be between 0 and 65535")
         cfg = apply_overrides(cfg, amqp_port=args.amqp_port, management_port=args.management_port,
-                              data_dir=args.data_dir, name=args.name)
+                              data_dir=args.data_dir, name=args.name, static_connectors=args.static_connectors)
     except ConfigError as exc:
         print(f"lodestone-broker: {exc}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ import ipaddress
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Mapping
 
 from broker.cluster.settings import (HA_POLICIES, LOAD_BALANCING_MODES, BroadcastGroupConfig, ClusterConfig,
                                      DiscoveryGroupConfig, HaConfig, parse_connector)
@@ -23,6 +24,9 @@ from broker.core.limits import SourceLimits, source_limits_from
 from broker.core.wildcards import check_pattern
 from broker.store.journal import JournalConfig
 from broker.tomlconfig import ConfigError, Table, open_config
+
+if TYPE_CHECKING:  # pragma: no cover
+    from router.config import RouterConfig, RoutingLogConfig
 
 __all__ = ["AcceptorConfig", "BrokerConfig", "ResourceLimits", "ResourceLimitSettings", "ConfigError", "load_config", "apply_overrides", "check_anonymous"]
 
@@ -52,6 +56,8 @@ class AcceptorConfig:
     # Artemis anycastPrefix / multicastPrefix: an address starting with one names its routing type
     anycast_prefix: str = ""
     multicast_prefix: str = ""
+    # the embedded connection router that routes this acceptor's clients (``[routers.<name>]``)
+    router: str | None = None
 
     def trusts_proxy(self, ip: str) -> bool:
         """Is ``ip`` (the TCP peer) one of ``proxy-protocol-from``?"""
@@ -153,6 +159,8 @@ class BrokerConfig:
     ha: HaConfig = field(default_factory=HaConfig)  # [ha]
     broadcast_groups: tuple[BroadcastGroupConfig, ...] = ()  # [broadcast-groups.<name>]
     discovery_groups: tuple[DiscoveryGroupConfig, ...] = ()  # [discovery-groups.<name>]
+    routers: Mapping[str, "RouterConfig"] = field(default_factory=dict)  # [routers.<name>] (embedded)
+    routing_log: "RoutingLogConfig | None" = None  # [routing-log] of the embedded routers
 
 
 def _address_settings(t: Table, base: AddressSettings) -> AddressSettings:
@@ -368,11 +376,12 @@ def load_config(file: str | Path) -> BrokerConfig:
         if anycast_prefix and anycast_prefix == multicast_prefix:
             raise t.error("multicast-prefix", f"{multicast_prefix!r} is also the anycast-prefix")
         tls = _tls(t.table("tls"))
+        router = _not_empty(t, "router", t.str("router", None))
         t.done()
         if "EXTERNAL" in mechs and (tls is None or tls.ca_file is None):
             raise ConfigError(f, f"acceptors.{aname}.sasl-mechanisms", "EXTERNAL needs [tls] with ca-file")
         acceptors.append(AcceptorConfig(aname, host, port, tls, mechs, allow_no_sasl, max_conns, limits,
-                                        proxy_from, anycast_prefix, multicast_prefix))
+                                        proxy_from, anycast_prefix, multicast_prefix, router))
     if not acceptors:
         raise ConfigError(f, "acceptors", "missing: at least one [acceptors.<name>] table is required")
 
@@ -453,6 +462,7 @@ def load_config(file: str | Path) -> BrokerConfig:
     discovery_groups = {name: _discovery_group(name, t) for name, t in root.tables("discovery-groups").items()}
     cluster = _cluster(root.table("cluster"), discovery_groups) if root.has("cluster") else None
     ha = _ha(root.table("ha"), cluster)
+    routers, routing_log = _routers(root, acceptors, cluster, data_dir)
 
     lg = root.table("logging")
     level = lg.choice("level", ("DEBUG", "INFO", "WARNING", "ERROR"), "INFO")
@@ -464,7 +474,42 @@ def load_config(file: str | Path) -> BrokerConfig:
                         level, json_lines, handshake, max_sessions, max_links, limits,
                         link_stealing=link_stealing, expiry_scan_period_ms=expiry_scan, wildcards=wildcards,
                         cluster=cluster, ha=ha, broadcast_groups=broadcast_groups,
-                        discovery_groups=tuple(discovery_groups.values()))
+                        discovery_groups=tuple(discovery_groups.values()), routers=routers,
+                        routing_log=routing_log)
+
+
+def _routers(root: Table, acceptors: list[AcceptorConfig], cluster: ClusterConfig | None,
+             data_dir: Path) -> tuple[dict, "RoutingLogConfig | None"]:
+    """``[routers.<name>]`` (the router's own schema, ``router.config``, in embedded mode) and
+    ``[routing-log]``; every ``acceptors.<a>.router`` must name one of them."""
+    from router.config import parse_router_table, parse_routing_log_table
+
+    routers = {}
+    for rname, t in root.tables("routers").items():
+        rc = parse_router_table(rname, t, embedded=True, cache_dir=data_dir)
+        pc = rc.pool
+        if pc is not None and pc.source == "broker-cluster":
+            named = pc.source_options.get("cluster-connection")
+            if cluster is None:
+                raise ConfigError(root.file, f"routers.{rname}.pool.source",
+                                  "'cluster' needs this broker to be in a cluster (a [cluster] table)")
+            if named is not None and named != cluster.name:
+                raise ConfigError(root.file, f"routers.{rname}.pool.cluster-connection",
+                                  f"{named!r} is not this broker's cluster ({cluster.name!r})")
+        routers[rname] = rc
+    routing_log = parse_routing_log_table(root.table("routing-log")) if root.has("routing-log") else None
+    for a in acceptors:
+        if a.router is not None and a.router not in routers:
+            raise ConfigError(root.file, f"acceptors.{a.name}.router",
+                              f"{a.router!r} is not a router defined in [routers] "
+                              f"(defined: {', '.join(routers) or 'none'})")
+    max_field = routing_log.max_field_chars if routing_log is not None else 1024
+    for rname, rc in routers.items():
+        if rc.max_key_length > max_field:
+            raise ConfigError(root.file, f"routers.{rname}.max-key-length",
+                              f"{rc.max_key_length} must be <= routing-log.max-field-chars "
+                              f"({max_field}), so accepted keys are logged whole")
+    return routers, routing_log
 
 
 def check_anonymous(cfg: BrokerConfig, anonymous_enabled: bool) -> None:
@@ -479,7 +524,8 @@ def check_anonymous(cfg: BrokerConfig, anonymous_enabled: bool) -> None:
 
 
 def apply_overrides(cfg: BrokerConfig, *, amqp_port: int | None = None, management_port: int | None = None,
-                    data_dir: Path | None = None, name: str | None = None) -> BrokerConfig:
+                    data_dir: Path | None = None, name: str | None = None,
+                    static_connectors: str | None = None) -> BrokerConfig:
     """Command-line overrides: the first plain acceptor's port, the management port, the data dir.
 
     Nothing in ``[cluster]`` is rewritten: a node on an OS-chosen port keeps its connector as
@@ -495,4 +541,14 @@ def apply_overrides(cfg: BrokerConfig, *, amqp_port: int | None = None, manageme
         cfg = replace(cfg, data_dir=data_dir)
     if name is not None:
         cfg = replace(cfg, name=name)
+    if static_connectors is not None:  # replaces [cluster] discovery-group / static-connectors
+        if cfg.cluster is None:
+            raise ConfigError("<command line>", "--static-connectors", f"{cfg.file}: no [cluster] table")
+        urls = tuple(u.strip() for u in static_connectors.split(",") if u.strip())
+        for u in urls:
+            try:
+                parse_connector(u)
+            except ValueError as exc:
+                raise ConfigError("<command line>", "--static-connectors", f"{u!r}: {exc}") from None
+        cfg = replace(cfg, cluster=replace(cfg.cluster, static_connectors=urls, discovery_group=None))
     return cfg

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 import trio
 
 from broker.amqp.host import INTERNAL_PREFIX
-from broker.core.security import MANAGEMENT_ADDRESS
+from broker.cluster.bridge import CLUSTER_ROLE
+from broker.core.security import MANAGEMENT_ADDRESS, Principal
 from broker.http import (
     HttpError,
     Metric,
@@ -34,10 +35,17 @@ from broker.http import (
     render_metrics,
 )
 
+from router.management import RouterResources
+
 if TYPE_CHECKING:  # pragma: no cover
     from broker.node import Node
 
 __all__ = ["make_handler", "MANAGEMENT_ADDRESS", "openapi_document"]
+
+#: what the cluster user may read (the probes of an embedded router's cluster pool, and a
+#: member's view of the cluster): everything else needs a users-file user with ``manage``
+CLUSTER_READABLE = frozenset({"/api/v1/broker", "/api/v1/cluster"})
+
 
 async def _principal(node: "Node", request: Request):
     creds = basic_auth(request)
@@ -45,6 +53,18 @@ async def _principal(node: "Node", request: Request):
     if creds is None:
         raise HttpError(401, "authentication required", challenge)
     ip = request.client.rsplit(":", 1)[0].strip("[]")
+    cluster = node.cluster
+    if cluster is not None:
+        ok = cluster.check_login(creds[0], creds[1], ip)
+        if ok is not None:  # the cluster user: its own password (loopback only when weak)
+            if not ok:
+                node.counters["cluster_login_refused"] += 1
+                await trio.sleep(node.security.login.failure_delay_s)
+                raise HttpError(401, "bad credentials", challenge)
+            path = request.path.rstrip("/") or "/"
+            if request.method != "GET" or path not in CLUSTER_READABLE:
+                raise HttpError(403, f"the cluster user may only read {', '.join(sorted(CLUSTER_READABLE))}")
+            return Principal(creds[0], (CLUSTER_ROLE,))
     result = await node.login_gate.login(creds[0], creds[1], ip)   # throttled like AMQP logins
     principal = result.principal
     if principal is None:
@@ -244,6 +264,7 @@ def make_handler(node: "Node"):
     """The ``handler(Request) -> Response`` for :func:`broker.http.serve_http`."""
     mcfg = node.cfg.management
     exporter = MetricsExporter(node, mcfg.metrics_cache_ms / 1000)
+    routers = _EmbeddedRouters(node)
 
     async def handler(request: Request) -> Response:
         path = request.path.rstrip("/") or "/"
@@ -261,6 +282,10 @@ def make_handler(node: "Node"):
         if not path.startswith("/api/"):
             raise HttpError(404, f"no route {path}")
         principal = await _principal(node, request)
+        if path.startswith("/api/v1/routers") and node.routing is not None:
+            resp = await routers.handle_routers(request, path)
+            if resp is not None:
+                return resp
         if method == "GET":
             if path == "/api/v1/broker":
                 return json_response(broker_info(node))
@@ -282,6 +307,22 @@ def make_handler(node: "Node"):
         raise HttpError(404 if method in ("GET", "DELETE", "POST") else 405, f"no route {method} {path}")
 
     return handler
+
+
+class _EmbeddedRouters(RouterResources):
+    """``/api/v1/routers`` of this broker's embedded routers (broker.routing): the router's own
+    resources (``router.management.RouterResources``), same paths and shapes."""
+
+    def __init__(self, node: "Node") -> None:
+        self.node = node
+
+    @property
+    def services(self) -> dict:
+        return self.node.routing.services if self.node.routing is not None else {}
+
+    @property
+    def router_configs(self) -> dict:
+        return self.node.routing.configs if self.node.routing is not None else {}
 
 
 def _create_address(node: "Node", principal, body) -> Response:
@@ -369,7 +410,7 @@ def openapi_document() -> dict:
     name_param = {"name": "name", "in": "path", "required": True, "schema": s_str}
     no_content = {"204": {"description": "deleted"}, "404": {"description": "not found"},
                   "409": {"description": "in use (has consumers)"}, "403": {"description": "deleteAddress denied"}}
-    return {
+    doc = {
         "openapi": "3.0.3",
         "info": {"title": "Lodestone broker management API", "version": "1"},
         "components": {"securitySchemes": {"basic": {"type": "http", "scheme": "basic"}}},
@@ -412,3 +453,7 @@ def openapi_document() -> dict:
             "/openapi.json": {"get": {"summary": "this document", "responses": ok({"type": "object"})}},
         },
     }
+    # a node with routed acceptors serves the router's own resources (broker.routing)
+    from router.management import openapi_document as router_openapi
+    doc["paths"].update({k: v for k, v in router_openapi()["paths"].items() if k.startswith("/api/v1/routers")})
+    return doc

@@ -172,6 +172,7 @@ class Node:
         self.recovery: dict = {}
         self.internal_records: dict[str, list[tuple[int, bytes]]] = {}  # recovered, see recover()
         self.cluster = None  # broker.cluster.bridge.ClusterNode when [cluster] is configured
+        self.routing = None  # broker.routing.EmbeddedRouting when [routers.*] are configured
         self.broadcast_counters: dict[str, dict] = {}  # broadcast group -> sent / send_failed
         # authentication and per-source admission (broker.auth, broker.core.limits)
         self.login_gate = LoginGate(security, name=cfg.name) if security is not None else None

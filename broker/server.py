@@ -59,6 +59,9 @@ async def run_node(cfg: "BrokerConfig", *, task_status=trio.TASK_STATUS_IGNORED)
         node = Node(cfg, security, datadir.node_id, journal)
         node.recover()
         node.declare_configured_addresses()
+        if cfg.routers:  # before any acceptor listens: a routed acceptor never skips its router
+            from broker.routing import EmbeddedRouting
+            node.routing = EmbeddedRouting(node, cfg)
         if cfg.activity.enabled:
             node.activity = ActivityLog(cfg.activity.path or (cfg.data_dir / "activity.jsonl"),
                                         node.node_id, cfg.name)
@@ -89,17 +92,23 @@ async def run_node(cfg: "BrokerConfig", *, task_status=trio.TASK_STATUS_IGNORED)
                             await services.start(_run_cluster, node, ccfg, amqp_urls, mgmt_url)
                         for bg in cfg.broadcast_groups:
                             services.start_soon(_run_broadcast, node, bg, amqp_urls, mgmt_url)
+                        if cfg.routers:
+                            await services.start(_run_routing, node, cfg, amqp_urls, mgmt_url)
                         if node.activity is not None:
                             services.start_soon(node.activity_flusher)
                         if cfg.expiry_scan_period_ms > 0:
                             services.start_soon(node.expiry_scanner)
                         node.active = True
+                        if node.routing is not None:
+                            node.routing.set_active(True)
                         log.info("node active", extra={"fields": {"node_id": node.node_id}})
                         task_status.started(node)
                         async for sig in signals:
                             log.info("signal %s: shutting down", signal.Signals(sig).name)
                             break
                         node.active = False
+                        if node.routing is not None:
+                            node.routing.set_active(False)
                         if cfg.ha.scale_down and node.cluster is not None:
                             # Artemis live-only scale-down: stop taking clients, let them go, move
                             # every message to another node, then stop
@@ -184,6 +193,18 @@ async def _run_cluster(node: Node, ccfg, amqp_urls: list[str], mgmt_url: str, *,
         await cluster.run(task_status=task_status)
     finally:
         cluster.stop()
+
+
+async def _run_routing(node: Node, cfg: "BrokerConfig", amqp_urls: list[str], mgmt_url: str, *,
+                       task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """The connection routers of routed acceptors (broker.routing); this node is their local
+    target, at its cluster connector (or first acceptor)."""
+    routing = node.routing
+    routing.build(node.cluster.connector if node.cluster is not None else amqp_urls[0], mgmt_url)
+    log.info("connection routers starting", extra={"fields": {
+        "routers": list(routing.services),
+        "acceptors": {a.name: a.router for a in cfg.acceptors if a.router is not None}}})
+    await routing.run(task_status=task_status)
 
 
 def _hostport(host: str, port: int) -> str:

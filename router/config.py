@@ -249,6 +249,11 @@ def _management(t: Table) -> ManagementConfig:
     return m
 
 
+def parse_routing_log_table(t: Table) -> RoutingLogConfig:
+    """``[routing-log]`` (the router's, and a broker's with an embedded router)."""
+    return _routing_log(t)
+
+
 def _routing_log(t: Table) -> RoutingLogConfig:
     r = RoutingLogConfig(t.path_value("path", None), t.int("max-bytes", 10 * 1024 * 1024, min=1),
                          t.int("backups", 5, min=0), t.bool("enabled", True),
@@ -342,7 +347,7 @@ def _policy(t: Table) -> PolicyConfig:
     return PolicyConfig(name, props)
 
 
-def _cache(t: Table, router: str) -> CacheConfig:
+def _cache(t: Table, router: str, default_dir: Path | None = None) -> CacheConfig:
     timeout = t.int("timeout", 0, min=0)
     persisted = t.bool("persisted", False)
     backend = t.choice("backend", CACHE_BACKENDS, "embedded" if persisted else "memory")
@@ -354,7 +359,7 @@ def _cache(t: Table, router: str) -> CacheConfig:
     if path is not None and backend != "embedded":
         raise t.error("path", f"{str(path)!r} is only used with backend = 'embedded'")
     if backend == "embedded" and path is None:
-        path = t.file.parent / f"router-cache-{router}.log"
+        path = (default_dir or t.file.parent) / f"router-cache-{router}.log"
     redis_url = t.str("redis-url", None)
     if backend == "redis":
         if redis_url is None:
@@ -372,8 +377,10 @@ def _cache(t: Table, router: str) -> CacheConfig:
     return c
 
 
-def _pool(t: Table) -> PoolConfig:
+def _pool(t: Table, embedded: bool = False) -> PoolConfig:
     source = t.str("source", "static")
+    if embedded and source == "cluster":
+        return _broker_cluster_pool(t)
     if source not in membership_source_names():
         raise t.error("source", f"{source!r} is not available (known: "
                                 f"{', '.join(membership_source_names())})")
@@ -417,6 +424,26 @@ def _pool(t: Table) -> PoolConfig:
     return p
 
 
+def _broker_cluster_pool(t: Table) -> PoolConfig:
+    """``source = "cluster"`` inside a broker: the pool is the broker's own cluster (Artemis's
+    ``<cluster-connection>`` pool), so no seeds; ``cluster-connection`` may name it (checked
+    against ``[cluster] name`` by the broker's config)."""
+    if t.has("seed-connectors"):
+        raise t.error("seed-connectors", "inside a broker a cluster pool is this broker's own cluster "
+                                         "(remove seed-connectors)")
+    if t.has("targets"):
+        raise t.error("targets", "a cluster pool takes its targets from the cluster")
+    options = {"cluster-connection": t.str("cluster-connection", None)}
+    p = PoolConfig(check_period_ms=t.int("check-period", 5000, min=1),
+                   quorum_size=t.int("quorum-size", 1, min=1),
+                   quorum_timeout_ms=t.int("quorum-timeout", 3000, min=0),
+                   local_target_enabled=t.bool("local-target-enabled", False),
+                   username=t.str("username", None), password=t.str("password", None),
+                   source="broker-cluster", source_options=options)
+    t.done()
+    return p
+
+
 def _discovery_group(d: Table) -> dict:
     """``[routers.<r>.pool.discovery-group]``: the keys of a broker's ``[discovery-groups.*]``
     plus ``cluster`` (only its announcements) and ``key`` (only packets signed with it)."""
@@ -432,7 +459,17 @@ def _discovery_group(d: Table) -> dict:
         raise d.error(exc.key, exc.detail) from None
 
 
-def _router(name: str, t: Table) -> RouterConfig:
+def parse_router_table(name: str, t: Table, *, embedded: bool = False,
+                       cache_dir: Path | None = None) -> RouterConfig:
+    """One ``[routers.<name>]`` table. ``embedded``: the table sits in a broker's TOML (the
+    router inside the broker): the broker itself is the local target (no ``[local-target]``
+    table; ``local-target-filter`` and ``pool.local-target-enabled`` need none),
+    ``pool.source = "cluster"`` means the broker's own cluster (``source`` becomes
+    ``"broker-cluster"``), and an embedded cache file defaults to ``cache_dir``."""
+    return _router(name, t, embedded=embedded, cache_dir=cache_dir)
+
+
+def _router(name: str, t: Table, *, embedded: bool = False, cache_dir: Path | None = None) -> RouterConfig:
     try:
         key_type = t.convert("key-type", KeyType.parse, "SOURCE_IP")
     except ConfigError:
@@ -442,15 +479,18 @@ def _router(name: str, t: Table) -> RouterConfig:
     artemis_keys = t.bool("artemis-keys", False)
     max_key_length = t.int("max-key-length", 255, min=1)
     policy = _policy(t.table("policy")) if t.has("policy") else None
-    cache = _cache(t.table("cache"), name) if t.has("cache") else None
-    pool = _pool(t.table("pool")) if t.has("pool") else None
+    cache = _cache(t.table("cache"), name, cache_dir) if t.has("cache") else None
+    pool = _pool(t.table("pool"), embedded) if t.has("pool") else None
+    if embedded and t.has("local-target"):
+        raise t.error("local-target", "inside a broker the broker itself is the local target "
+                                      "(remove this table)")
     local = (_target(t.table("local-target"), "local") if t.has("local-target") else None)
     pins = None
     if t.has("pins"):
         pt = t.table("pins")
         pins = PinsConfig(pt.path_value("file"))
         pt.done()
-    if local is None:
+    if local is None and not embedded:
         if local_filter is not None:
             raise t.error("local-target-filter",
                           f"{local_filter!r} needs a [routers.{name}.local-target]")

@@ -1,10 +1,12 @@
 """`lodestone-router dry-run`: which keys would move if a router's pool changed.
 
     lodestone-router dry-run etc/router.toml --routing-log var/router/routing.log \
-        --router-url http://admin:admin@127.0.0.1:8160 --add broker-4=127.0.0.1:15675 --remove broker-2
+        --router-url http://admin:admin@127.0.0.1:8160 --add broker-4=127.0.0.1:15675 --remove <node id>
 
 Keys come from a key list (one per line) or from routing logs (their ``key_filtered``). The
-pool before the change is the router's configured targets. Hash policies hash each target's
+pool before the change is the router's configured targets; for a pool whose members come from
+the cluster (``source = "cluster"`` or ``"discovery"``, as in etc/router.toml) it is the running
+router's pool (``--router-url``) or the members given with ``--target NAME=HOST:PORT``. Hash policies hash each target's
 node id, which a broker makes at its first start (``<data-dir>/node.id``) and the router learns
 from its health probes. ``--router-url`` reads them from the running router's management API
 (``GET /api/v1/routers/<r>/pool``; credentials in the URL or ``--user``/``--password``);
@@ -45,6 +47,13 @@ def _pair(text: str, what: str) -> tuple[str, str]:
 
 class _Fail(Exception):
     """A one-line error for stderr; exit status 2."""
+
+
+def _hostport(what: str, text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise _Fail(f"{what}: expected HOST:PORT")
+    return host, int(port)
 
 
 def _live_pool(url: str, router: str, user: str | None, password: str | None) -> list[dict]:
@@ -91,6 +100,10 @@ def dry_run_main(argv: list[str]) -> int:
                     type=lambda s: _pair(s, "--add"), help="a target that joins the pool")
     ap.add_argument("--remove", action="append", default=[], metavar="NAME",
                     help="a target (name or node id) that leaves the pool")
+    ap.add_argument("--target", action="append", default=[], metavar="NAME=HOST:PORT",
+                    type=lambda s: _pair(s, "--target"),
+                    help="a member of the pool before the change, for a pool whose members are not in "
+                         "the config (source = cluster or discovery) when --router-url is not given")
     ap.add_argument("--node-id", action="append", default=[], metavar="NAME=NODE_ID",
                     type=lambda s: _pair(s, "--node-id"), help="the node id of a target")
     ap.add_argument("--router-url", metavar="URL",
@@ -133,23 +146,35 @@ def _run(args) -> int:
         return 2
 
     live: dict[str, str] = {}
+    live_targets: list[dict] = []
     if args.router_url:
-        for t in _live_pool(args.router_url, args.router, args.user, args.password):
-            if isinstance(t, dict) and t.get("name") and t.get("node_id"):
+        live_targets = [t for t in _live_pool(args.router_url, args.router, args.user, args.password)
+                        if isinstance(t, dict) and t.get("name") and not t.get("local")]
+        for t in live_targets:
+            if t.get("node_id"):
                 live[t["name"]] = t["node_id"]
     node_ids = {**live, **dict(args.node_id)}
     before = []
-    for t in rc.pool.targets:
-        target = t.to_target()
-        nid = node_ids.get(t.name, target.node_id)
-        before.append(Target(nid, target.host, target.port, target.tls, target.management_url, target.name))
+    if rc.pool.source == "static":
+        for t in rc.pool.targets:
+            target = t.to_target()
+            nid = node_ids.get(t.name, target.node_id)
+            before.append(Target(nid, target.host, target.port, target.tls, target.management_url, target.name))
+    elif args.target:   # the members given by hand
+        for name, hostport in args.target:
+            host, port = _hostport(f"--target {name}={hostport}", hostport)
+            before.append(Target(node_ids.get(name), host, port, name=name))
+    elif live_targets:  # the members the running router follows, in its pool order
+        for t in live_targets:
+            before.append(Target(node_ids.get(t["name"], t.get("node_id")), str(t.get("host")), int(t.get("port") or 0),
+                                 bool(t.get("tls")), t.get("management_url"), t["name"]))
+    else:
+        raise _Fail(f"{args.config}: routers.{args.router}.pool: source {rc.pool.source!r} takes its members "
+                    "from the cluster: give --router-url (the running router's pool) or --target NAME=HOST:PORT")
     added = []
     for name, hostport in args.add:
-        host, _, port = hostport.rpartition(":")
-        if not host or not port.isdigit():
-            print(f"--add {name}={hostport}: expected HOST:PORT", file=sys.stderr)
-            return 2
-        added.append(Target(node_ids.get(name), host, int(port), name=name))
+        host, port = _hostport(f"--add {name}={hostport}", hostport)
+        added.append(Target(node_ids.get(name), host, port, name=name))
     after = change_pool(before, add=added, remove=args.remove)
 
     try:

@@ -117,6 +117,7 @@ async def run_health_checks(pool: Pool, *, check_period_ms: int, username: str |
                             ssl_context: ssl.SSLContext | None = None,
                             on_round: Callable[[], None] | None = None,
                             credentials: dict[str, tuple[str | None, str | None]] | None = None,
+                            probe_local: bool = True,
                             task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Probe every target of ``pool``, each in its own task; never returns.
 
@@ -129,6 +130,8 @@ async def run_health_checks(pool: Pool, *, check_period_ms: int, username: str |
     Targets that join or leave the pool (a dynamic membership source) get or lose their task
     as soon as the pool changes.
     ``credentials`` maps a target's name to its own (username, password), overriding the pool's.
+    ``probe_local = False``: the local target is not probed (a router inside a broker: the
+    broker sets its own readiness).
     """
     period = check_period_ms / 1000.0
     timeout = min(period, 2.0)
@@ -158,7 +161,10 @@ async def run_health_checks(pool: Pool, *, check_period_ms: int, username: str |
 
     async with trio.open_nursery() as nursery:
         tasks: dict[str, trio.CancelScope] = {}
-        pending = {st.target.slot for st in pool.all_states()}
+        def probed() -> set[str]:
+            return {st.target.slot for st in pool.all_states() if probe_local or not st.local}
+
+        pending = probed()
         all_first = trio.Event()
         if not pending:
             all_first.set()
@@ -177,7 +183,7 @@ async def run_health_checks(pool: Pool, *, check_period_ms: int, username: str |
                 del tasks[slot]
 
         def reconcile() -> None:
-            slots = {st.target.slot for st in pool.all_states()}
+            slots = probed()
             for slot in slots - tasks.keys():
                 scope = tasks[slot] = trio.CancelScope()
                 nursery.start_soon(run_one, slot, scope)

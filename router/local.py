@@ -89,6 +89,72 @@ class Child:
                 pass
 
 
+def multicast_probe(group: str, bind_address: str = "0.0.0.0", timeout_s: float = 1.0) -> str | None:
+    """Can this host's brokers find each other over UDP multicast? Joins ``group`` on
+    ``bind_address`` as a discovery group does (``broker.cluster.udp``), sends one datagram to it
+    from ``bind_address`` as a broadcast group does, and waits ``timeout_s`` for it to come back.
+    None when it did; otherwise why not (one line)."""
+    import socket
+    import struct
+
+    recv = send = None
+    try:
+        recv = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_UDP)
+        recv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        recv.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP,
+                        struct.pack("4s4s", socket.inet_aton(group), socket.inet_aton(bind_address)))
+        recv.bind((group, 0))                 # a port of its own: the brokers hear nothing of it
+        port = recv.getsockname()[1]
+        send = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_UDP)
+        send.bind((bind_address, 0))
+        if bind_address != "0.0.0.0":
+            send.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(bind_address))
+        send.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1)
+        token = os.urandom(8)
+        send.sendto(token, (group, port))
+        recv.settimeout(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            data, _ = recv.recvfrom(64)
+            if data == token:
+                return None
+        return f"a datagram sent to {group} did not come back within {timeout_s:g} s"
+    except socket.timeout:
+        return f"a datagram sent to {group} did not come back within {timeout_s:g} s"
+    except OSError as exc:
+        return f"{group} via {bind_address}: {exc.strerror or exc}"
+    finally:
+        for sock in (recv, send):
+            if sock is not None:
+                sock.close()
+
+
+def cluster_discovery_args(etc: Path, n: int, mode: str) -> tuple[list[str], str]:
+    """The extra ``lodestone-broker run`` arguments of the local deployment's brokers, and the
+    banner line saying how they find each other: their ``[cluster] discovery-group`` where
+    multicast works here (``mode`` ``auto``) or is asked for (``multicast``); otherwise
+    ``--static-connectors`` with every node's ``[cluster] connector`` (``static``, or ``auto``
+    when the probe fails, saying why)."""
+    from broker.config import load_config
+
+    cfgs = [load_config(etc / f"broker-{i}.toml") for i in range(1, n + 1)]
+    c0 = cfgs[0].cluster
+    if c0 is None:
+        return [], "cluster: none (no [cluster] in broker-1.toml)"
+    dg = next((d for d in cfgs[0].discovery_groups if d.name == c0.discovery_group), None)
+    if dg is None:
+        return [], f"cluster {c0.name}: static connectors (from the broker configs)"
+    static = ["--static-connectors", ",".join(c.cluster.connector for c in cfgs if c.cluster is not None)]
+    where = f"UDP multicast {dg.group_address}:{dg.group_port} on {dg.local_bind_address}"
+    if mode == "static":
+        return static, f"cluster {c0.name}: static connectors (--cluster-discovery static)"
+    why = multicast_probe(dg.group_address, dg.local_bind_address) if mode == "auto" else None
+    if why is not None:
+        return static, (f"cluster {c0.name}: multicast discovery does not work on this machine ({why}); "
+                        "the brokers use static connectors instead")
+    return [], f"cluster {c0.name}: discovery over {where} (discovery group {dg.name!r})"
+
+
 RESTART_BACKOFF_S = (1.0, 30.0)   # first delay, cap (doubling while restarts keep failing)
 STABLE_AFTER_S = 60.0             # a broker up this long starts the back-off afresh
 CLIENT_HELP = "docs/clients.md"
@@ -122,12 +188,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start-timeout", type=float, default=60.0)
     parser.add_argument("--no-restart", action="store_true",
                         help="leave a broker that exits down instead of restarting it")
+    parser.add_argument("--cluster-discovery", choices=("auto", "multicast", "static"), default="auto",
+                        help="how the brokers find each other: their discovery group where multicast "
+                             "works on this machine, else static connectors (auto, the default), "
+                             "always the discovery group, or always static connectors")
     args = parser.parse_args(argv)
 
     etc = Path(args.etc)
     logs = Path(args.logs)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    brokers = [Child(f"broker-{i}", [sys.executable, "-m", "broker", "run", str(etc / f"broker-{i}.toml")],
+    try:
+        extra, discovery_line = cluster_discovery_args(etc, args.brokers, args.cluster_discovery)
+    except Exception as exc:  # a bad broker config: the broker itself says it best at start
+        extra, discovery_line = [], f"cluster: cannot read the broker configs ({exc})"
+    print(f"lodestone-local: {discovery_line}", flush=True)
+    brokers = [Child(f"broker-{i}", [sys.executable, "-m", "broker", "run", str(etc / f"broker-{i}.toml"), *extra],
                      logs / f"broker-{i}.log") for i in range(1, args.brokers + 1)]
     router = Child("router", [sys.executable, "-m", "router", "run", str(etc / "router.toml")],
                    logs / "router.log")
@@ -169,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     for what, url in router.listening.items():
         print(f"  router    {what:10} {url:28} {_ROUTER_PORTS.get(what, '')}".rstrip())
     print(f"  router    pid {router.proc.pid}   (lodestone-local pid {os.getpid()})")
+    print(f"  {discovery_line}")
     print("  users: admin/admin (every role), app/app (send, consume) - loopback only")
     print(f"  logs: {logs}/   (routing log: see etc/router.toml [routing-log])")
     print("  clients: the redirect acceptor answers amqp:connection:redirect; follow it with")
@@ -192,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                 what = (f"lodestone-local: {b.name} (pid {b.proc.pid}) exited with "
                         f"{describe_exit(b.proc.returncode)}; see {b.log_path}; ")
                 if args.no_restart:
-                    print(what + f"not restarting (--no-restart): lodestone-broker run {b.argv[-1]}",
+                    print(what + f"not restarting (--no-restart): lodestone-broker run {' '.join(b.argv[4:])}",
                           file=sys.stderr, flush=True)
                     b.restart_at = float("inf")
                 else:

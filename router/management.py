@@ -119,12 +119,172 @@ def aggregate_workers(reports: list[dict], services: dict) -> Aggregate:
                      log_write_errors=errors, failing=failing, open_fds=fds, logins=dict(logins))
 
 
-class ManagementApi:
+class RouterResources:
+    """The ``/api/v1/routers`` resources over a set of ``RouterService``s: the router process's
+    (``ManagementApi``) or a broker's embedded routers (``broker.management``). Subclasses give
+    ``services`` (name → service), ``router_configs`` (name → RouterConfig) and may override
+    ``broadcast_filter`` (a multi-worker router's supervisor confirms a filter with its workers).
+    """
+
+    services: dict
+    router_configs: dict
+
+    async def broadcast_filter(self, name: str, field: str, value) -> dict | None:
+        return None
+
+    async def handle_routers(self, request: Request, path: str) -> Response | None:
+        """Answer ``/api/v1/routers`` and ``/api/v1/routers/{r}/...`` (the caller authorized
+        the request); None for any other path."""
+        if path == "/api/v1/routers":
+            if request.method not in ("GET", "HEAD"):
+                raise HttpError(405, f"{request.method} not allowed on {path} (GET)", [("Allow", "GET")])
+            return json_response([self.router_view(n) for n in self.services])
+        m = _ROUTE.match(path)
+        if not m:
+            return None
+        name, sub = m.group(1), m.group(2) or ""
+        service = self.services.get(name)
+        if service is None:
+            raise HttpError(404, f"no router named {name!r} (routers: {', '.join(self.services)})")
+        if sub == "" and request.method == "GET":
+            return json_response(self.router_view(name))
+        if sub == "/target" and request.method == "GET":
+            key = request.query.get("key")
+            if key is None:
+                raise HttpError(400, "missing query parameter: key")
+            too_long = getattr(service, "key_too_long", None)
+            reason = too_long(key) if too_long is not None else None
+            if reason is not None:  # refused as a connection with that key would be
+                raise HttpError(400, f"router {name!r} refuses this key: {reason}")
+            return json_response(await self.target_for_key(name, key))
+        if sub in ("/key-filter", "/local-target-filter"):
+            field = sub[1:].replace("-", "_")
+            if request.method == "GET":
+                return json_response({field: self._get_filter(service, field)})
+            if request.method == "PUT":
+                return json_response(await self._put_filter(name, service, field, request))
+            raise HttpError(405, f"{request.method} not allowed on {path} (GET, PUT)")
+        if sub == "/pool" and request.method == "GET":
+            return json_response(self.pool_view(name))
+        if sub == "/cache" and request.method == "GET":
+            return json_response(self.cache_view(name, request.query))
+        if request.method != "GET":
+            raise HttpError(405, f"{request.method} not allowed on {path}")
+        raise HttpError(404, f"no such resource: {path}")
+
+    def router_view(self, name: str) -> dict:
+        service = self.services[name]
+        rc = self.router_configs.get(name)
+        out = {
+            "name": name,
+            "key_type": rc.key_type.value if rc is not None else None,
+            "key_filter": self._get_filter(service, "key_filter"),
+            "local_target_filter": self._get_filter(service, "local_target_filter"),
+            "policy": (rc.policy.name if rc is not None and rc.policy is not None else None),
+            "policy_properties": dict(rc.policy.properties) if rc is not None and rc.policy is not None else {},
+            "degraded": bool(getattr(service, "degraded", False)),
+            # bounded load (CONSISTENT_HASH + LOAD_FACTOR): live assignments per target slot
+            "live_assignments": getattr(service, "live_assignments", None),
+        }
+        out.update({"pool": self.pool_view(name)})
+        return out
+
+    def pool_view(self, name: str) -> dict | None:
+        service = self.services[name]
+        pool = getattr(service, "pool", None)
+        if pool is None:
+            return None
+        snap = pool.snapshot() if hasattr(pool, "snapshot") else {}
+        membership = getattr(service, "membership_status", None)
+        if membership is not None and membership() is not None:
+            snap["membership"] = membership()  # a dynamic source: where it reads, last error
+        return snap
+
+    def cache_view(self, name: str, query: dict | None = None) -> Any:
+        """One page of the sticky cache: ``limit`` entries (default DEFAULT_PAGE_SIZE, at most
+        MAX_PAGE_SIZE) with keys after ``after``, in key order; ``next`` is the cursor for the
+        following page (null on the last one)."""
+        query = query or {}
+        raw_limit = query.get("limit")
+        try:
+            limit = DEFAULT_PAGE_SIZE if raw_limit is None else int(raw_limit)
+        except ValueError:
+            raise HttpError(400, f"limit: {raw_limit[:40]!r} is not an integer") from None
+        if not 1 <= limit <= MAX_PAGE_SIZE:
+            raise HttpError(400, f"limit: {limit} must be between 1 and {MAX_PAGE_SIZE}")
+        after = query.get("after") or None
+        service = self.services[name]
+        if getattr(service, "core", None) is None or service.core.cache is None:
+            return {"enabled": False, "total": 0, "entries": [], "next": None}
+        return {"enabled": True, **service.cache_page(after=after, limit=limit)}
+
+    async def target_for_key(self, name: str, key: str) -> dict:
+        service = self.services[name]
+        decision = service.route_for_key(key)
+        if inspect.isawaitable(decision):
+            decision = await decision
+        rc = self.router_configs.get(name)
+        imported = {tc.name: (tc.connector_params, tc.connector_extra)
+                    for tc in (rc.pool.targets if rc is not None and rc.pool is not None else ())
+                    if tc.connector_params is not None}
+        return target_json(decision, imported)
+
+    # -- filters ---------------------------------------------------------------------------------
+    @staticmethod
+    def _filter_accessors(service, field: str):
+        get_name = "get_key_filter" if field == "key_filter" else "get_local_target_filter"
+        set_name = "set_key_filter" if field == "key_filter" else "set_local_target_filter"
+        for obj in (service, getattr(service, "router", None)):
+            if obj is not None and hasattr(obj, get_name) and hasattr(obj, set_name):
+                return getattr(obj, get_name), getattr(obj, set_name)
+        raise HttpError(500, f"router service has no {field} accessors")
+
+    def _get_filter(self, service, field: str):
+        get, _ = self._filter_accessors(service, field)
+        return get()
+
+    async def _put_filter(self, name: str, service, field: str, request: Request) -> dict:
+        body = request.json()
+        if not isinstance(body, dict) or field not in body:
+            raise HttpError(400, f'body must be {{"{field}": "<regex>"}} or {{"{field}": null}}')
+        value = body[field]
+        if value is not None and not isinstance(value, str):
+            raise HttpError(400, f"{field} must be a string or null")
+        _, setter = self._filter_accessors(service, field)
+        try:
+            setter(value)
+        except (FilterError, ValueError) as exc:
+            raise HttpError(400, f"{field}: {exc}") from None
+        get, _ = self._filter_accessors(service, field)
+        log.info("%s set to %r via management", field, get())
+        out = {field: get()}
+        confirmed = await self.broadcast_filter(name, field, get())
+        if confirmed is not None:
+            out.update(confirmed)
+            if out["failed_workers"]:
+                log.warning("%s of router %s not confirmed by %s", field, name, out["failed_workers"])
+        return out
+
+
+class ManagementApi(RouterResources):
     """Request handler over a ``router.server.RunningRouter``."""
 
     def __init__(self, running):
         self.running = running
         self.cfg = running.config
+
+    @property
+    def services(self) -> dict:
+        return self.running.services
+
+    @property
+    def router_configs(self) -> dict:
+        return self.cfg.routers
+
+    async def broadcast_filter(self, name: str, field: str, value) -> dict | None:
+        if self.running.supervisor is None:
+            return None
+        return await self.running.supervisor.broadcast_filter(name, field, value)
 
     # -- auth ------------------------------------------------------------------------------------
     async def _check(self, user: str, password: str, source: str | None) -> bool:
@@ -174,40 +334,11 @@ class ManagementApi:
             return metrics_response(self.metrics(await self.aggregate()))
         if path == "/api/v1/router":
             return json_response(self.summary(await self.aggregate()))
-        if path == "/api/v1/routers":
-            return json_response([self.router_view(n) for n in self.running.services])
         if path == "/api/v1/counters":
             return json_response(self.counters(await self.aggregate()))
-        m = _ROUTE.match(path)
-        if m:
-            name, sub = m.group(1), m.group(2) or ""
-            service = self.running.services.get(name)
-            if service is None:
-                raise HttpError(404, f"no router named {name!r} (routers: {', '.join(self.running.services)})")
-            if sub == "" and request.method == "GET":
-                return json_response(self.router_view(name))
-            if sub == "/target" and request.method == "GET":
-                key = request.query.get("key")
-                if key is None:
-                    raise HttpError(400, "missing query parameter: key")
-                too_long = getattr(service, "key_too_long", None)
-                reason = too_long(key) if too_long is not None else None
-                if reason is not None:  # refused as a connection with that key would be
-                    raise HttpError(400, f"router {name!r} refuses this key: {reason}")
-                return json_response(await self.target_for_key(name, key))
-            if sub in ("/key-filter", "/local-target-filter"):
-                field = sub[1:].replace("-", "_")
-                if request.method == "GET":
-                    return json_response({field: self._get_filter(service, field)})
-                if request.method == "PUT":
-                    return json_response(await self._put_filter(name, service, field, request))
-                raise HttpError(405, f"{request.method} not allowed on {path} (GET, PUT)")
-            if sub == "/pool" and request.method == "GET":
-                return json_response(self.pool_view(name))
-            if sub == "/cache" and request.method == "GET":
-                return json_response(self.cache_view(name, request.query))
-            if request.method != "GET":
-                raise HttpError(405, f"{request.method} not allowed on {path}")
+        resp = await self.handle_routers(request, path)
+        if resp is not None:
+            return resp
         raise HttpError(404, f"no such resource: {path}")
 
     # -- views -----------------------------------------------------------------------------------
@@ -254,52 +385,6 @@ class ManagementApi:
             out["processes"] = agg.processes
         return out
 
-    def router_view(self, name: str) -> dict:
-        service = self.running.services[name]
-        rc = self.cfg.routers.get(name)
-        out = {
-            "name": name,
-            "key_type": rc.key_type.value if rc is not None else None,
-            "key_filter": self._get_filter(service, "key_filter"),
-            "local_target_filter": self._get_filter(service, "local_target_filter"),
-            "policy": (rc.policy.name if rc is not None and rc.policy is not None else None),
-            "policy_properties": dict(rc.policy.properties) if rc is not None and rc.policy is not None else {},
-            "degraded": bool(getattr(service, "degraded", False)),
-            # bounded load (CONSISTENT_HASH + LOAD_FACTOR): live assignments per target slot
-            "live_assignments": getattr(service, "live_assignments", None),
-        }
-        out.update({"pool": self.pool_view(name)})
-        return out
-
-    def pool_view(self, name: str) -> dict | None:
-        service = self.running.services[name]
-        pool = getattr(service, "pool", None)
-        if pool is None:
-            return None
-        snap = pool.snapshot() if hasattr(pool, "snapshot") else {}
-        membership = getattr(service, "membership_status", None)
-        if membership is not None and membership() is not None:
-            snap["membership"] = membership()  # a dynamic source: where it reads, last error
-        return snap
-
-    def cache_view(self, name: str, query: dict | None = None) -> Any:
-        """One page of the sticky cache: ``limit`` entries (default DEFAULT_PAGE_SIZE, at most
-        MAX_PAGE_SIZE) with keys after ``after``, in key order; ``next`` is the cursor for the
-        following page (null on the last one)."""
-        query = query or {}
-        raw_limit = query.get("limit")
-        try:
-            limit = DEFAULT_PAGE_SIZE if raw_limit is None else int(raw_limit)
-        except ValueError:
-            raise HttpError(400, f"limit: {raw_limit[:40]!r} is not an integer") from None
-        if not 1 <= limit <= MAX_PAGE_SIZE:
-            raise HttpError(400, f"limit: {limit} must be between 1 and {MAX_PAGE_SIZE}")
-        after = query.get("after") or None
-        service = self.running.services[name]
-        if getattr(service, "core", None) is None or service.core.cache is None:
-            return {"enabled": False, "total": 0, "entries": [], "next": None}
-        return {"enabled": True, **service.cache_page(after=after, limit=limit)}
-
     async def health(self) -> tuple[dict, int]:
         """``/health``: ``ok``, ``degraded`` (still serving, 200: some I/O component — routing
         log, cache file — is failing and being retried; ``degraded`` lists them) or
@@ -326,52 +411,6 @@ class ManagementApi:
         out["io"] = {"failing": agg.failing, "open_fds": agg.open_fds, "fd_limit": agg.fd_limit}
         if agg.per_worker is not None:
             out["per_worker"] = agg.per_worker
-        return out
-
-    async def target_for_key(self, name: str, key: str) -> dict:
-        service = self.running.services[name]
-        decision = service.route_for_key(key)
-        if inspect.isawaitable(decision):
-            decision = await decision
-        rc = self.cfg.routers.get(name)
-        imported = {tc.name: (tc.connector_params, tc.connector_extra)
-                    for tc in (rc.pool.targets if rc is not None and rc.pool is not None else ())
-                    if tc.connector_params is not None}
-        return target_json(decision, imported)
-
-    # -- filters ---------------------------------------------------------------------------------
-    @staticmethod
-    def _filter_accessors(service, field: str):
-        get_name = "get_key_filter" if field == "key_filter" else "get_local_target_filter"
-        set_name = "set_key_filter" if field == "key_filter" else "set_local_target_filter"
-        for obj in (service, getattr(service, "router", None)):
-            if obj is not None and hasattr(obj, get_name) and hasattr(obj, set_name):
-                return getattr(obj, get_name), getattr(obj, set_name)
-        raise HttpError(500, f"router service has no {field} accessors")
-
-    def _get_filter(self, service, field: str):
-        get, _ = self._filter_accessors(service, field)
-        return get()
-
-    async def _put_filter(self, name: str, service, field: str, request: Request) -> dict:
-        body = request.json()
-        if not isinstance(body, dict) or field not in body:
-            raise HttpError(400, f'body must be {{"{field}": "<regex>"}} or {{"{field}": null}}')
-        value = body[field]
-        if value is not None and not isinstance(value, str):
-            raise HttpError(400, f"{field} must be a string or null")
-        _, setter = self._filter_accessors(service, field)
-        try:
-            setter(value)
-        except (FilterError, ValueError) as exc:
-            raise HttpError(400, f"{field}: {exc}") from None
-        get, _ = self._filter_accessors(service, field)
-        log.info("%s set to %r via management", field, get())
-        out = {field: get()}
-        if self.running.supervisor is not None:
-            out.update(await self.running.supervisor.broadcast_filter(name, field, get()))
-            if out["failed_workers"]:
-                log.warning("%s of router %s not confirmed by %s", field, name, out["failed_workers"])
         return out
 
     # -- metrics ---------------------------------------------------------------------------------

@@ -93,7 +93,7 @@ class RouterService:
     def __init__(self, config: RouterConfig, *, rng: random.Random | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time, redis_cache: Any = None,
-                 shared: Any = None) -> None:
+                 shared: Any = None, source: Any = None, local_managed: bool = False) -> None:
         self.config = config
         self.name = config.name
         self.clock = clock
@@ -110,6 +110,9 @@ class RouterService:
         self.round_listeners: list[Callable[[], None]] = []
         #: a worker of a multi-worker router: pool fed by the supervisor, cache shared through it
         self.follower = shared is not None
+        #: the embedder sets the local target's readiness (a router inside a broker: the broker
+        #: is the local target, ready while it is active); it is never probed
+        self.local_managed = local_managed
         self._closed = False
 
         pc = config.pool
@@ -118,8 +121,9 @@ class RouterService:
                             local_target_enabled=bool(pc and pc.local_target_enabled))
         self._source = None
         if pc is not None:
-            self._source = create_membership_source(pc.source, [t.to_target() for t in pc.targets],
-                                                    pc.source_options)
+            # ``source``: a membership source the embedder built (a broker's own cluster)
+            self._source = source if source is not None else create_membership_source(
+                pc.source, [t.to_target() for t in pc.targets], pc.source_options)
             self._source.start(self._holder)
         #: a dynamic membership source (cluster): followed by the prober (``run``), pushed by
         #: the supervisor to its workers with the probe results (``pool_states``)
@@ -469,7 +473,7 @@ class RouterService:
                                 password=pc.password if pc else None, clock=self.clock,
                                 on_round=on_round,
                                 credentials={t.name: (t.username, t.password) for t in own},
-                                task_status=task_status)
+                                probe_local=not self.local_managed, task_status=task_status)
 
     # -- internals: embedded persistence --------------------------------------------------------
     def _load_embedded(self, cache: StickyCache) -> None:

@@ -59,6 +59,7 @@ from broker.core.security import Principal
 from broker.errors import NotThisProtocol, RemoteProtocolError
 from broker.proxyproto import ProxyHeaderReader, ProxyProtocolError
 from broker.trioutil import Wakeup
+from router.net.tls import capture_sni, sni_of
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.config import AcceptorConfig
@@ -82,6 +83,8 @@ def make_ssl_context(acceptor: "AcceptorConfig") -> ssl.SSLContext:
     if tls.ca_file is not None:
         ctx.load_verify_locations(str(tls.ca_file))
         ctx.verify_mode = ssl.CERT_REQUIRED if tls.require_client_cert else ssl.CERT_OPTIONAL
+    if acceptor.router is not None:   # an embedded router may key on the SNI host (SNI_HOST)
+        capture_sni(ctx)
     return ctx
 
 
@@ -170,7 +173,19 @@ async def handle_connection(node: "Node", acceptor: "AcceptorConfig", sock_strea
             await (_linger(sock_stream) if stream is sock_stream else _linger_tls(stream))
             return
         guard.authenticated()
-        principal, leftover = result
+        principal, leftover, mechanism = result
+        routing = node.routing
+        if acceptor.router is not None and routing is not None:
+            if CLUSTER_ROLE in principal.roles:   # the cluster's own connections are never routed
+                routing.counters["cluster_exempt"] += 1
+            else:
+                with trio.fail_after(node.cfg.handshake_timeout_s):
+                    leftover = await routing.route_connection(
+                        acceptor, stream, conn_id, principal, mechanism, source,
+                        sni_of(getattr(stream, "_ssl_object", None)) if stream is not sock_stream else None, leftover)
+                if leftover is None:  # redirected or refused: the reply is written
+                    await (_linger(sock_stream) if stream is sock_stream else _linger_tls(stream))
+                    return
         await _pump(node, stream, conn_id, principal, source, ctx is not None, leftover, acceptor)
         await (_linger(sock_stream) if stream is sock_stream else _linger_tls(stream))
     except trio.TooSlowError:
@@ -329,7 +344,8 @@ async def _linger_tls(stream: trio.SSLStream) -> None:
 
 async def _authenticate(node: "Node", acceptor: "AcceptorConfig", stream, source: str, source_ip: str,
                         cn: str | None):
-    """Run SASL; returns (principal, leftover bytes) or None when the connection must close."""
+    """Run SASL; returns (principal, leftover bytes, mechanism) or None when the connection must
+    close."""
     sasl = SaslServer(acceptor.sasl_mechanisms, node.cfg.max_frame_bytes)
     try:
         while True:
@@ -367,14 +383,14 @@ async def _authenticate(node: "Node", acceptor: "AcceptorConfig", stream, source
                     await stream.send_all(out)
                 return None
             if isinstance(ev, AmqpHeaderReceived):
-                return pending_principal, sasl.leftover()
+                return pending_principal, sasl.leftover(), str(sasl.init.mechanism) if sasl.init else None
             if isinstance(ev, NoSasl):
                 if not (acceptor.allow_no_sasl and node.security.anonymous_enabled):
                     node.counters["auth_failed"] += 1
                     log.info("client skipped SASL; refused", extra={"fields": {"source": source}})
                     await stream.send_all(SASL_HEADER)  # §2.2: the header we require, then close
                     return None
-                return node.security.anonymous_principal(), sasl.leftover()
+                return node.security.anonymous_principal(), sasl.leftover(), None
     except NotThisProtocol as exc:
         node.counters["bad_protocol_header"] += 1
         log.info("not an AMQP client: %s", exc.description, extra={"fields": {"source": source}})

@@ -465,6 +465,9 @@ class ClusterNode:
         self.discovery = DiscoveryGroup(node.node_id, (self.discovery_cfg.refresh_timeout_ms / 1000.0
                                                        if self.discovery_cfg else 10.0), cluster=cfg.name, key=cfg.key)
         self.state = ClusterState(cfg.max_state_bytes)
+        #: called (no arguments) whenever the live members may have changed: a bridge came up or
+        #: went down, a hello named a member's connector (an embedded router's cluster pool)
+        self.membership_listeners: list = []
         for decl in node.cfg.addresses:
             self.state.offer(AddressNote(decl.name, tuple(sorted(decl.routing_types)), decl.filter, 0, node.node_id))
         self._restore_dup_ids()
@@ -529,6 +532,7 @@ class ClusterNode:
                 self.by_node.pop(a.node_id, None)
                 self.members.pop(a.node_id, None)
                 self.forget_via(a.node_id)
+                self._members_changed()
             for url in a.connectors:  # a bridge that never reached the announced node
                 x = self.bridges.get(url)
                 if x is not None and x.node_id is None:
@@ -584,16 +588,35 @@ class ClusterNode:
         self.core.cluster.set_connected(node_id, True)
         self._refresh_via(node_id)
         self._changed.set()
+        self._members_changed()
 
     def bridge_down(self, b: Bridge) -> None:
         if b.node_id is None:
             return
         self.core.cluster.set_connected(b.node_id, False)
         self._refresh_via(b.node_id)
+        self._members_changed()
 
     def bridge_gave_up(self, b: Bridge) -> None:
         if b.node_id is not None and self.by_node.get(b.node_id) is b:
             self.forget_via(b.node_id)
+        self._members_changed()
+
+    def _members_changed(self) -> None:
+        for cb in list(self.membership_listeners):
+            cb()
+
+    def live_members(self) -> list[tuple[str, str, str]]:
+        """``(node id, connector, management URL)`` of every other member whose bridge is
+        connected and whose hello named its connector, by node id (Artemis's cluster topology
+        as a ``<cluster-connection>`` pool sees it: nodeUP / nodeDown)."""
+        out = []
+        for node_id in sorted(self.members):
+            b = self.by_node.get(node_id)
+            m = self.members[node_id]
+            if node_id != self.node.node_id and b is not None and b.connected and m.connector:
+                out.append((node_id, m.connector, m.management_url))
+        return out
 
     def _sf_queue(self, node_id: str):
         q = self._sf.get(node_id)
@@ -665,6 +688,7 @@ class ClusterNode:
                 self.members[via] = _Member(via, note.connector, note.management_url, note.started_ms)
             else:
                 m.management_url = note.management_url
+            self._members_changed()
             if not self.cfg.allow_direct_connections_only:
                 for node_id, connector, _mgmt in note.members:
                     if node_id != self.node.node_id and node_id not in self.by_node and connector:
@@ -1178,13 +1202,8 @@ class ClusterNode:
         is connected, by node id; each ``{"node-id", "connector"}``; at most
         :data:`MAX_CLUSTER_MEMBERS` entries."""
         out = [{"node-id": self.node.node_id, "connector": self.connector}]
-        for node_id in sorted(self.members):
-            if len(out) >= MAX_CLUSTER_MEMBERS:
-                break
-            b = self.by_node.get(node_id)
-            m = self.members[node_id]
-            if node_id != self.node.node_id and b is not None and b.connected and m.connector:
-                out.append({"node-id": node_id, "connector": m.connector})
+        for node_id, connector, _mgmt in self.live_members()[:MAX_CLUSTER_MEMBERS - 1]:
+            out.append({"node-id": node_id, "connector": connector})
         return out
 
     def take_activity(self) -> dict:

@@ -74,6 +74,11 @@ def client_context(*, ca: str | Path | None = None, verify: bool = True,
     return ctx
 
 
+def capture_sni(ctx: ssl.SSLContext) -> None:
+    """Make ``ctx`` (a server context) keep each client's SNI host name for :func:`sni_of`."""
+    ctx.sni_callback = _store_sni
+
+
 def sni_of(ssl_object) -> str | None:
     """The SNI host name the client sent (lower-cased), or None."""
     return getattr(ssl_object, _SNI_ATTR, None)

@@ -64,7 +64,7 @@ from broker.errors import (
     RemoteProtocolError,
 )
 
-__all__ = ["HandshakeSniffer", "Detected", "AuthRequested", "AuthFailed", "NEED_DATA", "NotThisProtocol"]
+__all__ = ["HandshakeSniffer", "OpenReader", "Detected", "AuthRequested", "AuthFailed", "NEED_DATA", "NotThisProtocol"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,9 +144,7 @@ class HandshakeSniffer:
         self.container_id = container_id
         self.sasl = SaslServer(mechanisms, max_frame_bytes=max_handshake_bytes)
         self._received = 0
-        self._frames: FrameReader | None = None  # set once the AMQP layer starts
-        self._client_bytes = bytearray()
-        self._header_seen = False
+        self._frames: OpenReader | None = None  # set once the AMQP layer starts
         self._detected = False
         self._user: str | None = None
         self._verified = False
@@ -162,7 +160,6 @@ class HandshakeSniffer:
         if self._frames is None:
             self.sasl.receive_data(data)
         else:
-            self._client_bytes += data
             self._frames.receive_data(data)
 
     def data_to_send(self) -> bytes:
@@ -244,8 +241,7 @@ class HandshakeSniffer:
             raise AssertionError(f"unexpected SASL event {ev!r}")  # pragma: no cover
 
     def _start_amqp(self, leftover: bytes):
-        self._frames = FrameReader(max(self.max_handshake_bytes, 512))
-        self._client_bytes += leftover
+        self._frames = OpenReader(self.max_handshake_bytes)
         self._frames.receive_data(leftover)
         try:
             return self._amqp_step()
@@ -255,13 +251,50 @@ class HandshakeSniffer:
             raise
 
     def _amqp_step(self):
+        perf = self._frames.next_event()
+        if perf is NEED_DATA:
+            return NEED_DATA
+        self._detected = True
+        return Detected(
+            open=perf,
+            user=self._user,
+            mechanism=self._mechanism,
+            client_bytes=bytes(self._frames.received),
+            sasl_init_bytes=self._sasl_init_bytes,
+            verified=self._verified,
+            sasl_hostname=self.sasl.init.hostname if self.sasl.init else None,
+        )
+
+
+class OpenReader:
+    """The AMQP layer of a handshake once SASL is done: the client's AMQP header (§2.2), then
+    frames up to its Open (§2.7.1). Used by :class:`HandshakeSniffer` and by a broker acceptor
+    with an embedded router (``broker.routing``), which authenticates with its own SASL layer
+    and routes on the Open before its engine sees any of it.
+
+    ``receive_data(bytes)``; ``next_event()`` → ``NEED_DATA`` or the ``Open`` (once), raising
+    ``NotThisProtocol``/``FramingError``/``RemoteProtocolError`` for a bad header or first
+    frame. ``received`` holds every byte fed so far (header, Open and anything pipelined after
+    it), to hand to whatever serves the connection next.
+    """
+
+    def __init__(self, max_handshake_bytes: int = 65536) -> None:
+        self._frames = FrameReader(max(max_handshake_bytes, 512))
+        self.received = bytearray()
+        self._header_seen = False
+
+    def receive_data(self, data: bytes) -> None:
+        self.received += data
+        self._frames.receive_data(data)
+
+    def next_event(self):
         frames = self._frames
         if not self._header_seen:
             hdr = frames.next_protocol_header()
             if hdr is NEED_DATA:
                 return NEED_DATA
             if hdr != AMQP_HEADER:  # SaslServer already checked it; belt and braces
-                raise NotThisProtocol(f"unexpected protocol header {hdr!r}", bytes(self._client_bytes),
+                raise NotThisProtocol(f"unexpected protocol header {hdr!r}", bytes(self.received),
                                       reply=AMQP_HEADER)
             self._header_seen = True
         while True:
@@ -280,13 +313,4 @@ class HandshakeSniffer:
                 )
             if frame.channel != 0:
                 raise FramingError(f"open on channel {frame.channel}, must be 0")
-            self._detected = True
-            return Detected(
-                open=perf,
-                user=self._user,
-                mechanism=self._mechanism,
-                client_bytes=bytes(self._client_bytes),
-                sasl_init_bytes=self._sasl_init_bytes,
-                verified=self._verified,
-                sasl_hostname=self.sasl.init.hostname if self.sasl.init else None,
-            )
+            return perf

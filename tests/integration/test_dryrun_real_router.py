@@ -117,6 +117,7 @@ def test_dry_run_piped_to_head_exits_quietly(tmp_path):
     t0 = time.monotonic()
     out = subprocess.run(["bash", "-o", "pipefail", "-c",
                           f'"{sys.executable}" -m router dry-run etc/router.toml --keys {keys} '
+                          f'--target broker-1=127.0.0.1:15672 --target broker-2=127.0.0.1:15673 '
                           f'--add broker-4=127.0.0.1:15675 --json | head -n 3'],
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 0, (out.returncode, out.stderr)

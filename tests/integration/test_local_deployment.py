@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-FIXED_PORTS = [5672, 5673, 5674, 8160, 15672, 15673, 15674, 18161, 18162, 18163]
+# (9876: the brokers' multicast discovery group)
+FIXED_PORTS = [5672, 5673, 5674, 8160, 15672, 15673, 15674, 18161, 18162, 18163, 9876]
 
 
 def _free_ports(n):
@@ -36,6 +37,10 @@ def _free_ports(n):
 @pytest.fixture
 def local_deployment(tmp_path):
     """A private copy of etc/ (data and logs in tmp_path), its fixed ports swapped for free ones."""
+    yield from start_local(tmp_path)
+
+
+def start_local(tmp_path, *extra_args: str):
     etc = tmp_path / "etc"
     etc.mkdir()
     mapping = dict(zip(FIXED_PORTS, _free_ports(len(FIXED_PORTS))))
@@ -44,8 +49,8 @@ def local_deployment(tmp_path):
         for old, new in mapping.items():
             text = re.sub(rf"(?<![0-9]){old}(?![0-9])", str(new), text)
         (etc / f.name).write_text(text)
-    proc = subprocess.Popen([sys.executable, "-m", "router.local", "--etc", str(etc), "--logs", str(tmp_path / "logs")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "router.local", "--etc", str(etc), "--logs", str(tmp_path / "logs"),
+                             *extra_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
     lines = []
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
@@ -126,11 +131,38 @@ def test_children_stop_when_the_supervisor_is_killed(local_deployment):
 
 def test_the_three_brokers_are_one_cluster(local_deployment):
     """A producer on broker-1 and a consumer on broker-3 meet (ON_DEMAND over the cluster's
-    bridges); every node warns about the sample cluster password."""
+    bridges); every node warns about the sample cluster password. The brokers found each other
+    by multicast discovery where this machine allows it (the same probe as lodestone-local's,
+    run here), else by static connectors, and the banner says which; the router's pool is the
+    cluster: every broker, by node id."""
     proc, banner, tmp_path, ports = local_deployment
     b1, b3 = (f"amqp://127.0.0.1:{ports[p]}" for p in (15672, 15674))
     mgmt1 = f"http://127.0.0.1:{ports[18161]}"
+    from router.local import multicast_probe
     from tests.serverproc import http_json
+
+    why = multicast_probe("231.7.7.7", "127.0.0.1")
+    ids = {http_json(f"http://127.0.0.1:{ports[m]}/api/v1/broker", auth=("admin", "admin"))[1]["node_id"]
+           for m in (18161, 18162, 18163)}
+    if why is None:
+        assert "cluster lodestone-local: discovery over UDP multicast 231.7.7.7:" in banner, banner
+        heard = lambda: {e["node_id"] for e in http_json(mgmt1 + "/api/v1/cluster", auth=("admin", "admin"))[1][  # noqa: E731
+            "discovery"]["entries"]}
+        deadline = time.monotonic() + 30
+        while heard() != ids - {http_json(mgmt1 + "/api/v1/broker", auth=("admin", "admin"))[1]["node_id"]}:
+            assert time.monotonic() < deadline, "broker-1's discovery group never heard the two others"
+            time.sleep(0.1)
+    else:
+        assert "multicast discovery does not work on this machine" in banner, banner
+    router_mgmt = f"http://127.0.0.1:{ports[8160]}"
+
+    def pool():
+        status, body = http_json(router_mgmt + "/api/v1/routers/main/pool", auth=("admin", "admin"))
+        return {t["node_id"]: t["ready"] for t in body["targets"]} if status == 200 else {}
+    deadline = time.monotonic() + 30
+    while pool() != dict.fromkeys(ids, True):
+        assert time.monotonic() < deadline, f"the router's cluster pool never held the three brokers: {pool()}"
+        time.sleep(0.1)
 
     def meshed():
         status, view = http_json(mgmt1 + "/api/v1/cluster", auth=("admin", "admin"))
@@ -163,3 +195,25 @@ def test_the_three_brokers_are_one_cluster(local_deployment):
     for i in (1, 2, 3):
         text = (tmp_path / "logs" / f"broker-{i}.log").read_text()
         assert "cluster password is a published sample" in text
+
+
+def test_static_connectors_when_asked_and_said_so(tmp_path):
+    """``--cluster-discovery static`` (what ``auto`` falls back to where multicast fails): the
+    banner says so, the brokers run with --static-connectors and still form one cluster."""
+    gen = start_local(tmp_path, "--cluster-discovery", "static")
+    proc, banner, tmp_path, ports = next(gen)
+    try:
+        assert "cluster lodestone-local: static connectors (--cluster-discovery static)" in banner, banner
+        from tests.serverproc import http_json
+        mgmt1 = f"http://127.0.0.1:{ports[18161]}"
+        deadline = time.monotonic() + 30
+        while True:
+            status, view = http_json(mgmt1 + "/api/v1/cluster", auth=("admin", "admin"))
+            if status == 200 and sum(1 for b in view["bridges"] if b["connected"]) == 2:
+                break
+            assert time.monotonic() < deadline, "broker-1 never bridged to the two others"
+            time.sleep(0.1)
+        assert view["discovery"] is None   # no discovery group: the static connectors formed it
+    finally:
+        for _ in gen:
+            pass

@@ -81,10 +81,14 @@ def test_a_killed_broker_is_reported_and_restarted(local_deployment):
     old_pid = int(m.group(1))
     mgmt = f"http://127.0.0.1:{ports[8160]}"
 
+    # the router's pool is the cluster: targets are named by node id, each broker says its own
+    names = {http_json(f"http://127.0.0.1:{ports[m]}/api/v1/broker", auth=("admin", "admin"))[1]["node_id"]:
+             f"broker-{i}" for i, m in enumerate((18161, 18162, 18163), 1)}
+
     def pool_ready():
         status, body = http_json(mgmt + "/api/v1/routers/main/pool", auth=("admin", "admin"))
         assert status == 200, body
-        return {t["name"]: t["ready"] for t in body["targets"]}
+        return {names.get(t["name"], t["name"]): t["ready"] for t in body["targets"]}
 
     _wait(lambda: pool_ready() == {"broker-1": True, "broker-2": True, "broker-3": True})
     os.kill(old_pid, signal.SIGKILL)

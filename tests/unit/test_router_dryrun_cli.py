@@ -6,7 +6,10 @@ from pathlib import Path
 from router.dryrun_cli import dry_run_main
 
 ROUTER_TOML = str(Path(__file__).resolve().parents[2] / "etc" / "router.toml")
-IDS = ["--node-id", "broker-1=263b9e60-fab6-3a0b-bf68-95583cf86466",
+# etc/router.toml's pool is the cluster: the members are given by hand (--target)
+IDS = ["--target", "broker-1=127.0.0.1:15672", "--target", "broker-2=127.0.0.1:15673",
+       "--target", "broker-3=127.0.0.1:15674",
+       "--node-id", "broker-1=263b9e60-fab6-3a0b-bf68-95583cf86466",
        "--node-id", "broker-2=38b9d67a-01aa-390b-92a4-0f3e2f3d9531",
        "--node-id", "broker-3=78c30cdd-0620-35fb-8ad2-6c39c91738b9"]
 
@@ -41,7 +44,8 @@ def test_removing_a_target_moves_only_its_keys(tmp_path, capsys):
 def test_routing_log_input_and_text_report(tmp_path, capsys):
     log = tmp_path / "routing.log"
     log.write_text("\n".join(json.dumps({"filtered_key": f"k{i}"}) for i in range(100)) + "\nnot json\n")
-    assert dry_run_main([ROUTER_TOML, "--routing-log", str(log), "--remove", "broker-1"]) == 0
+    assert dry_run_main([ROUTER_TOML, "--routing-log", str(log), "--remove", "broker-1",
+                         *IDS[:6]]) == 0
     out = capsys.readouterr().out
     assert "of 100 keys move" in out and "note: no node id" in out
 
@@ -62,3 +66,9 @@ def test_the_router_cli_runs_the_dry_run(tmp_path):
                           "--remove", "broker-3", *IDS], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "of 10 keys move" in out.stdout
+
+
+def test_a_cluster_pool_needs_its_members(tmp_path, capsys):
+    assert dry_run_main([ROUTER_TOML, "--keys", str(_keys(tmp_path, 5)), "--remove", "broker-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "routers.main.pool: source 'cluster'" in err and "--router-url" in err

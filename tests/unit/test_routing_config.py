@@ -35,7 +35,10 @@ def test_sample_config_loads():
     assert [(a.name, a.mode, a.port) for a in cfg.acceptors] == \
         [("auto", "auto", 5672), ("proxy", "proxy", 5673), ("redirect", "redirect", 5674)]
     assert main.policy.name == "CONSISTENT_HASH" and main.cache.backend == "embedded"
-    assert [t.name for t in main.pool.targets] == ["broker-1", "broker-2", "broker-3"]
+    # the local deployment's pool is its broker cluster, read from the brokers' management APIs
+    assert main.pool.source == "cluster" and main.pool.targets == ()
+    assert main.pool.source_options["seed-connectors"] == (
+        "http://127.0.0.1:18161", "http://127.0.0.1:18162", "http://127.0.0.1:18163")
     assert cfg.users_file == REPO / "etc" / "users.toml"
 
 
