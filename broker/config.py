@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Mapping
 
 from broker.cluster.settings import (HA_POLICIES, LOAD_BALANCING_MODES, BroadcastGroupConfig, ClusterConfig,
                                      DiscoveryGroupConfig, HaConfig, parse_connector)
+from broker.cluster.settings import HA_ROLES
 from broker.core.filters import SelectorError, compile_queue_filter
 from broker.core.addresses import ANYCAST, MULTICAST, AddressSettings, SettingsResolver, WildcardSettings
 from broker.core.limits import SourceLimits, source_limits_from
@@ -329,13 +330,40 @@ def _discovery_group(name: str, t: Table) -> DiscoveryGroupConfig:
     return DiscoveryGroupConfig(name, group, port, bind, refresh, initial)
 
 
+#: [ha] keys of the replication policy (Artemis <replication>): known, refused until it lands
+_REPLICATION_KEYS = ("group-name", "cluster-name", "check-for-live-server", "initial-replication-sync-timeout-ms",
+                     "vote-on-replication-failure", "quorum-size", "vote-retries", "vote-retry-wait-ms",
+                     "quorum-vote-wait-s", "max-saved-replicated-journals-size")
+
+
 def _ha(t: Table, cluster: ClusterConfig | None) -> HaConfig:
-    """``[ha]``: ``live-only`` with scale-down (Artemis ``<ha-policy><live-only><scale-down>``)."""
+    """``[ha]`` (Artemis ``<ha-policy>``): ``live-only`` with scale-down, or ``shared-store``
+    (docs/ha.md)."""
     d = HaConfig()
     policy = t.choice("policy", HA_POLICIES, d.policy)
-    if policy != "live-only":
-        raise t.error("policy", f"{policy!r}: replication and shared-store come with the HA issue, "
-                      "not supported yet: use live-only")
+    if policy == "replication":
+        raise t.error("policy", "'replication' is not supported yet (live-only and shared-store are; "
+                      "see docs/ha.md)")
+    if t.has("colocated"):
+        raise t.error("colocated", "colocated backups are not supported yet (see docs/ha.md)")
+    for key in _REPLICATION_KEYS:
+        if t.has(key):
+            raise t.error(key, "is a replication setting (policy = 'replication', not supported yet)")
+    role = t.choice("role", HA_ROLES, d.role)
+    if policy == "live-only" and t.has("role"):
+        raise t.error("role", f"{role!r}: a live-only node has no role (use policy = 'shared-store')")
+    shared = policy == "shared-store"
+    for key in ("allow-failback", "restart-backup"):
+        if t.has(key) and not (shared and role == "backup"):
+            raise t.error(key, "is a shared-store backup setting (policy = 'shared-store', role = 'backup')")
+    if t.has("wait-for-activation") and not (shared and role == "primary"):
+        raise t.error("wait-for-activation", "is a shared-store primary setting")
+    if t.has("failover-on-shutdown") and not shared:
+        raise t.error("failover-on-shutdown", "is a shared-store setting")
+    allow_failback = t.bool("allow-failback", d.allow_failback)
+    failover_on_shutdown = t.bool("failover-on-shutdown", d.failover_on_shutdown)
+    wait_for_activation = t.bool("wait-for-activation", d.wait_for_activation)
+    restart_backup = t.bool("restart-backup", d.restart_backup)
     scale_down = t.bool("scale-down", d.scale_down)
     group = _not_empty(t, "scale-down-group-name", t.str("scale-down-group-name", d.scale_down_group_name))
     connectors = _connectors(t, "scale-down-connectors")
@@ -343,7 +371,11 @@ def _ha(t: Table, cluster: ClusterConfig | None) -> HaConfig:
     if scale_down and cluster is None:
         raise t.error("scale-down", "true needs a [cluster] table (scale-down moves messages over the "
                       "cluster's bridges, with its credential)")
-    return HaConfig(policy=policy, scale_down=scale_down, scale_down_group_name=group,
+    if scale_down and shared:
+        raise t.error("scale-down", "scale-down from a shared-store node is not supported yet (see docs/ha.md)")
+    return HaConfig(policy=policy, role=role if shared else "primary", allow_failback=allow_failback,
+                    failover_on_shutdown=failover_on_shutdown, wait_for_activation=wait_for_activation,
+                    restart_backup=restart_backup, scale_down=scale_down, scale_down_group_name=group,
                     scale_down_connectors=connectors)
 
 

@@ -44,7 +44,7 @@ __all__ = ["make_handler", "MANAGEMENT_ADDRESS", "openapi_document"]
 
 #: what the cluster user may read (the probes of an embedded router's cluster pool, and a
 #: member's view of the cluster): everything else needs a users-file user with ``manage``
-CLUSTER_READABLE = frozenset({"/api/v1/broker", "/api/v1/cluster"})
+CLUSTER_READABLE = frozenset({"/api/v1/broker", "/api/v1/cluster", "/api/v1/ha"})
 
 
 async def _principal(node: "Node", request: Request):
@@ -74,8 +74,17 @@ async def _principal(node: "Node", request: Request):
     return principal
 
 
+def ha_view(node: "Node") -> dict:
+    """``GET /api/v1/ha``: this process's HA policy, role and state (docs/ha.md)."""
+    status = getattr(node, "ha", None)
+    if status is not None:
+        return status.describe(getattr(node, "ha_store", None))
+    return {"policy": node.cfg.ha.policy, "role": "primary", "active": node.active, "node_id": node.node_id,
+            "phase": "active" if node.active else "starting", "pair": None, "replication": None}
+
+
 def broker_info(node: "Node") -> dict:
-    return {"node_id": node.node_id, "name": node.cfg.name, "active": node.active,
+    return {"node_id": node.node_id or None, "name": node.cfg.name, "active": node.active,
             "version": _version(), "connection_count": node.connection_count,
             "uptime_s": round(time.monotonic() - node.started_mono, 3)}
 
@@ -141,6 +150,18 @@ def metrics(node: "Node", exporter: "MetricsExporter | None" = None) -> list[Met
         Metric("lodestone_broker_logins_total", "counter", "password logins by outcome (broker.auth)",
                tuple(({"outcome": k}, v) for k, v in sorted(node.login_gate.counters.items()))),
     ]
+    ha = getattr(node, "ha", None)
+    if ha is not None:
+        out += [
+            Metric("lodestone_broker_ha_active", "gauge", "1 while this HA member serves its pair's node id",
+                   (({"role": ha.role}, 1 if ha.active else 0),)),
+            Metric("lodestone_broker_ha_activations_total", "counter", "times this process became active",
+                   (({}, ha.activations),)),
+            Metric("lodestone_broker_ha_failovers_total", "counter", "activations of a backup (its live node failed)",
+                   (({}, ha.failovers),)),
+            Metric("lodestone_broker_ha_failbacks_total", "counter",
+                   "times this active backup handed over to its returning primary", (({}, ha.failbacks),)),
+        ]
     if exporter is not None:
         out += [
             Metric("lodestone_broker_metrics_scrapes_total", "counter", "GET /metrics answered",
@@ -272,7 +293,9 @@ def make_handler(node: "Node"):
         if method == "GET" and path == "/health":
             if node.active:
                 return json_response({"status": "ok", "active": True, "node_id": node.node_id})
-            return json_response({"status": "starting", "active": False, "node_id": node.node_id}, 503)
+            passive = getattr(node, "ha", None) is not None and node.ha.phase != "starting"
+            return json_response({"status": "passive" if passive else "starting", "active": False,
+                                  "node_id": node.node_id or None}, 503)
         if method == "GET" and path == "/metrics":
             if mcfg.metrics_auth:
                 await _principal(node, request)
@@ -297,6 +320,8 @@ def make_handler(node: "Node"):
                 return json_response(node.connections())
             if path == "/api/v1/cluster":
                 return json_response(cluster_view(node))
+            if path == "/api/v1/ha":
+                return json_response(ha_view(node))
         if method == "POST" and path == "/api/v1/addresses":
             return _create_address(node, principal, request.json())
         if method == "DELETE":
@@ -403,7 +428,7 @@ def openapi_document() -> dict:
     conn = {"type": "object", "properties": {
         "id": s_str, "container_id": {"type": "string", "nullable": True}, "user": {"type": "string", "nullable": True},
         "source": s_str, "tls": s_bool, "opened_at": {"type": "string", "format": "date-time"}}}
-    health = {"type": "object", "properties": {"status": {"enum": ["ok", "starting"]}, "active": s_bool,
+    health = {"type": "object", "properties": {"status": {"enum": ["ok", "starting", "passive"]}, "active": s_bool,
                                                "node_id": s_str}}
     secured = [{"basic": []}]
     # a templated path must declare its parameter (OpenAPI 3.0 §4.7.12, "Path Templating")
@@ -444,6 +469,12 @@ def openapi_document() -> dict:
             "/api/v1/cluster": {"get": {"summary": "this node's cluster: members and bridges", "security": secured,
                                         "responses": {**ok({"type": "object"}),
                                                       "404": {"description": "not part of a cluster"}}}},
+            "/api/v1/ha": {"get": {"summary": "HA policy, role and state of this process (docs/ha.md)",
+                                   "security": secured, "responses": ok({"type": "object", "properties": {
+                                       "policy": s_str, "role": s_str, "active": s_bool,
+                                       "node_id": {"type": "string", "nullable": True}, "phase": s_str,
+                                       "pair": {"type": "object", "nullable": True},
+                                       "replication": {"type": "object", "nullable": True}}})}},
             "/api/v1/connections": {"get": {"summary": "open AMQP connections", "security": secured,
                                             "responses": ok({"type": "array", "items": conn})}},
             "/metrics": {"get": {"summary": "Prometheus text exposition (Basic auth with manage unless "

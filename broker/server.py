@@ -39,10 +39,7 @@ SHUTDOWN_GRACE_S = 2.0
 
 async def run_node(cfg: "BrokerConfig", *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Run a broker node until SIGTERM/SIGINT (or cancellation)."""
-    from broker.amqp.driver import serve_amqp
     from broker.core import security as security_mod
-    from broker.http import serve_http
-    from broker.management import make_handler
     from broker.store.datadir import open_data_dir
 
     from broker.config import check_anonymous
@@ -51,12 +48,73 @@ async def run_node(cfg: "BrokerConfig", *, task_status=trio.TASK_STATUS_IGNORED)
     check_anonymous(cfg, security.anonymous_enabled)
     for w in security.warnings():
         log.warning("security: %s", w)
+    if cfg.ha.shared_store:  # a primary or backup on a shared data directory (broker.ha)
+        from broker.ha.shared_store import run_shared_store
+        await run_shared_store(cfg, security, task_status=task_status)
+        log.info("node stopped")
+        return
     datadir = open_data_dir(cfg.data_dir)
+    try:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            stop = trio.Event()
+
+            async def on_signal() -> None:
+                async for sig in signals:
+                    log.info("signal %s: shutting down", signal.Signals(sig).name)
+                    stop.set()
+                    return
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(on_signal)
+                await serve_active(cfg, security, datadir, stop, task_status=task_status)
+                nursery.cancel_scope.cancel()
+    finally:
+        datadir.close()
+    log.info("node stopped")
+
+
+class ManagementSlot:
+    """The management API's handler, swappable: an HA node keeps one HTTP server for its whole
+    life (passive, active, passive again) while the Node behind it changes."""
+
+    def __init__(self) -> None:
+        self.handler = None
+        self.url = ""
+        self.status = None   # broker.ha.shared_store.HaStatus of an HA node
+        self.store = None
+
+    async def __call__(self, request):
+        from broker.http import HttpError
+
+        if self.handler is None:
+            raise HttpError(503, "starting")
+        return await self.handler(request)
+
+    def serve(self, node: Node) -> None:
+        from broker.management import make_handler
+        self.handler = make_handler(node)
+
+
+async def serve_active(cfg: "BrokerConfig", security, datadir, stop: trio.Event, *,
+                       deactivate: trio.Event | None = None, management: ManagementSlot | None = None,
+                       on_node=None, task_status=trio.TASK_STATUS_IGNORED) -> str:
+    """Serve as the active node on a locked data directory until ``stop`` (a signal: returns
+    ``"stop"``) or ``deactivate`` (an HA node hands over: returns ``"deactivate"``); then close
+    every connection, flush, and return with the journal closed (the data directory stays locked:
+    the caller releases it). ``management``: an HA node's HTTP server, already listening (this
+    node is put behind it); without it this function serves the management API itself.
+    ``on_node(node)`` is called once the node exists (an HA node's observability)."""
+    from broker.amqp.driver import serve_amqp
+    from broker.http import serve_http
+    from broker.management import make_handler
+
     journal = None
+    reason = "stop"
     try:
         if cfg.persistent:
             journal = datadir.open_journal(cfg.journal)
         node = Node(cfg, security, datadir.node_id, journal)
+        if on_node is not None:
+            on_node(node)
         node.recover()
         node.declare_configured_addresses()
         if cfg.routers:  # before any acceptor listens: a routed acceptor never skips its router
@@ -67,73 +125,80 @@ async def run_node(cfg: "BrokerConfig", *, task_status=trio.TASK_STATUS_IGNORED)
                                         node.node_id, cfg.name)
         log.info("node starting", extra={"fields": {"node_id": node.node_id, "name": cfg.name,
                                                      "data_dir": str(cfg.data_dir)}})
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async with trio.open_nursery() as outer:
-                async with trio.open_nursery() as conns:
-                    node.connection_nursery = conns
-                    async with trio.open_nursery() as services:
-                        amqp_urls = []
-                        mgmt_url = ""
-                        listeners: list[trio.CancelScope] = []
-                        for acc in cfg.acceptors:
-                            listeners.append(trio.CancelScope())
-                            host, port = await services.start(_in_scope, listeners[-1], serve_amqp, node, acc)
-                            print_listening(acc.scheme, f"{acc.scheme}://{_hostport(host, port)}")
-                            amqp_urls.append(f"{acc.scheme}://{_hostport(host, port)}")
-                        if cfg.management.enabled:
-                            host, port = await services.start(
-                                serve_http, make_handler(node), cfg.management.host, cfg.management.port)
-                            mgmt_url = f"http://{_hostport(host, port)}"
-                            print_listening("management", mgmt_url)
-                        if journal is not None:
-                            services.start_soon(node.committer)
-                        ccfg = cfg.cluster
-                        if ccfg is not None:
-                            await services.start(_run_cluster, node, ccfg, amqp_urls, mgmt_url)
-                        for bg in cfg.broadcast_groups:
-                            services.start_soon(_run_broadcast, node, bg, amqp_urls, mgmt_url)
-                        if cfg.routers:
-                            await services.start(_run_routing, node, cfg, amqp_urls, mgmt_url)
-                        if node.activity is not None:
-                            services.start_soon(node.activity_flusher)
-                        if cfg.expiry_scan_period_ms > 0:
-                            services.start_soon(node.expiry_scanner)
-                        node.active = True
-                        if node.routing is not None:
-                            node.routing.set_active(True)
-                        log.info("node active", extra={"fields": {"node_id": node.node_id}})
-                        task_status.started(node)
-                        async for sig in signals:
-                            log.info("signal %s: shutting down", signal.Signals(sig).name)
-                            break
-                        node.active = False
-                        if node.routing is not None:
-                            node.routing.set_active(False)
-                        if cfg.ha.scale_down and node.cluster is not None:
-                            # Artemis live-only scale-down: stop taking clients, let them go, move
-                            # every message to another node, then stop
-                            for scope in listeners:
-                                scope.cancel()
-                            node.shutdown_connections()
-                            with trio.move_on_after(SHUTDOWN_GRACE_S):
-                                while node.engines:
-                                    await trio.sleep(0.02)
-                            await node.cluster.scale_down(ccfg.call_timeout_ms / 1000.0)
-                        services.cancel_scope.cancel()
-                    node.shutdown_connections()
-                    with trio.move_on_after(SHUTDOWN_GRACE_S):
-                        while node.engines:
-                            await trio.sleep(0.02)
-                    conns.cancel_scope.cancel()
-                outer.cancel_scope.cancel()
+        async with trio.open_nursery() as outer:
+            async with trio.open_nursery() as conns:
+                node.connection_nursery = conns
+                async with trio.open_nursery() as services:
+                    amqp_urls = []
+                    mgmt_url = ""
+                    listeners: list[trio.CancelScope] = []
+                    for acc in cfg.acceptors:
+                        listeners.append(trio.CancelScope())
+                        host, port = await services.start(_in_scope, listeners[-1], serve_amqp, node, acc)
+                        print_listening(acc.scheme, f"{acc.scheme}://{_hostport(host, port)}")
+                        amqp_urls.append(f"{acc.scheme}://{_hostport(host, port)}")
+                    if management is not None:
+                        management.serve(node)
+                        mgmt_url = management.url
+                    elif cfg.management.enabled:
+                        host, port = await services.start(
+                            serve_http, make_handler(node), cfg.management.host, cfg.management.port)
+                        mgmt_url = f"http://{_hostport(host, port)}"
+                        print_listening("management", mgmt_url)
+                    if journal is not None:
+                        services.start_soon(node.committer)
+                    ccfg = cfg.cluster
+                    if ccfg is not None:
+                        await services.start(_run_cluster, node, ccfg, amqp_urls, mgmt_url)
+                    for bg in cfg.broadcast_groups:
+                        services.start_soon(_run_broadcast, node, bg, amqp_urls, mgmt_url)
+                    if cfg.routers:
+                        await services.start(_run_routing, node, cfg, amqp_urls, mgmt_url)
+                    if node.activity is not None:
+                        services.start_soon(node.activity_flusher)
+                    if cfg.expiry_scan_period_ms > 0:
+                        services.start_soon(node.expiry_scanner)
+                    node.active = True
+                    if node.routing is not None:
+                        node.routing.set_active(True)
+                    log.info("node active", extra={"fields": {"node_id": node.node_id}})
+                    task_status.started(node)
+                    async with trio.open_nursery() as waiter:   # until a signal or a hand-over
+                        async def wait_for(ev: trio.Event, why: str) -> None:
+                            nonlocal reason
+                            await ev.wait()
+                            reason = why
+                            waiter.cancel_scope.cancel()
+                        waiter.start_soon(wait_for, stop, "stop")
+                        if deactivate is not None:
+                            waiter.start_soon(wait_for, deactivate, "deactivate")
+                    node.active = False
+                    if node.routing is not None:
+                        node.routing.set_active(False)
+                    if cfg.ha.scale_down and node.cluster is not None and reason == "stop":
+                        # Artemis live-only scale-down: stop taking clients, let them go, move
+                        # every message to another node, then stop
+                        for scope in listeners:
+                            scope.cancel()
+                        node.shutdown_connections()
+                        with trio.move_on_after(SHUTDOWN_GRACE_S):
+                            while node.engines:
+                                await trio.sleep(0.02)
+                        await node.cluster.scale_down(ccfg.call_timeout_ms / 1000.0)
+                    services.cancel_scope.cancel()
+                node.shutdown_connections()
+                with trio.move_on_after(SHUTDOWN_GRACE_S):
+                    while node.engines:
+                        await trio.sleep(0.02)
+                conns.cancel_scope.cancel()
+            outer.cancel_scope.cancel()
         node.flush_all_activity()
         if node.activity is not None:
             node.activity.close()
     finally:
         if journal is not None:
             journal.close()
-        datadir.close()
-    log.info("node stopped")
+    return reason
 
 
 async def _in_scope(scope: trio.CancelScope, fn, *args, task_status=trio.TASK_STATUS_IGNORED) -> None:

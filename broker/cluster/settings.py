@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 __all__ = ["ClusterConfig", "HaConfig", "BroadcastGroupConfig", "DiscoveryGroupConfig", "DEFAULT_CLUSTER_PASSWORD", "SAMPLE_CLUSTER_PASSWORD", "LOAD_BALANCING_MODES", "parse_address_filter",
-           "address_clustered", "Connector", "parse_connector", "HA_POLICIES"]
+           "address_clustered", "Connector", "parse_connector", "HA_POLICIES", "HA_ROLES"]
 
 #: the cluster password Artemis ships (``CHANGE ME!!``); a node using it (or none) warns at every start
 DEFAULT_CLUSTER_PASSWORD = "CHANGE ME!!"
@@ -162,13 +162,25 @@ class DiscoveryGroupConfig:
     initial_wait_timeout_ms: int = 10000
 
 
+HA_ROLES = ("primary", "backup")
+
+
 @dataclass(frozen=True)
 class HaConfig:
-    """``[ha]``: the HA issue adds replication and shared store; today ``live-only`` with
-    scale-down (Artemis ``<ha-policy><live-only><scale-down>``)."""
+    """``[ha]`` (Artemis ``<ha-policy>``, Artemis 2.x role names; docs/ha.md): ``live-only``
+    (with scale-down) or ``shared-store`` (a primary and its backups on one data directory)."""
 
     policy: str = "live-only"
+    role: str = "primary"
+    allow_failback: bool = True          # backup: stop serving when the primary comes back
+    failover_on_shutdown: bool = False   # a clean stop lets the backup take over
+    wait_for_activation: bool = True     # primary: management API only once active
+    restart_backup: bool = True          # backup: after failing back, wait again as a backup
     scale_down: bool = False
     scale_down_group_name: str | None = None
     scale_down_connectors: tuple[str, ...] = ()
     extra: dict = field(default_factory=dict)
+
+    @property
+    def shared_store(self) -> bool:
+        return self.policy == "shared-store"

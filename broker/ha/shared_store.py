@@ -1,0 +1,297 @@
+"""Shared-store high availability: a primary and its backups on one data directory (seed 001,
+Artemis ``<ha-policy><shared-store>``; docs/ha.md).
+
+Theory of operation
+-------------------
+Every member of a pair names the same ``[node] data-dir`` (a shared file system). Three files
+in it decide who serves, as Artemis's ``FileLockNodeManager`` does with ``server.lock``:
+
+* ``lock`` — the **live lock**: the data directory's own ``flock`` (``broker.store.datadir``).
+  Whoever holds it serves, with the node id in ``node.id``. The kernel frees it when its holder
+  dies, even by SIGKILL, so a crashed primary's lock frees with its process.
+* ``backup.lock`` — the **backup lock**: one backup at a time waits for the live lock; further
+  backups wait for this one (spares).
+* ``ha.state`` — one byte, what the last live node said about itself: ``L`` live (still true
+  after a crash: the lock was freed without a word), ``P`` paused (stopped cleanly without
+  ``failover-on-shutdown``), ``F`` a primary is failing back, ``N`` (or no file) never started.
+
+**A backup** takes the backup lock, then polls (every :data:`POLL_S`) for the live lock. When
+it gets it, the state says why it was free: ``L`` — the live node crashed (or failed over on
+shutdown): activate; ``P`` or ``F`` — give the lock back and keep waiting (a clean stop is not a
+failure; a primary coming back must get it). It activates with the pair's node id and journal
+(recovered from the shared files) and releases the backup lock for the next spare.
+
+**A primary** writes ``F`` (asking an active backup with ``allow-failback`` to hand over), then
+polls for the live lock, writes ``L`` and activates. An active backup with ``allow-failback``
+watches ``ha.state``; on ``F`` it closes every client (``amqp:connection:forced``), flushes and
+closes the journal, releases the live lock and — with ``restart-backup`` — waits again as a
+backup. Without ``allow-failback`` the restarted primary waits (it is then the spare).
+
+**A clean stop** (SIGTERM/SIGINT) of the active node writes ``P`` unless ``failover-on-shutdown``
+(then ``L`` stays and a backup activates). A passive node's stop just releases its locks.
+
+The management API listens for the whole life of the process (a passive backup answers
+``active: false``, which keeps routers away; ``GET /api/v1/ha`` shows the role); a primary with
+``wait-for-activation`` (the default) opens it only once active. AMQP acceptors listen only while
+active: their ``listening`` lines are printed at each activation.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import trio
+
+from broker.store.errors import DataDirLocked
+
+if TYPE_CHECKING:  # pragma: no cover
+    from broker.config import BrokerConfig
+
+log = logging.getLogger("lodestone.broker.ha")
+
+__all__ = ["SharedStore", "HaStatus", "run_shared_store", "POLL_S"]
+
+POLL_S = 0.05            # how often a waiting node tries the live lock
+FAILBACK_CHECK_S = 0.2   # how often an active backup reads ha.state for a failing-back primary
+
+LIVE, PAUSED, FAILING_BACK, NOT_STARTED = "L", "P", "F", "N"
+STATE_NAMES = {LIVE: "live", PAUSED: "paused", FAILING_BACK: "failing-back", NOT_STARTED: "not-started"}
+
+
+class SharedStore:
+    """The pair's files in the shared data directory (sync; see the module doc)."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.path = Path(data_dir)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._backup_fd: int | None = None
+
+    # -- ha.state ------------------------------------------------------------------------------
+    def state(self) -> str:
+        try:
+            with open(self.path / "ha.state", "rb") as fh:
+                b = fh.read(1)
+        except FileNotFoundError:
+            return NOT_STARTED
+        s = b.decode("ascii", "replace")
+        return s if s in STATE_NAMES else NOT_STARTED
+
+    def set_state(self, s: str) -> None:
+        """Write the state byte durably (in place, fsync'd)."""
+        fd = os.open(self.path / "ha.state", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            os.pwrite(fd, s.encode("ascii"), 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # -- backup.lock ---------------------------------------------------------------------------
+    def try_backup_lock(self) -> bool:
+        if self._backup_fd is not None:
+            return True
+        fd = os.open(self.path / "backup.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self._backup_fd = fd
+        return True
+
+    def release_backup_lock(self) -> None:
+        if self._backup_fd is not None:
+            os.close(self._backup_fd)
+            self._backup_fd = None
+
+    def node_id(self) -> str | None:
+        """The pair's node id, if the primary has ever started (read without a lock)."""
+        try:
+            text = (self.path / "node.id").read_text(encoding="ascii").strip()
+        except (OSError, UnicodeDecodeError):
+            return None
+        return text or None
+
+
+@dataclass
+class HaStatus:
+    """What ``GET /api/v1/ha`` and ``/metrics`` report (one per process, across activations)."""
+
+    policy: str
+    role: str
+    store: str
+    node_id: str | None = None
+    active: bool = False
+    phase: str = "starting"   # starting | waiting-for-backup-lock | waiting-for-live-lock | active | stopping
+    activations: int = 0      # times this process became active
+    failovers: int = 0        # activations of a backup (the live node had failed)
+    failbacks: int = 0        # times this active backup handed over to a returning primary
+    since: float = field(default_factory=time.time)
+    last_change: str | None = None
+
+    def change(self, phase: str, why: str, *, active: bool | None = None) -> None:
+        """A role/phase change: one log line each, as the issue asks."""
+        old = self.phase
+        self.phase = phase
+        if active is not None:
+            self.active = active
+        self.since = time.time()
+        self.last_change = why
+        level = logging.WARNING if phase in ("active", "stopping") else logging.INFO
+        log.log(level, "ha: %s -> %s (%s)", old, phase, why, extra={"fields": {
+            "policy": self.policy, "role": self.role, "node_id": self.node_id, "active": self.active}})
+
+    def describe(self, store: SharedStore | None = None) -> dict:
+        state = store.state() if store is not None else None
+        return {"policy": self.policy, "role": self.role, "active": self.active, "node_id": self.node_id,
+                "phase": self.phase, "since": self.since, "last_change": self.last_change,
+                "pair": {"store": self.store, "state": STATE_NAMES.get(state) if state else None,
+                         "activations": self.activations, "failovers": self.failovers,
+                         "failbacks": self.failbacks},
+                "replication": None}
+
+
+async def _acquire_live(store: SharedStore, path: Path, *, backup: bool, status: HaStatus):
+    """Poll for the live lock; a backup takes it only when the state says the live node is gone
+    (``L``). Returns the open, locked ``DataDir``."""
+    from broker.store.datadir import open_data_dir
+
+    while True:
+        if backup and store.state() == NOT_STARTED:
+            await trio.sleep(POLL_S)   # the primary never started: nothing to take over yet
+            continue
+        try:
+            dd = open_data_dir(path)
+        except DataDirLocked:
+            await trio.sleep(POLL_S)
+            continue
+        if not backup:
+            return dd
+        s = store.state()
+        if s == LIVE:
+            return dd
+        dd.close()    # paused (a clean stop) or a primary failing back: not ours to take
+        await trio.sleep(POLL_S)
+
+
+async def _watch_failback(store: SharedStore, deactivate: trio.Event) -> None:
+    while store.state() != FAILING_BACK:
+        await trio.sleep(FAILBACK_CHECK_S)
+    deactivate.set()
+
+
+async def run_shared_store(cfg: "BrokerConfig", security, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Run one member of a shared-store pair until SIGTERM/SIGINT (see the module doc)."""
+    from broker.http import serve_http
+    from broker.logsetup import print_listening
+    from broker.node import Node
+    from broker.server import ManagementSlot, _hostport, serve_active
+
+    ha = cfg.ha
+    store = SharedStore(cfg.data_dir)
+    backup = ha.role == "backup"
+    status = HaStatus(ha.policy, ha.role, str(cfg.data_dir), node_id=store.node_id())
+    slot = ManagementSlot()
+    slot.status = status
+    slot.store = store
+    started = False
+
+    def passive_node() -> None:
+        node = Node(cfg, security, status.node_id or "", None)
+        node.ha = status
+        node.ha_store = store
+        slot.serve(node)
+
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            async def on_signal() -> None:
+                async for sig in signals:
+                    log.info("signal %s: shutting down", signal.Signals(sig).name)
+                    stop.set()
+                    return
+            nursery.start_soon(on_signal)
+
+            async def open_management() -> None:
+                if cfg.management.enabled and not slot.url:
+                    host, port = await nursery.start(serve_http, slot, cfg.management.host, cfg.management.port)
+                    slot.url = f"http://{_hostport(host, port)}"
+                    print_listening("management", slot.url)
+
+            passive_node()
+            if backup or not ha.wait_for_activation:
+                await open_management()
+            if not backup:
+                store.set_state(FAILING_BACK)   # an active backup with allow-failback hands over
+            while not stop.is_set():
+                dd = None
+                with trio.CancelScope() as waiting:
+                    async def cancel_on_stop() -> None:
+                        await stop.wait()
+                        waiting.cancel()
+                    async with trio.open_nursery() as wn:
+                        wn.start_soon(cancel_on_stop)
+                        if backup:
+                            status.change("waiting-for-backup-lock", "backup started", active=False)
+                            while not store.try_backup_lock():
+                                await trio.sleep(POLL_S)
+                            status.change("waiting-for-live-lock", "this node is the pair's waiting backup")
+                        else:
+                            status.change("waiting-for-live-lock", "primary started", active=False)
+                        dd = await _acquire_live(store, cfg.data_dir, backup=backup, status=status)
+                        wn.cancel_scope.cancel()
+                if dd is None:   # stopped while waiting
+                    break
+                try:
+                    store.set_state(LIVE)
+                    store.release_backup_lock()   # the next spare backup may wait now
+                    status.node_id = dd.node_id
+                    status.activations += 1
+                    if backup:
+                        status.failovers += 1
+                    status.change("active", "took over a failed live node" if backup else "primary activated",
+                                  active=True)
+                    await open_management()
+                    deactivate = trio.Event()
+                    async with trio.open_nursery() as an:
+                        if backup and ha.allow_failback:
+                            an.start_soon(_watch_failback, store, deactivate)
+
+                        def on_node(node) -> None:
+                            node.ha = status
+                            node.ha_store = store
+
+                        async def serve(task_status=trio.TASK_STATUS_IGNORED) -> None:
+                            nonlocal reason
+                            reason = await serve_active(cfg, security, dd, stop, deactivate=deactivate,
+                                                        management=slot if slot.url else None,
+                                                        on_node=on_node, task_status=task_status)
+                            an.cancel_scope.cancel()
+                        reason = "stop"
+                        node = await an.start(serve)
+                        if not started:
+                            started = True
+                            task_status.started(node)
+                    if reason == "deactivate":
+                        status.failbacks += 1
+                        status.change("stopping", "the primary is failing back: handing over", active=False)
+                    elif not ha.failover_on_shutdown:
+                        store.set_state(PAUSED)     # a clean stop: the backup stays passive
+                    else:
+                        log.warning("ha: stopping with failover-on-shutdown: the backup takes over")
+                finally:
+                    dd.close()    # the live lock frees: a backup or the returning primary takes it
+                passive_node()
+                status.active = False
+                if reason == "stop" or not (backup and ha.restart_backup):
+                    break
+            nursery.cancel_scope.cancel()
+    store.release_backup_lock()
+    if not started:
+        task_status.started(None)

@@ -1,0 +1,114 @@
+"""Real HA pairs for tests: a primary and its backup(s) as broker processes on one shared data
+directory (``[ha] policy = "shared-store"``).
+
+    from tests.haproc import start_pair, wait_active, ha_view
+
+    primary, backup = start_pair(tmp_path)            # the primary active, the backup waiting
+    primary.kill()
+    wait_active(backup)                               # GET /api/v1/ha says active
+
+Each member has its own config (``<tmp>/<name>/broker.toml``) and fixed AMQP and management
+ports chosen free up front, so a member that activates again (after a failback) listens where
+it did before and a router can list the pair's addresses. A backup prints its ``listening
+amqp`` line only when it activates: :class:`HaMember` is started once its management API
+listens, and ``amqp_url`` follows the latest ``listening`` line.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.brokerproc import ADMIN, BrokerProcess, write_config
+from tests.serverproc import http_json
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class HaMember(BrokerProcess):
+    """A pair member: started once its management API listens (a backup has no AMQP listener
+    until it activates)."""
+
+    def start(self) -> "HaMember":
+        self._spawn(["broker", "run", str(self.config_path)], lambda urls: "management" in urls,
+                    self.start_timeout_s, "HA member")
+        return self
+
+    @property
+    def data_dir(self) -> Path:
+        return self.shared_dir
+
+    @property
+    def amqp_url(self) -> str:
+        return f"amqp://127.0.0.1:{self.fixed_port}"
+
+    @property
+    def port(self) -> int:
+        return self.fixed_port
+
+
+def start_member(tmp_path: Path, name: str, shared: Path, role: str, *, ha: dict[str, Any] | None = None,
+                 config: dict[str, dict[str, Any]] | None = None, start: bool = True) -> HaMember:
+    amqp, mgmt = free_ports(2)
+    workdir = Path(tmp_path) / name
+    tables = {"node": {"data-dir": str(shared)},
+              "acceptors.amqp": {"port": amqp},
+              "management": {"port": mgmt},
+              "journal": {"sync": "batch"},
+              "ha": {"policy": "shared-store", "role": role, **({"wait-for-activation": False}
+                                                                 if role == "primary" else {}), **(ha or {})}}
+    for k, v in (config or {}).items():
+        tables.setdefault(k, {}).update(v)
+    path = write_config(workdir, name=name, config=tables)
+    m = HaMember(workdir, path)
+    m.shared_dir = shared
+    m.fixed_port = amqp
+    if start:
+        m.start()
+    return m
+
+
+def start_pair(tmp_path: Path, *, primary_ha: dict | None = None, backup_ha: dict | None = None,
+               config: dict | None = None) -> tuple[HaMember, HaMember]:
+    shared = Path(tmp_path) / "shared-store"
+    primary = start_member(tmp_path, "primary", shared, "primary", ha=primary_ha, config=config)
+    wait_active(primary)
+    backup = start_member(tmp_path, "backup", shared, "backup", ha=backup_ha, config=config)
+    wait_phase(backup, "waiting-for-live-lock")
+    return primary, backup
+
+
+def ha_view(m: BrokerProcess) -> dict:
+    status, body = http_json(m.management_url + "/api/v1/ha", auth=ADMIN, timeout_s=10)
+    assert status == 200, body
+    return body
+
+
+def wait_phase(m: BrokerProcess, phase: str, timeout_s: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = ha_view(m)
+        except OSError as exc:
+            last = exc
+        else:
+            if last["phase"] == phase:
+                return last
+        time.sleep(0.02)
+    raise AssertionError(f"{m.workdir.name} never reached phase {phase!r}; last: {last!r}")
+
+
+def wait_active(m: BrokerProcess, timeout_s: float = 30.0) -> dict:
+    return wait_phase(m, "active", timeout_s)
