@@ -196,8 +196,10 @@ def test_topology_rejects_bad_arguments():
 def fake_cluster(n_members: int, connected=lambda i: True):
     members = {f"n{i:04d}": _Member(f"n{i:04d}", f"amqp://h:{2000 + i}", "") for i in range(n_members)}
     by_node = {f"n{i:04d}": SimpleNamespace(connected=connected(i)) for i in range(n_members)}
-    return SimpleNamespace(node=SimpleNamespace(node_id="me"), connector="amqp://h:1000", members=members,
-                           by_node=by_node)
+    c = SimpleNamespace(node=SimpleNamespace(node_id="me"), connector="amqp://h:1000", members=members,
+                        by_node=by_node)
+    c.live_members = lambda: ClusterNode.live_members(c)
+    return c
 
 
 def test_broker_lists_itself_first_then_connected_members():
