@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging(cfg.log_level, cfg.log_json)
     try:
-        trio.run(run_node, cfg)
+        code = trio.run(run_node, cfg)
     except BaseException as exc:  # noqa: BLE001 - unwrapped and re-raised below if unknown
         leaf = single_leaf(exc)
         if isinstance(leaf, ConfigError):  # e.g. the users file
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(leaf, KeyboardInterrupt):
             return 0
         raise
-    return 0
+    return code or 0
 
 
 def _check(path: Path) -> int:

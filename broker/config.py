@@ -330,53 +330,78 @@ def _discovery_group(name: str, t: Table) -> DiscoveryGroupConfig:
     return DiscoveryGroupConfig(name, group, port, bind, refresh, initial)
 
 
-#: [ha] keys of the replication policy (Artemis <replication>): known, refused until it lands
+#: [ha] keys of the replication policy (Artemis <replication>)
 _REPLICATION_KEYS = ("group-name", "cluster-name", "check-for-live-server", "initial-replication-sync-timeout-ms",
                      "vote-on-replication-failure", "quorum-size", "vote-retries", "vote-retry-wait-ms",
-                     "quorum-vote-wait-s", "max-saved-replicated-journals-size")
+                     "quorum-vote-wait-s", "max-saved-replicated-journals-size", "backup-fsync")
+_PRIMARY_KEYS = {"check-for-live-server": "replication", "vote-on-replication-failure": "replication",
+                 "wait-for-activation": "shared-store"}
+_BACKUP_KEYS = {"allow-failback": None, "restart-backup": None, "max-saved-replicated-journals-size": "replication",
+                "backup-fsync": "replication"}
 
 
 def _ha(t: Table, cluster: ClusterConfig | None) -> HaConfig:
-    """``[ha]`` (Artemis ``<ha-policy>``): ``live-only`` with scale-down, or ``shared-store``
-    (docs/ha.md)."""
+    """``[ha]`` (Artemis ``<ha-policy>``): ``live-only`` with scale-down, ``shared-store`` or
+    ``replication`` (docs/ha.md)."""
     d = HaConfig()
     policy = t.choice("policy", HA_POLICIES, d.policy)
-    if policy == "replication":
-        raise t.error("policy", "'replication' is not supported yet (live-only and shared-store are; "
-                      "see docs/ha.md)")
     if t.has("colocated"):
         raise t.error("colocated", "colocated backups are not supported yet (see docs/ha.md)")
-    for key in _REPLICATION_KEYS:
-        if t.has(key):
-            raise t.error(key, "is a replication setting (policy = 'replication', not supported yet)")
+    if policy != "replication":
+        for key in _REPLICATION_KEYS:
+            if t.has(key):
+                raise t.error(key, "is a replication setting (policy = 'replication')")
     role = t.choice("role", HA_ROLES, d.role)
     if policy == "live-only" and t.has("role"):
-        raise t.error("role", f"{role!r}: a live-only node has no role (use policy = 'shared-store')")
-    shared = policy == "shared-store"
-    for key in ("allow-failback", "restart-backup"):
-        if t.has(key) and not (shared and role == "backup"):
-            raise t.error(key, "is a shared-store backup setting (policy = 'shared-store', role = 'backup')")
-    if t.has("wait-for-activation") and not (shared and role == "primary"):
-        raise t.error("wait-for-activation", "is a shared-store primary setting")
-    if t.has("failover-on-shutdown") and not shared:
+        raise t.error("role", f"{role!r}: a live-only node has no role (use policy = 'shared-store' or 'replication')")
+    for key, only in _PRIMARY_KEYS.items():
+        if t.has(key) and (role != "primary" or policy == "live-only" or (only and policy != only)):
+            raise t.error(key, f"is a {only} primary setting")
+    for key, only in _BACKUP_KEYS.items():
+        if t.has(key) and (role != "backup" or policy == "live-only" or (only and policy != only)):
+            raise t.error(key, f"is a {only or 'shared-store or replication'} backup setting")
+    if t.has("failover-on-shutdown") and policy != "shared-store":
         raise t.error("failover-on-shutdown", "is a shared-store setting")
     allow_failback = t.bool("allow-failback", d.allow_failback)
     failover_on_shutdown = t.bool("failover-on-shutdown", d.failover_on_shutdown)
     wait_for_activation = t.bool("wait-for-activation", d.wait_for_activation)
     restart_backup = t.bool("restart-backup", d.restart_backup)
+    group = _not_empty(t, "group-name", t.str("group-name", None))
+    cluster_name = _not_empty(t, "cluster-name", t.str("cluster-name", None))
+    check_live = t.bool("check-for-live-server", d.check_for_live_server)
+    sync_timeout = t.int("initial-replication-sync-timeout-ms", d.initial_replication_sync_timeout_ms, min=1)
+    vote_fail = t.bool("vote-on-replication-failure", d.vote_on_replication_failure)
+    quorum = t.int("quorum-size", d.quorum_size, min=-1)
+    if quorum == 0:
+        raise t.error("quorum-size", "0 must be -1 (the largest cluster size seen) or >= 1")
+    vote_retries = t.int("vote-retries", d.vote_retries, min=0)
+    vote_wait = t.int("vote-retry-wait-ms", d.vote_retry_wait_ms, min=1)
+    vote_total = t.int("quorum-vote-wait-s", d.quorum_vote_wait_s, min=1)
+    saved = t.int("max-saved-replicated-journals-size", d.max_saved_replicated_journals_size, min=0)
+    backup_fsync = t.bool("backup-fsync", d.backup_fsync)
     scale_down = t.bool("scale-down", d.scale_down)
-    group = _not_empty(t, "scale-down-group-name", t.str("scale-down-group-name", d.scale_down_group_name))
+    sd_group = _not_empty(t, "scale-down-group-name", t.str("scale-down-group-name", d.scale_down_group_name))
     connectors = _connectors(t, "scale-down-connectors")
     t.done()
     if scale_down and cluster is None:
         raise t.error("scale-down", "true needs a [cluster] table (scale-down moves messages over the "
                       "cluster's bridges, with its credential)")
-    if scale_down and shared:
-        raise t.error("scale-down", "scale-down from a shared-store node is not supported yet (see docs/ha.md)")
-    return HaConfig(policy=policy, role=role if shared else "primary", allow_failback=allow_failback,
+    if scale_down and policy != "live-only":
+        raise t.error("scale-down", f"scale-down from a {policy} node is not supported yet (see docs/ha.md)")
+    if policy == "replication":
+        if cluster is None:
+            raise t.error("policy", "'replication' needs a [cluster] table: the backup finds its primary "
+                          "through the cluster and votes with its members")
+        if cluster_name is not None and cluster_name != cluster.name:
+            raise t.error("cluster-name", f"{cluster_name!r} is not this node's cluster ({cluster.name!r})")
+    return HaConfig(policy=policy, role=role if policy != "live-only" else "primary", allow_failback=allow_failback,
                     failover_on_shutdown=failover_on_shutdown, wait_for_activation=wait_for_activation,
-                    restart_backup=restart_backup, scale_down=scale_down, scale_down_group_name=group,
-                    scale_down_connectors=connectors)
+                    restart_backup=restart_backup, group_name=group, cluster_name=cluster_name,
+                    check_for_live_server=check_live, initial_replication_sync_timeout_ms=sync_timeout,
+                    vote_on_replication_failure=vote_fail, quorum_size=quorum, vote_retries=vote_retries,
+                    vote_retry_wait_ms=vote_wait, quorum_vote_wait_s=vote_total,
+                    max_saved_replicated_journals_size=saved, backup_fsync=backup_fsync,
+                    scale_down=scale_down, scale_down_group_name=sd_group, scale_down_connectors=connectors)
 
 
 def load_config(file: str | Path) -> BrokerConfig:

@@ -153,6 +153,8 @@ class Node:
         self.container_id = f"lodestone-{cfg.name}-{self.short_id}"
         self.journal = journal
         self._dirty = Wakeup()
+        #: broker.ha.replication.ReplicationSource of an active replication member
+        self.replication = None
         store = JournalStore(journal, self._dirty.set) if journal is not None else None
         self.core = Broker(cfg.settings, store, clock=_wall_ms, wildcards=cfg.wildcards)
         self.core.compile_filter = compile_queue_filter
@@ -247,7 +249,12 @@ class Node:
         return ok
 
     def internal_link(self, engine: "AmqpEngine", link, address: str):
-        """An attach to a ``$lodestone.`` address: the cluster's links (refused without a cluster)."""
+        """An attach to a ``$lodestone.`` address: a backup's replication links (broker.ha) or
+        the cluster's (refused without a cluster)."""
+        if address.startswith("$lodestone.replication."):
+            if self.replication is None:
+                return ("amqp:not-found", "this node takes no backup ([ha] policy is not replication)")
+            return self.replication.internal_link(engine, link, address)
         if self.cluster is None:
             return None
         return self.cluster.internal_link(engine, link, address)
@@ -393,7 +400,7 @@ class Node:
             await self._dirty.wait()
             waiters, self.sync_waiters = self.sync_waiters, {}
             try:
-                await trio.to_thread.run_sync(j.flush)
+                synced = await trio.to_thread.run_sync(j.flush)
             except Exception as exc:  # disk full, I/O error: refuse the sends, keep serving
                 log.error("journal flush failed: %s", exc)
                 self.counters["journal_flush_failed"] += 1
@@ -401,6 +408,10 @@ class Node:
                     engine.sync_failed(ds, f"journal write failed: {exc}")
                 continue
             self.counters["journal_flushes"] += 1
+            repl = self.replication
+            if repl is not None and repl.gating and waiters:
+                repl.hold(synced, waiters)   # answered once the backup holds them too
+                continue
             for engine, ds in waiters.items():
                 engine.synced(ds)
 

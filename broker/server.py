@@ -37,8 +37,9 @@ VERSION = "0.1.0"
 SHUTDOWN_GRACE_S = 2.0
 
 
-async def run_node(cfg: "BrokerConfig", *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Run a broker node until SIGTERM/SIGINT (or cancellation)."""
+async def run_node(cfg: "BrokerConfig", *, task_status=trio.TASK_STATUS_IGNORED) -> int:
+    """Run a broker node until SIGTERM/SIGINT (or cancellation); returns the exit status (an
+    isolated replication primary: ``broker.ha.replicated.ISOLATED_EXIT``)."""
     from broker.core import security as security_mod
     from broker.store.datadir import open_data_dir
 
@@ -52,7 +53,12 @@ async def run_node(cfg: "BrokerConfig", *, task_status=trio.TASK_STATUS_IGNORED)
         from broker.ha.shared_store import run_shared_store
         await run_shared_store(cfg, security, task_status=task_status)
         log.info("node stopped")
-        return
+        return 0
+    if cfg.ha.replication:   # a primary or backup replicating its journal (broker.ha)
+        from broker.ha.replicated import run_replicated
+        code = await run_replicated(cfg, security, task_status=task_status)
+        log.info("node stopped")
+        return code
     datadir = open_data_dir(cfg.data_dir)
     try:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -70,6 +76,7 @@ async def run_node(cfg: "BrokerConfig", *, task_status=trio.TASK_STATUS_IGNORED)
     finally:
         datadir.close()
     log.info("node stopped")
+    return 0
 
 
 class ManagementSlot:
@@ -148,6 +155,8 @@ async def serve_active(cfg: "BrokerConfig", security, datadir, stop: trio.Event,
                     if journal is not None:
                         services.start_soon(node.committer)
                     ccfg = cfg.cluster
+                    if node.replication is not None:   # an active replication member: its backup's stream
+                        services.start_soon(node.replication.run, (ccfg.call_timeout_ms if ccfg else 30000) / 1000.0)
                     if ccfg is not None:
                         await services.start(_run_cluster, node, ccfg, amqp_urls, mgmt_url)
                     for bg in cfg.broadcast_groups:

@@ -112,3 +112,33 @@ def wait_phase(m: BrokerProcess, phase: str, timeout_s: float = 30.0) -> dict:
 
 def wait_active(m: BrokerProcess, timeout_s: float = 30.0) -> dict:
     return wait_phase(m, "active", timeout_s)
+
+
+# -- replicated pairs ([ha] policy = "replication"; docs/ha.md "Replication") -------------------------
+
+CLUSTER_PASSWORD = "test-cluster-secret"
+
+
+def start_replica(tmp_path: Path, name: str, role: str, *, static: list[str] = (), ha: dict[str, Any] | None = None,
+                  config: dict[str, dict[str, Any]] | None = None, start: bool = True) -> HaMember:
+    """One member of a replicated pair (its own data dir), in a cluster named ``test-cluster``
+    with ``static`` connectors; fixed free ports, so it listens where it said it would when it
+    activates."""
+    amqp, mgmt = free_ports(2)
+    workdir = Path(tmp_path) / name
+    tables = {"acceptors.amqp": {"port": amqp},
+              "management": {"port": mgmt},
+              "journal": {"sync": "batch"},
+              "cluster": {"name": "test-cluster", "connector": f"amqp://127.0.0.1:{amqp}",
+                          "static-connectors": list(static), "user": "cluster-user",
+                          "password": CLUSTER_PASSWORD, "retry-interval-ms": 100, "max-retry-interval-ms": 500},
+              "ha": {"policy": "replication", "role": role, **(ha or {})}}
+    for k, v in (config or {}).items():
+        tables.setdefault(k, {}).update(v)
+    path = write_config(workdir, name=name, config=tables)
+    m = HaMember(workdir, path)
+    m.shared_dir = workdir / "data"
+    m.fixed_port = amqp
+    if start:
+        m.start()
+    return m

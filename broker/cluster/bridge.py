@@ -995,6 +995,15 @@ class ClusterNode:
             self.identities[peer_node] = (connector, started)
             return None
         if started > known[1]:
+            b = self.by_node.get(peer_node)
+            if b is None or not b.connected:
+                # the node that had this id is gone from here: a backup that took over its id
+                # (HA failover, docs/ha.md) — the same member at a new address, not a newcomer
+                self.identities[peer_node] = (connector, started)
+                self.counters["node_id_moved"] += 1
+                log.warning("cluster member %s is now served at %s (was %s): a failover", peer_node, connector,
+                            known[0])
+                return None
             self._duplicate(peer_node, connector, known[0])
             return ("amqp:precondition-failed", f"duplicate node id {peer_node}: {connector} started after "
                                                 f"{known[0]}; the newcomer is refused")
@@ -1048,8 +1057,10 @@ class ClusterNode:
         refused = self._check_identity(engine, peer_node, peer_connector, props.get("started-ms"))
         if refused is not None:
             return refused
+        have = self.by_node.get(peer_node)
         if isinstance(peer_connector, str) and not self.cfg.allow_direct_connections_only \
-                and peer_node != self.node.node_id and peer_node not in self.by_node:
+                and peer_node != self.node.node_id and (have is None or (not have.connected
+                                                                         and have.url != peer_connector)):
             try:
                 self.connect(parse_connector(peer_connector).__str__())  # a node that dialled us joins
             except ValueError:

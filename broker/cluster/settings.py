@@ -176,6 +176,18 @@ class HaConfig:
     failover_on_shutdown: bool = False   # a clean stop lets the backup take over
     wait_for_activation: bool = True     # primary: management API only once active
     restart_backup: bool = True          # backup: after failing back, wait again as a backup
+    # replication (Artemis <replication>; docs/ha.md "Replication")
+    group_name: str | None = None        # a backup replicates only a primary of the same group
+    cluster_name: str | None = None      # the cluster connection to use (must be [cluster] name)
+    check_for_live_server: bool = False  # primary: at start, fail back from a backup serving our id
+    initial_replication_sync_timeout_ms: int = 30000
+    vote_on_replication_failure: bool = False
+    quorum_size: int = -1                # -1: the largest cluster size seen
+    vote_retries: int = 12
+    vote_retry_wait_ms: int = 5000
+    quorum_vote_wait_s: int = 30
+    max_saved_replicated_journals_size: int = 2
+    backup_fsync: bool = True            # the backup fsyncs a batch before confirming it
     scale_down: bool = False
     scale_down_group_name: str | None = None
     scale_down_connectors: tuple[str, ...] = ()
@@ -184,3 +196,7 @@ class HaConfig:
     @property
     def shared_store(self) -> bool:
         return self.policy == "shared-store"
+
+    @property
+    def replication(self) -> bool:
+        return self.policy == "replication"

@@ -134,6 +134,8 @@ class HaStatus:
     failbacks: int = 0        # times this active backup handed over to a returning primary
     since: float = field(default_factory=time.time)
     last_change: str | None = None
+    #: replication: a callable giving ``{"state", "lag_records", ...}`` (broker.ha.replication)
+    replication_view: object = None
 
     def change(self, phase: str, why: str, *, active: bool | None = None) -> None:
         """A role/phase change: one log line each, as the issue asks."""
@@ -154,7 +156,7 @@ class HaStatus:
                 "pair": {"store": self.store, "state": STATE_NAMES.get(state) if state else None,
                          "activations": self.activations, "failovers": self.failovers,
                          "failbacks": self.failbacks},
-                "replication": None}
+                "replication": self.replication_view() if callable(self.replication_view) else None}
 
 
 async def _acquire_live(store: SharedStore, path: Path, *, backup: bool, status: HaStatus):

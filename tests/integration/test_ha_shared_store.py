@@ -170,7 +170,7 @@ def test_config_errors_name_file_key_and_value(tmp_path):
 
     for ha, key, text in [({"policy": "shared-store", "role": "observer"}, "ha.role", "'observer' must be one of"),
                           ({"policy": "live-only", "allow-failback": True}, "ha.allow-failback",
-                           "is a shared-store backup setting"),
+                           "is a shared-store or replication backup setting"),
                           ({"policy": "shared-store", "quorum-size": 3}, "ha.quorum-size", "is a replication setting")]:
         p = write_config(tmp_path / key, config={"ha": ha})
         out = subprocess.run([sys.executable, "-m", "broker", "check", str(p)], cwd=REPO, capture_output=True,

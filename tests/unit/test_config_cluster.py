@@ -231,7 +231,7 @@ BAD = [
     (CLUSTER + "max-state-bytes = 1023\n", "cluster.max-state-bytes", "1023 must be >= 1024"),
     # [ha]
     (BASE + "[ha]\npolicy = 'replication'\n", "ha.policy",
-     "'replication' is not supported yet (live-only and shared-store are; see docs/ha.md)"),
+     "'replication' needs a [cluster] table: the backup finds its primary through the cluster"),
     (BASE + "[ha]\npolicy = 'primary'\n", "ha.policy", "'primary' must be one of live-only"),
     (BASE + "[ha]\nscale-down = true\n", "ha.scale-down", "true needs a [cluster] table"),
     (BASE + "[ha]\nscale-down = true\nscale-down-connectors = ['amqp://h:1']\n", "ha.scale-down",

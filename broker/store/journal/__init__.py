@@ -108,6 +108,9 @@ class Journal(SegmentFiles, Recovery, Compaction, Replication):
         self._closed = False
         self._failed: OSError | None = None
         self.compactions = 0
+        #: called as ``tap(seq, record_bytes)`` under the lock for every record appended (a
+        #: primary's replication stream; set with ``Replication.snapshot(tap=...)``)
+        self.tap = None
 
     # -- opening / recovery -------------------------------------------------------------------
     @classmethod
@@ -159,6 +162,8 @@ class Journal(SegmentFiles, Recovery, Compaction, Replication):
             self._pending.append((seq, rec))
             self._pending_bytes += len(rec)
             self._total_bytes += len(rec)
+            if self.tap is not None:
+                self.tap(seq, rec)
         if self.config.sync == "always":
             self.flush()
         return seq

@@ -130,11 +130,16 @@ class Replication:
             self.flush()
         return rec.seq
 
-    def snapshot(self) -> Snapshot:
-        """The live state as records (for a replica that fell behind compaction)."""
+    def snapshot(self, tap=None) -> Snapshot:
+        """The live state as records (for a replica that fell behind compaction, or a backup's
+        initial sync). ``tap``: installed as ``self.tap`` under the same lock, so it sees every
+        record appended after ``through_seq`` and none before (a replication stream that starts
+        exactly where the snapshot ends); ``tap=None`` leaves the current tap alone."""
         with self._lock:
             live_state, live_kv = self._state.live_items()
             through = self._last_seq
+            if tap is not None:
+                self.tap = tap
         return Snapshot(through, _encode_live(live_state, live_kv))
 
     def install_snapshot(self, snap: Snapshot) -> None:

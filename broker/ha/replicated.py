@@ -1,0 +1,270 @@
+"""Running a member of a replicated pair (``[ha] policy = "replication"``; docs/ha.md).
+
+Theory of operation
+-------------------
+**A primary** serves at once (its own data directory) and accepts one backup
+(``broker.ha.replication.ReplicationSource``). With ``vote-on-replication-failure``, losing an
+in-sync backup makes it ask the cluster whether it is still in the majority; if not it stops
+serving and exits with status 3 (an isolated primary must not keep a node id another side may
+take over).
+
+**A backup** (its own data directory) answers its management API at once (``active: false``)
+and looks for a primary among the cluster's connectors (``[cluster] static-connectors``, tried
+in turn): it dials each as the cluster user and says hello; a primary of another
+``group-name``, or one that already has a backup, refuses, and the backup tries the next one
+(spare backups keep looking, every ``retry-interval-ms``). Once accepted it copies the primary's
+journal (``ReplicationSink``) and follows it. When the connection to an in-sync primary is lost
+the backup **votes** (``broker.ha.vote``: the other primaries it learned from the primary's
+topology, over their management APIs); if the vote is won it activates — on its own copy of the
+journal, with the primary's node id — and serves (and may take a backup of its own); if lost it
+looks for the primary again, as Artemis's backup restarts as a backup.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import trio
+
+from broker.ha.protocol import ACKS_ADDRESS, HELLO, RECORDS_ADDRESS, SYNCED, Hello, encode
+from broker.ha.replication import ReplicationSink, ReplicationSource
+from broker.ha.shared_store import HaStatus
+from broker.ha.vote import ask_backup_vote, ask_primary_vote, vote_with_retries
+from broker.trioutil import Wakeup
+
+if TYPE_CHECKING:  # pragma: no cover
+    from broker.config import BrokerConfig
+
+log = logging.getLogger("lodestone.broker.ha")
+
+__all__ = ["run_replicated", "ISOLATED_EXIT"]
+
+ISOLATED_EXIT = 3
+
+
+def _write_node_id(path: Path, node_id: str) -> None:
+    tmp = path / "node.id.tmp"
+    with tmp.open("w", encoding="ascii") as fh:
+        fh.write(node_id + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.rename(tmp, path / "node.id")
+
+
+def attach_source(cfg: "BrokerConfig", status: HaStatus, isolated: trio.Event):
+    """``on_node`` for an active member: it takes a backup, and reports replication."""
+    def on_node(node) -> None:
+        node.ha = status
+        src = ReplicationSource(node)
+        node.replication = src
+        status.replication_view = src.describe
+        if cfg.ha.vote_on_replication_failure:
+            src.quorum_check = lambda: primary_quorum_check(node, cfg)
+        src.on_isolated = isolated.set
+    return on_node
+
+
+async def primary_quorum_check(node, cfg: "BrokerConfig") -> bool:
+    """After losing an in-sync backup: may this primary keep serving? (vote-on-replication-failure)"""
+    ha, ccfg = cfg.ha, cfg.cluster
+    cluster = node.cluster
+    voters = [(nid, mgmt) for nid, _c, mgmt in (cluster.live_members() if cluster is not None else ()) if mgmt]
+    # the members it knows, connected or not: the quorum is over the cluster, not over who answers
+    known = len(cluster.members) + 1 if cluster is not None else 1
+    node.replication.max_cluster_size = max(node.replication.max_cluster_size, known)
+    n = ha.quorum_size if ha.quorum_size > 0 else node.replication.max_cluster_size
+    all_voters = [(nid, m.management_url) for nid, m in (cluster.members.items() if cluster is not None else ())
+                  if m.management_url]
+    creds = (ccfg.user, ccfg.password)
+    result = await vote_with_retries(lambda: ask_primary_vote(node.node_id, all_voters or voters, n, creds),
+                                     ha.vote_retries, ha.vote_retry_wait_ms / 1000.0, ha.quorum_vote_wait_s)
+    log.warning("ha: quorum check after losing the backup: %s (%d of %d needed votes; %s)",
+                "still in the majority" if result.won else "ISOLATED", result.votes, result.needed,
+                ", ".join(result.detail) or "no voter")
+    return result.won
+
+
+async def run_replicated(cfg: "BrokerConfig", security, *, task_status=trio.TASK_STATUS_IGNORED) -> int:
+    """Run one member of a replicated pair until SIGTERM/SIGINT; returns the exit status."""
+    from broker.http import serve_http
+    from broker.logsetup import print_listening
+    from broker.node import Node
+    from broker.server import ManagementSlot, _hostport, serve_active
+    from broker.store.datadir import open_data_dir
+
+    ha = cfg.ha
+    backup = ha.role == "backup"
+    datadir = open_data_dir(cfg.data_dir)
+    status = HaStatus(ha.policy, ha.role, str(cfg.data_dir), node_id=None if backup else datadir.node_id)
+    status.replication_view = None
+    slot = ManagementSlot()
+    exit_code = 0
+
+    def passive_node() -> Node:
+        node = Node(cfg, security, status.node_id or "", None)
+        node.ha = status
+        slot.serve(node)
+        return node
+
+    try:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            stop = trio.Event()
+            async with trio.open_nursery() as nursery:
+                async def on_signal() -> None:
+                    async for sig in signals:
+                        log.info("signal %s: shutting down", signal.Signals(sig).name)
+                        stop.set()
+                        return
+                nursery.start_soon(on_signal)
+                if backup:
+                    host = passive_node()
+                    if cfg.management.enabled:
+                        h, p = await nursery.start(serve_http, slot, cfg.management.host, cfg.management.port)
+                        slot.url = f"http://{_hostport(h, p)}"
+                        print_listening("management", slot.url)
+                    activate = await _follow_primaries(cfg, datadir, status, slot, stop, host, passive_node)
+                    if not activate:
+                        nursery.cancel_scope.cancel()
+                        return 0
+                isolated = trio.Event()
+                status.activations += 1
+                if backup:
+                    status.failovers += 1
+                status.change("active", "the quorum let this backup take over" if backup else "primary started",
+                              active=True)
+
+                async def watch_isolation(deactivate: trio.Event) -> None:
+                    nonlocal exit_code
+                    await isolated.wait()
+                    exit_code = ISOLATED_EXIT
+                    deactivate.set()
+
+                deactivate = trio.Event()
+                nursery.start_soon(watch_isolation, deactivate)
+                on_node = attach_source(cfg, status, isolated)
+                reason = await serve_active(cfg, security, datadir, stop, deactivate=deactivate,
+                                            management=slot if slot.url else None, on_node=on_node,
+                                            task_status=task_status)
+                status.change("stopping", "isolated from the cluster's majority" if reason == "deactivate"
+                              else "stopped", active=False)
+                nursery.cancel_scope.cancel()
+    finally:
+        datadir.close()
+    return exit_code
+
+
+async def _follow_primaries(cfg: "BrokerConfig", datadir, status: HaStatus, slot, stop: trio.Event, host,
+                            passive_node) -> bool:
+    """The backup's loop: find a primary, copy and follow it; True once a won vote lets it
+    activate, False when stopped."""
+    from broker.amqp.peer import PeerConnection, PeerDisconnected, RetrySettings
+
+    ha, ccfg = cfg.ha, cfg.cluster
+    own = {ccfg.connector}
+    tokens = itertools.count(1)
+    while not stop.is_set():
+        candidates = [u for u in ccfg.static_connectors if u not in own]
+        status.change("looking-for-primary", f"trying {len(candidates)} connector(s)", active=False)
+        for url in candidates:
+            if stop.is_set():
+                return False
+            lost_in_sync = False
+            ended: dict = {}
+
+            def set_node_id(node_id: str) -> None:
+                _write_node_id(datadir.path, node_id)
+                datadir.node_id = node_id
+                status.node_id = node_id
+                passive_node()
+
+            sink = ReplicationSink(datadir, cfg.journal, keep_saved=ha.max_saved_replicated_journals_size,
+                                   fsync=ha.backup_fsync, on_node_id=set_node_id)
+            status.replication_view = lambda: {"state": "in-sync" if sink.in_sync else "syncing",
+                                               "primary": url, "applied_seq": sink.applied_seq,
+                                               "synced_seq": sink.synced_seq,
+                                               "records": sink.records_received, "lag_records": None}
+
+            def on_event(ev) -> None:
+                if isinstance(ev, PeerDisconnected):
+                    ended["condition"], ended["description"] = ev.condition, ev.description
+
+            peer = PeerConnection(host, url, credentials=(ccfg.user, ccfg.password),
+                                  retry=RetrySettings(initial_connect_attempts=1, reconnect_attempts=0),
+                                  ca_file=ccfg.ca_file, name=f"replica-{cfg.name}", on_event=on_event,
+                                  idle_timeout_s=ccfg.connection_ttl_ms / 1000.0 if ccfg.connection_ttl_ms > 0 else None)
+            acks = peer.sender(ACKS_ADDRESS, lambda token, state: None)
+            got = Wakeup()
+
+            def on_message(body: bytes) -> str:
+                state = sink.on_message(body)
+                got.set()
+                return state
+
+            peer.receiver(RECORDS_ADDRESS, on_message, credit=64)
+            acks.send(encode(HELLO, Hello(ha.group_name, cfg.name, ccfg.connector, slot.url or None)), next(tokens))
+            status.change("syncing", f"replicating from {url}")
+            announced = False
+            async with trio.open_nursery() as pn:
+                async def run_peer() -> None:
+                    await peer.run()
+                    pn.cancel_scope.cancel()
+
+                async def confirm() -> None:
+                    nonlocal announced
+                    while True:
+                        await got.wait()
+                        if sink.error is not None:
+                            log.error("ha: replication from %s: %s; starting over", url, sink.error)
+                            if peer.engine is not None:
+                                peer.engine.close_with("amqp:decode-error", sink.error[:200])
+                                peer._wake()
+                            return
+                        if sink.pending_flush:
+                            sink.pending_flush = False
+                            seq = await trio.to_thread.run_sync(sink.flush)
+                            acks.send(encode(SYNCED, seq), next(tokens))
+                            if sink.in_sync and not announced:
+                                announced = True
+                                status.change("in-sync", f"a copy of {url} (node {status.node_id})")
+
+                async def on_stop() -> None:
+                    await stop.wait()
+                    if peer.engine is not None:
+                        peer.engine.close_with("amqp:connection:forced", "backup stopping")
+                        peer._wake()
+                    pn.cancel_scope.cancel()
+
+                pn.start_soon(run_peer)
+                pn.start_soon(confirm)
+                pn.start_soon(on_stop)
+            lost_in_sync = sink.in_sync and sink.error is None
+            sink.close()
+            if stop.is_set():
+                return False
+            cond = ended.get("condition")
+            if not lost_in_sync:
+                if cond is not None:
+                    log.info("ha: %s did not take this backup: %s %s", url, cond, ended.get("description"))
+                continue
+            # the in-sync primary is gone (or unreachable): vote
+            primary_id = status.node_id
+            topo = sink.topology
+            voters = [(nid, mgmt) for nid, mgmt in (topo.members if topo else ()) if nid != primary_id and mgmt]
+            n = ha.quorum_size if ha.quorum_size > 0 else sink.max_cluster_size
+            status.change("voting", f"lost the primary at {url} ({cond or 'connection lost'})")
+            result = await vote_with_retries(
+                lambda: ask_backup_vote(primary_id, voters, n, (ccfg.user, ccfg.password)),
+                ha.vote_retries, ha.vote_retry_wait_ms / 1000.0, ha.quorum_vote_wait_s)
+            log.warning("ha: vote to take over node %s: %s (%d of %d needed votes from %d primaries; %s)",
+                        primary_id, "WON" if result.won else "lost", result.votes, result.needed, result.asked,
+                        ", ".join(result.detail) or "no other primary")
+            if result.won:
+                return True
+        with trio.move_on_after(ccfg.retry_interval_ms / 1000.0):
+            await stop.wait()
+    return False

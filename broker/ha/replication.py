@@ -1,0 +1,533 @@
+"""Replication: a primary streams its journal to its backup, and acknowledges a durable send only
+once the backup holds it (seed 001 "Data Replication", seed 003's reliable-persistent sequence;
+docs/ha.md "Replication").
+
+Theory of operation
+-------------------
+**The primary** (:class:`ReplicationSource`, ``node.replication``) accepts one backup. The
+backup dials it as the cluster user and attaches ``$lodestone.replication.acks`` (its
+:data:`~broker.ha.protocol.HELLO`, then :data:`~broker.ha.protocol.SYNCED` seqs) and
+``$lodestone.replication.records`` (what the primary sends, ``broker.ha.protocol``). On the
+hello the primary takes a snapshot of its journal and, under the same journal lock, installs a
+*tap* that captures every record appended afterwards (``Journal.snapshot(tap=...)``): the
+snapshot (initial sync) goes first, then the tapped records, in seq order, without a gap or a
+duplicate, whatever clients do meanwhile. Batches are cut at about 1 MiB.
+
+The pipeline is keyed by journal seq. A durable send is answered by the node's group commit
+(``Node.committer``) once the primary's own fsync covered its records; while a backup is
+*in sync* (it confirmed the snapshot's seq), the committer instead hands the batch of waiting
+sends to :meth:`ReplicationSource.hold` with the seq its fsync reached, and they are answered
+when the backup's SYNCED covers that seq — so an acknowledged durable message is stored on both
+nodes, and one fsync on each side serves a whole batch. While the backup is still syncing,
+sends are answered after the local fsync only (the backup is not yet a copy).
+
+The backup is **lost** when its connection closes, when it falls more than
+``MAX_TAP_BYTES`` behind (the tap's queue), or when a held batch waits longer than the
+cluster's ``call-timeout-ms``: held sends are then answered (the primary goes on alone, as
+Artemis's live does), and with ``vote-on-replication-failure`` the primary asks the cluster
+whether it is still in the majority and stops if it is not (``broker.ha.vote``).
+
+**The backup** (:class:`ReplicationSink`, run by ``broker.ha.replicated``) keeps its own data
+directory. Every (re)connection starts a fresh copy: the previous journal is moved aside
+(``journal.old-<n>``, at most ``max-saved-replicated-journals-size`` kept), the snapshot is
+installed (``Journal.install_snapshot``) and every record applied with ``Journal.apply`` — the
+code recovery uses — then flushed (fsync unless ``[ha] backup-fsync = false``) before its seq is
+confirmed. The primary's node id is written to the backup's ``node.id``, so the backup serves
+with it once it activates.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import trio
+
+from broker.amqp.engine import _pn_delivery_link, _pn_delivery_partial, _pn_delivery_readable, read_transfer
+from broker.trioutil import Wakeup
+from broker.ha.protocol import (ACKS_ADDRESS, HELLO, RECORDS, RECORDS_ADDRESS, SNAPSHOT, SNAPSHOT_END, START,
+                                SYNCED, TOPOLOGY, Hello, ProtocolError, Start, Topology, batches, decode, encode)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from broker.amqp.engine import AmqpEngine
+    from broker.node import Node
+
+log = logging.getLogger("lodestone.broker.ha")
+
+__all__ = ["ReplicationSource", "ReplicationSink", "MAX_TAP_BYTES"]
+
+MAX_TAP_BYTES = 256 * 1024 * 1024   # records tapped and not yet sent: beyond, the backup is dropped
+ACK_CREDIT = 100
+
+
+class _RecordsOut:
+    """The backup's records link, on the primary (a sending link): a backlog of encoded
+    transfers, sent as credit allows."""
+
+    def __init__(self, session: "_Session") -> None:
+        self.session = session
+        self.link = None
+        self.backlog: collections.deque = collections.deque()
+        self.tags = 0
+
+    def on_attached(self, link) -> None:
+        self.link = link
+        self.session.attached()
+
+    def on_flow(self, link) -> None:
+        self.session.pump()
+
+    def on_delivery(self, d) -> None:
+        if d.updated or d.settled:
+            d.settle()
+
+    def on_detached(self, link, condition) -> None:
+        self.link = None
+        self.session.lost("the backup detached its records link")
+
+    def send_some(self) -> bool:
+        link = self.link
+        moved = False
+        while link is not None and self.backlog and link.credit > 0:
+            data = self.backlog.popleft()
+            self.tags += 1
+            d = link.delivery(b"%x" % self.tags)
+            link.send(data)
+            link.advance()
+            d.settle()
+            moved = True
+        return moved
+
+
+class _AcksIn:
+    """The backup's acks link, on the primary (a receiving link)."""
+
+    def __init__(self, session: "_Session") -> None:
+        self.session = session
+        self.link = None
+
+    def on_attached(self, link) -> None:
+        self.link = link
+        link.flow(ACK_CREDIT)
+
+    def on_flow(self, link) -> None:
+        pass
+
+    def on_detached(self, link, condition) -> None:
+        self.link = None
+        self.session.lost("the backup detached its acks link")
+
+    def on_raw_delivery(self, d) -> None:
+        if _pn_delivery_partial(d) or not _pn_delivery_readable(d):
+            return
+        link = _pn_delivery_link(d)
+        data = read_transfer(link, d)
+        from broker.amqp.engine import _pn_delivery_settle, _pn_link_credit, _pn_link_flow
+        _pn_delivery_settle(d)
+        credit = _pn_link_credit(link)
+        if credit < ACK_CREDIT // 2:
+            _pn_link_flow(link, ACK_CREDIT - credit)
+        try:
+            kind, payload = decode(data)
+        except ProtocolError as exc:
+            self.session.bad_input(str(exc))
+            return
+        self.session.received(kind, payload)
+
+
+class _Session:
+    """One backup connection, on the primary."""
+
+    def __init__(self, source: "ReplicationSource", engine: "AmqpEngine") -> None:
+        self.source = source
+        self.engine = engine
+        self.out = _RecordsOut(self)
+        self.acks = _AcksIn(self)
+        self.hello: Hello | None = None
+        self.started = False
+        self.through_seq = 0        # the snapshot's seq: SYNCED at or past it = in sync
+        self.confirmed_seq = 0
+        self.tapped: collections.deque = collections.deque()   # (seq, record) after the snapshot
+        self.tapped_bytes = 0
+        self.sent_seq = 0
+        self.closed = False
+        self.connected_at = time.time()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def attached(self) -> None:
+        self.maybe_start()
+
+    def received(self, kind: int, payload: Any) -> None:
+        if kind == HELLO:
+            if self.hello is not None:
+                self.bad_input("a second hello")
+                return
+            self.hello = payload
+            refusal = self.source.accept(self, payload)
+            if refusal is not None:
+                self.close(*refusal)
+                return
+            self.maybe_start()
+        elif kind == SYNCED:
+            if self.hello is None:
+                self.bad_input("synced before hello")
+                return
+            if payload > self.sent_seq:
+                self.bad_input(f"synced seq {payload} beyond what was sent ({self.sent_seq})")
+                return
+            if payload > self.confirmed_seq:
+                self.confirmed_seq = payload
+                self.source.confirmed(self, payload)
+        else:
+            self.bad_input(f"kind {kind} is not for the primary")
+
+    def maybe_start(self) -> None:
+        if self.started or self.hello is None or self.out.link is None or self.closed:
+            return
+        self.started = True
+        j = self.source.node.journal
+        snap = j.snapshot(tap=self.tap)
+        self.through_seq = self.sent_seq = snap.through_seq
+        out = self.out.backlog
+        out.append(encode(START, Start(self.source.node.node_id, snap.through_seq, self.source.node.cfg.name)))
+        for batch in batches(snap.records):
+            out.append(encode(SNAPSHOT, batch))
+        out.append(encode(SNAPSHOT_END, snap.through_seq))
+        out.append(encode(TOPOLOGY, self.source.topology()))
+        self.source.node.counters["replication_syncs"] += 1
+        log.info("replication: initial sync to backup %s: %d records through seq %d",
+                 self.hello.name, len(snap.records), snap.through_seq)
+        self.pump()
+
+    def tap(self, seq: int, rec: bytes) -> None:
+        """The journal's tap (called under its lock by whoever appends: the trio thread). Only
+        queues: the source's pump task sends (``ReplicationSource.run``)."""
+        self.tapped.append((seq, rec))
+        self.tapped_bytes += len(rec)
+        self.source.kick()
+
+    def pump(self) -> None:
+        if self.closed or not self.started:
+            return
+        if self.tapped_bytes > MAX_TAP_BYTES:
+            self.close("amqp:resource-limit-exceeded", f"the backup fell {self.tapped_bytes} bytes behind")
+            return
+        out = self.out
+        if self.tapped and len(out.backlog) < 4:
+            batch, size = [], 0
+            while self.tapped and size < 1024 * 1024:
+                seq, rec = self.tapped.popleft()
+                batch.append(rec)
+                size += len(rec)
+                self.sent_seq = seq
+            self.tapped_bytes -= size
+            out.backlog.append(encode(RECORDS, batch))
+        if out.send_some():
+            self.engine.wake()
+        if self.tapped and out.link is not None and out.link.credit > 0:
+            self.source.kick()   # more to cut: come back (bounded work per pump)
+
+    def send_topology(self) -> None:
+        if self.started and not self.closed:
+            self.out.backlog.append(encode(TOPOLOGY, self.source.topology()))
+            self.pump()
+
+    def bad_input(self, why: str) -> None:
+        self.source.node.counters["replication_bad_input"] += 1
+        log.warning("replication: bad input from the backup: %s; closing its connection", why)
+        self.close("amqp:decode-error", why)
+
+    def close(self, condition: str, description: str) -> None:
+        if not self.closed:
+            self.engine.close_with(condition, description)
+            self.engine.wake()
+        self.lost(description)
+
+    def lost(self, why: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        j = self.source.node.journal
+        if j is not None and j.tap == self.tap:
+            j.tap = None
+        self.tapped.clear()
+        self.source.session_lost(self, why)
+
+
+class ReplicationSource:
+    """The primary's side (see the module doc): ``node.replication``."""
+
+    def __init__(self, node: "Node", *, vote: Callable[[], Any] | None = None) -> None:
+        self.node = node
+        self.cfg = node.cfg.ha
+        self.session: _Session | None = None
+        self.held: collections.deque = collections.deque()   # (seq, waiters, since)
+        self.state = "no-backup"      # no-backup | syncing | in-sync
+        self.backup_name: str | None = None
+        self.backup_connector: str | None = None
+        self.backup_management_url: str | None = None
+        self.lost_count = 0
+        self.synced_at: float | None = None
+        self._kicked = Wakeup()
+        #: vote-on-replication-failure: ``await quorum_check()`` after losing an in-sync backup
+        #: says whether this primary is still in the majority; if not, ``on_isolated()``
+        self.quorum_check = None
+        self.on_isolated: Callable[[], None] | None = None
+        self._check_due = False
+        self.max_cluster_size = 1
+
+    # -- links (node.internal_link) ----------------------------------------------------------------
+    def internal_link(self, engine: "AmqpEngine", link, address: str):
+        from broker.cluster.bridge import CLUSTER_ROLE
+
+        principal = engine.principal
+        if principal is None or CLUSTER_ROLE not in getattr(principal, "roles", ()):
+            return ("amqp:unauthorized-access", f"address {address!r} is for a backup logged in as the cluster user")
+        if self.node.journal is None:
+            return ("amqp:not-implemented", "this node keeps no journal ([node] persistent = false): nothing to replicate")
+        s = getattr(engine, "_replication_session", None)
+        if s is None:
+            s = engine._replication_session = _Session(self, engine)
+        if address == RECORDS_ADDRESS and link.is_sender:
+            return s.out
+        if address == ACKS_ADDRESS and link.is_receiver:
+            return s.acks
+        return ("amqp:not-found", f"no replication link {address!r} in that direction")
+
+    def accept(self, session: _Session, hello: Hello) -> tuple[str, str] | None:
+        """A backup said hello: refuse it (condition, description) or make it ours."""
+        want = self.cfg.group_name
+        if want is not None and hello.group != want:
+            return ("amqp:precondition-failed", f"this primary's group-name is {want!r}, not {hello.group!r}")
+        cur = self.session
+        if cur is not None and not cur.closed:
+            return ("amqp:resource-limit-exceeded", f"this primary already has a backup ({cur.hello.name})")
+        self.session = session
+        self.state = "syncing"
+        self.backup_name = hello.name
+        self.backup_connector = hello.connector
+        self.backup_management_url = hello.management_url
+        log.warning("ha: a backup connected: %s (%s); initial sync", hello.name, hello.connector or "no connector")
+        return None
+
+    # -- the pipeline ------------------------------------------------------------------------------
+    @property
+    def gating(self) -> bool:
+        """Are durable sends answered only once the backup holds them?"""
+        return self.state == "in-sync"
+
+    def kick(self) -> None:
+        """Records were tapped (or credit came back): the pump task sends them."""
+        self._kicked.set()
+
+    def wake(self) -> None:
+        s = self.session
+        if s is not None and not s.closed:
+            s.pump()
+
+    async def run(self, call_timeout_s: float) -> None:
+        """The pump: send what the tap queued; drop a backup that stopped confirming; run the
+        quorum check after losing an in-sync backup (vote-on-replication-failure)."""
+        while True:
+            with trio.move_on_after(1.0):
+                await self._kicked.wait()
+            self.wake()
+            self.check_timeouts(call_timeout_s)
+            if self._check_due:
+                self._check_due = False
+                if self.quorum_check is not None and not await self.quorum_check():
+                    log.error("ha: this primary lost its backup and the cluster's majority: it stops serving "
+                              "(vote-on-replication-failure)")
+                    self.node.counters["ha_isolated"] += 1
+                    if self.on_isolated is not None:
+                        self.on_isolated()
+
+    def hold(self, seq: int, waiters: dict) -> None:
+        """The committer's batch, durable here through ``seq``: answer it once the backup has it."""
+        s = self.session
+        if s is not None and s.confirmed_seq >= seq:
+            _release(waiters)
+            return
+        self.held.append((seq, waiters, time.monotonic()))
+
+    def confirmed(self, session: _Session, seq: int) -> None:
+        if self.state == "syncing" and seq >= session.through_seq:
+            self.state = "in-sync"
+            self.synced_at = time.time()
+            log.warning("ha: backup %s is in sync (seq %d); durable sends now wait for it", session.hello.name, seq)
+        held = self.held
+        while held and held[0][0] <= seq:
+            _release(held.popleft()[1])
+
+    def session_lost(self, session: _Session, why: str) -> None:
+        if session is not self.session:
+            return
+        was = self.state
+        self.session = None
+        self.state = "no-backup"
+        self.lost_count += 1
+        self.node.counters["replication_lost"] += 1
+        while self.held:
+            _release(self.held.popleft()[1])
+        log.warning("ha: replication to backup %s lost (%s); serving alone", session.hello.name if session.hello
+                    else "?", why)
+        if was == "in-sync" and self.quorum_check is not None:
+            self._check_due = True
+            self.kick()
+
+    def check_timeouts(self, timeout_s: float) -> None:
+        """A held batch older than ``timeout_s``: the backup is not answering, drop it."""
+        if self.held and time.monotonic() - self.held[0][2] > timeout_s and self.session is not None:
+            self.session.close("amqp:resource-limit-exceeded",
+                               f"the backup did not confirm within {timeout_s:g} s")
+
+    def topology(self) -> Topology:
+        cluster = self.node.cluster
+        members = []
+        if cluster is not None:
+            for node_id, _connector, mgmt in cluster.live_members():
+                if mgmt:
+                    members.append((node_id, mgmt))
+        mgmt_self = cluster.management_url if cluster is not None else ""
+        return Topology(tuple(members + [(self.node.node_id, mgmt_self)]), len(members) + 1)
+
+    def describe(self) -> dict:
+        s = self.session
+        j = self.node.journal
+        return {"state": self.state, "backup": None if s is None else {
+                    "name": self.backup_name, "connector": self.backup_connector,
+                    "management_url": self.backup_management_url, "confirmed_seq": s.confirmed_seq,
+                    "sent_seq": s.sent_seq, "since": s.connected_at},
+                "lag_records": (j.last_seq - s.confirmed_seq) if (s is not None and j is not None) else None,
+                "held_batches": len(self.held), "lost": self.lost_count, "synced_at": self.synced_at}
+
+
+def _release(waiters: dict) -> None:
+    for engine, ds in waiters.items():
+        engine.synced(ds)
+
+
+# -- the backup's side ------------------------------------------------------------------------------
+
+def move_aside(journal_dir: Path, keep: int) -> Path | None:
+    """Move a previous replica aside as ``journal.old-<n>`` (``n`` grows), keeping at most
+    ``keep`` of them (the oldest deleted first); returns where it went (None: nothing there)."""
+    parent = journal_dir.parent
+    if not journal_dir.exists() or not any(journal_dir.iterdir()):
+        return None
+    olds = sorted((p for p in parent.glob("journal.old-*") if p.name[12:].isdigit()),
+                  key=lambda p: int(p.name[12:]))
+    n = int(olds[-1].name[12:]) + 1 if olds else 1
+    dest = parent / f"journal.old-{n}"
+    journal_dir.rename(dest)
+    olds.append(dest)
+    while len(olds) > keep:
+        victim = olds.pop(0)
+        shutil.rmtree(victim, ignore_errors=True)
+    if keep == 0 and dest.exists():
+        shutil.rmtree(dest, ignore_errors=True)
+        return None
+    return dest
+
+
+class ReplicationSink:
+    """The backup's side of one connection to a primary (driven by ``broker.ha.replicated``):
+    ``on_message(body)`` for each records-link transfer; ``send`` (set by the owner) sends an
+    acks-link body. Raises nothing: bad input sets ``error`` and the owner closes."""
+
+    def __init__(self, datadir, journal_config, *, keep_saved: int, fsync: bool,
+                 on_node_id: Callable[[str], None]) -> None:
+        self.datadir = datadir
+        self.journal_config = journal_config
+        self.keep_saved = keep_saved
+        self.fsync = fsync
+        self.on_node_id = on_node_id
+        self.journal = None
+        self.start: Start | None = None
+        self.snapshot: list[bytes] = []
+        self.in_sync = False
+        self.synced_seq = 0
+        self.applied_seq = 0
+        self.topology: Topology | None = None
+        self.max_cluster_size = 1
+        self.error: str | None = None
+        self.pending_flush = False
+        self.records_received = 0
+
+    def open_fresh(self) -> None:
+        import dataclasses
+
+        from broker.store.journal import Journal
+
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None
+        moved = move_aside(self.datadir.journal_dir, self.keep_saved)
+        if moved is not None:
+            log.info("replication: previous replica kept as %s", moved)
+        config = self.journal_config
+        if not self.fsync:   # backup-fsync = false: confirm once written to the OS, fsync later
+            config = dataclasses.replace(config, sync="never")
+        self.journal = Journal.open(self.datadir.journal_dir, config)
+
+    def on_message(self, body: bytes) -> str:
+        if self.error is not None:
+            return "accepted"
+        try:
+            kind, payload = decode(body)
+            self._handle(kind, payload)
+        except ProtocolError as exc:
+            self.error = str(exc)
+        except Exception as exc:   # BadRecord, JournalGap: the copy cannot be trusted
+            self.error = f"{type(exc).__name__}: {exc}"
+        return "accepted"
+
+    def _handle(self, kind: int, payload: Any) -> None:
+        if kind == START:
+            if self.start is not None:
+                raise ProtocolError("a second start")
+            self.start = payload
+            self.open_fresh()
+            self.on_node_id(payload.node_id)
+        elif kind == SNAPSHOT:
+            if self.start is None or self.in_sync:
+                raise ProtocolError("snapshot outside the initial sync")
+            self.snapshot.extend(payload)
+        elif kind == SNAPSHOT_END:
+            if self.start is None or self.in_sync or payload != self.start.through_seq:
+                raise ProtocolError("snapshot end does not match the start")
+            from broker.store.journal.replication import Snapshot
+            self.journal.install_snapshot(Snapshot(payload, self.snapshot))
+            self.snapshot = []
+            self.in_sync = True
+            self.applied_seq = self.synced_seq = payload
+            self.pending_flush = True     # confirm the snapshot at once (it is durable on install)
+        elif kind == RECORDS:
+            if not self.in_sync:
+                raise ProtocolError("records before the snapshot ended")
+            for rec in payload:
+                self.applied_seq = self.journal.apply(rec)
+            self.records_received += len(payload)
+            self.pending_flush = True
+        elif kind == TOPOLOGY:
+            self.topology = payload
+            self.max_cluster_size = max(self.max_cluster_size, payload.cluster_size)
+        else:
+            raise ProtocolError(f"kind {kind} is not for the backup")
+
+    def flush(self) -> int:
+        """Make what was applied durable (in a worker thread); returns the seq to confirm."""
+        j = self.journal
+        if j is None:
+            return self.synced_seq
+        self.synced_seq = max(self.synced_seq, j.flush())
+        return self.synced_seq
+
+    def close(self) -> None:
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None

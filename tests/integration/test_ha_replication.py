@@ -1,0 +1,232 @@
+"""Replication HA (issue 12): a primary streams its journal to a backup with its own data
+directory; the backup votes and takes over. Real broker processes (tests/haproc.py), faults by
+SIGKILL and by cutting the replication link (tests/tcpproxy.py), exact counts, waits on what
+the management APIs show."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from proton import Message
+from proton.utils import BlockingConnection
+
+from tests.brokerproc import ADMIN
+from tests.haproc import ha_view, start_replica, wait_active, wait_phase
+from tests.serverproc import http_json
+
+pytestmark = pytest.mark.timeout(240)
+
+CLIENT = {"user": "app", "password": "app", "allowed_mechs": "PLAIN", "timeout": 20}
+FAST_VOTES = {"vote-retries": 2, "vote-retry-wait-ms": 200, "quorum-vote-wait-s": 5}
+
+
+@pytest.fixture
+def members():
+    made = []
+    yield made
+    for m in made:
+        if m.proc is not None and m.proc.poll() is None:
+            m.kill()
+
+
+def send(member, address: str, bodies) -> None:
+    conn = BlockingConnection(member.amqp_url, **CLIENT)
+    try:
+        snd = conn.create_sender(address)
+        for b in bodies:
+            snd.send(Message(body=b, durable=True))   # returns once the broker accepted it
+    finally:
+        conn.close()
+
+
+def receive_all(member, address: str, *, quiet_s: float = 1.0) -> list:
+    conn = BlockingConnection(member.amqp_url, **CLIENT)
+    got = []
+    try:
+        rcv = conn.create_receiver(address, credit=500)
+        while True:
+            try:
+                m = rcv.receive(timeout=quiet_s)
+            except Exception:   # proton's Timeout: nothing more within quiet_s
+                break
+            got.append(m.body)
+            rcv.accept()
+    finally:
+        conn.close()
+    return got
+
+
+def broker_info(member) -> dict:
+    status, body = http_json(member.management_url + "/api/v1/broker", auth=ADMIN, timeout_s=10)
+    assert status == 200, body
+    return body
+
+
+def test_a_lone_pair_fails_over_with_every_acknowledged_message(tmp_path, members):
+    primary = start_replica(tmp_path, "primary", "primary")
+    members.append(primary)
+    wait_active(primary)
+    send(primary, "orders", [f"early-{i}" for i in range(100)])      # in the initial sync's snapshot
+    backup = start_replica(tmp_path, "backup", "backup", static=[primary.amqp_url], ha=FAST_VOTES)
+    members.append(backup)
+    view = wait_phase(backup, "in-sync")
+    assert view["node_id"] == primary.node_id and view["active"] is False
+    assert broker_info(backup)["active"] is False
+    pview = ha_view(primary)
+    assert pview["replication"]["state"] == "in-sync" and pview["replication"]["backup"]["name"] == "backup"
+    bodies = [f"m{i}" for i in range(500)]
+    send(primary, "orders", bodies)       # each acknowledged once both nodes hold it
+    primary.kill()
+    t0 = time.monotonic()
+    view = wait_active(backup, 30)
+    print(f"replication failover: backup active {time.monotonic() - t0:.2f} s after SIGKILL")
+    assert view["node_id"] == primary.node_id and view["pair"]["failovers"] == 1
+    assert broker_info(backup)["node_id"] == primary.node_id
+    got = receive_all(backup, "orders")
+    assert got == [f"early-{i}" for i in range(100)] + bodies
+    assert "vote to take over node" in backup.stderr_text()
+
+
+def test_with_three_primaries_the_majority_decides(tmp_path, members):
+    p1 = start_replica(tmp_path, "p1", "primary", ha={"group-name": "g1"})
+    members.append(p1)
+    wait_active(p1)
+    p2 = start_replica(tmp_path, "p2", "primary", static=[p1.amqp_url], ha={"group-name": "g2"})
+    p3 = start_replica(tmp_path, "p3", "primary", static=[p1.amqp_url], ha={"group-name": "g3"})
+    members += [p2, p3]
+    for p in (p2, p3):
+        wait_active(p)
+    # the backup tries p2 and p3 first: their group is not its own, they refuse it
+    backup = start_replica(tmp_path, "backup", "backup", static=[p2.amqp_url, p3.amqp_url, p1.amqp_url],
+                           ha={"group-name": "g1", **FAST_VOTES})
+    members.append(backup)
+    view = wait_phase(backup, "in-sync")
+    assert view["node_id"] == p1.node_id
+    send(p1, "q", [f"x{i}" for i in range(200)])
+    p1.kill()
+    view = wait_active(backup, 30)
+    text = backup.stderr_text()
+    assert "WON (2 of 2 needed votes from 2 primaries" in text, text[-3000:]
+    assert receive_all(backup, "q") == [f"x{i}" for i in range(200)]
+
+
+@pytest.fixture
+def proxies():
+    made = []
+    yield made
+    for p in made:
+        p.close()
+
+
+def three_primaries(tmp_path, members, *, p1_ha=None):
+    p1 = start_replica(tmp_path, "p1", "primary", ha={"group-name": "g1", **(p1_ha or {})})
+    members.append(p1)
+    wait_active(p1)
+    p2 = start_replica(tmp_path, "p2", "primary", static=[p1.amqp_url], ha={"group-name": "g2"})
+    p3 = start_replica(tmp_path, "p3", "primary", static=[p1.amqp_url], ha={"group-name": "g3"})
+    members += [p2, p3]
+    for p in (p2, p3):
+        wait_active(p)
+    # every primary sees the two others (the backup's voters answer from their views)
+    for p in (p1, p2, p3):
+        deadline = time.monotonic() + 30
+        while sum(1 for m in http_json(p.management_url + "/api/v1/cluster", auth=ADMIN)[1]["members"]
+                  if m["connected"]) < 2:
+            assert time.monotonic() < deadline, f"{p.workdir.name} never saw the two others"
+            time.sleep(0.05)
+    return p1, p2, p3
+
+
+def test_a_cut_replication_link_with_three_primaries_keeps_one_active_node(tmp_path, members, proxies):
+    from tests.tcpproxy import TcpProxy
+
+    p1, p2, p3 = three_primaries(tmp_path, members)
+    link = TcpProxy("127.0.0.1", p1.port).start()
+    proxies.append(link)
+    backup = start_replica(tmp_path, "backup", "backup", static=[f"amqp://127.0.0.1:{link.port}"],
+                           ha={"group-name": "g1", **FAST_VOTES})
+    members.append(backup)
+    wait_phase(backup, "in-sync")
+    send(p1, "q", ["before the cut"])
+    link.cut()                          # the backup loses p1; p2 and p3 still see it
+    deadline = time.monotonic() + 30
+    while "vote to take over node" not in backup.stderr_text():
+        assert time.monotonic() < deadline, "the backup never voted"
+        time.sleep(0.05)
+    assert "lost (0 of 2 needed votes" in backup.stderr_text()
+    assert ha_view(backup)["active"] is False and ha_view(p1)["active"] is True   # one active node id
+    assert ha_view(backup)["pair"]["failovers"] == 0
+    link.restore()                      # the backup finds its primary again and re-syncs
+    wait_phase(backup, "in-sync")
+    send(p1, "q", ["after the link came back"])
+    assert receive_all(p1, "q") == ["before the cut", "after the link came back"]
+
+
+def test_a_lone_pair_splits_on_a_cut_link_as_documented(tmp_path, members, proxies):
+    """Artemis's arithmetic with one primary: no vote is needed, so a backup cut off from its
+    primary activates while the primary still serves — two active nodes with one node id. This
+    is why docs/ha.md says a lone pair does not protect against partitions."""
+    from tests.tcpproxy import TcpProxy
+
+    primary = start_replica(tmp_path, "primary", "primary")
+    members.append(primary)
+    wait_active(primary)
+    link = TcpProxy("127.0.0.1", primary.port).start()
+    proxies.append(link)
+    backup = start_replica(tmp_path, "backup", "backup", static=[f"amqp://127.0.0.1:{link.port}"], ha=FAST_VOTES)
+    members.append(backup)
+    wait_phase(backup, "in-sync")
+    link.cut()
+    wait_active(backup)
+    assert ha_view(primary)["active"] is True and ha_view(backup)["active"] is True
+    assert ha_view(primary)["node_id"] == ha_view(backup)["node_id"]
+    assert "WON (0 of 0 needed votes" in backup.stderr_text()
+
+
+def test_an_isolated_primary_stops_with_vote_on_replication_failure(tmp_path, members, proxies):
+    from tests.tcpproxy import TcpProxy
+
+    p1, p2, p3 = three_primaries(tmp_path, members, p1_ha={"vote-on-replication-failure": True, **FAST_VOTES})
+    link = TcpProxy("127.0.0.1", p1.port).start()
+    proxies.append(link)
+    backup = start_replica(tmp_path, "backup", "backup", static=[f"amqp://127.0.0.1:{link.port}"],
+                           ha={"group-name": "g1", **FAST_VOTES})
+    members.append(backup)
+    wait_phase(backup, "in-sync")
+    p2.kill()
+    p3.kill()                           # p1 is now alone: a minority of the three primaries it knew
+    link.cut()                          # and loses its backup
+    assert p1.proc.wait(30) == 3, p1.stderr_text()[-3000:]      # it stops rather than risk a split
+    assert "ISOLATED" in p1.stderr_text()
+    # the backup cannot win a vote either (no other primary answers): nobody serves the node id
+    deadline = time.monotonic() + 30
+    while "vote to take over node" not in backup.stderr_text():
+        assert time.monotonic() < deadline, "the backup never voted"
+        time.sleep(0.05)
+    assert ha_view(backup)["active"] is False
+
+
+def test_garbage_on_the_replication_link_closes_that_connection_only(tmp_path, members):
+    from proton.utils import BlockingConnection as BC
+
+    from tests.haproc import CLUSTER_PASSWORD
+
+    primary = start_replica(tmp_path, "primary", "primary")
+    members.append(primary)
+    wait_active(primary)
+    fake = BC(primary.amqp_url, user="cluster-user", password=CLUSTER_PASSWORD, allowed_mechs="PLAIN", timeout=10)
+    with pytest.raises(Exception) as info:
+        snd = fake.create_sender("$lodestone.replication.acks")
+        snd.send(Message(body=b"not the replication format"))
+        fake.create_receiver("$lodestone.replication.records").receive(timeout=5)
+    assert "amqp:decode-error" in str(info.value) or "bad magic" in str(info.value), info.value
+    # a client that is not the cluster user cannot even attach
+    app = BC(primary.amqp_url, **CLIENT)
+    with pytest.raises(Exception) as info:
+        app.create_receiver("$lodestone.replication.records")
+    assert "unauthorized" in str(info.value)
+    app.close()
+    send(primary, "still", ["serving"])
+    assert receive_all(primary, "still") == ["serving"]
+    assert ha_view(primary)["active"] is True
