@@ -103,13 +103,15 @@ class ManagementSlot:
 
 async def serve_active(cfg: "BrokerConfig", security, datadir, stop: trio.Event, *,
                        deactivate: trio.Event | None = None, management: ManagementSlot | None = None,
-                       on_node=None, task_status=trio.TASK_STATUS_IGNORED) -> str:
+                       on_node=None, on_deactivate=None, task_status=trio.TASK_STATUS_IGNORED) -> str:
     """Serve as the active node on a locked data directory until ``stop`` (a signal: returns
     ``"stop"``) or ``deactivate`` (an HA node hands over: returns ``"deactivate"``); then close
     every connection, flush, and return with the journal closed (the data directory stays locked:
     the caller releases it). ``management``: an HA node's HTTP server, already listening (this
     node is put behind it); without it this function serves the management API itself.
-    ``on_node(node)`` is called once the node exists (an HA node's observability)."""
+    ``on_node(node)`` is called once the node exists (an HA node's observability);
+    ``await on_deactivate(node)`` runs on a hand-over once the listeners are closed, before the
+    remaining connections are (a failback sends its last records there)."""
     from broker.amqp.driver import serve_amqp
     from broker.http import serve_http
     from broker.management import make_handler
@@ -184,6 +186,10 @@ async def serve_active(cfg: "BrokerConfig", security, datadir, stop: trio.Event,
                     node.active = False
                     if node.routing is not None:
                         node.routing.set_active(False)
+                    if reason == "deactivate" and on_deactivate is not None:
+                        for scope in listeners:
+                            scope.cancel()
+                        await on_deactivate(node)
                     if cfg.ha.scale_down and node.cluster is not None and reason == "stop":
                         # Artemis live-only scale-down: stop taking clients, let them go, move
                         # every message to another node, then stop

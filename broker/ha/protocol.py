@@ -5,14 +5,16 @@ The backup dials the primary (as the cluster user, ``broker.amqp.peer``) and att
 
 * ``$lodestone.replication.records`` — primary → backup: :data:`START`, the snapshot
   (:data:`SNAPSHOT` chunks then :data:`SNAPSHOT_END`), then :data:`RECORDS` batches as the
-  primary's journal grows, and :data:`TOPOLOGY` whenever the cluster's members change;
+  primary's journal grows, :data:`TOPOLOGY` whenever the cluster's members change, and
+  :data:`HANDOVER` (the last seq) when the primary hands its node id over to this backup;
 * ``$lodestone.replication.acks`` — backup → primary: :data:`HELLO` first, then
-  :data:`SYNCED` each time its journal holds more records durably.
+  :data:`SYNCED` each time its journal holds more records durably, and :data:`FAILBACK` when
+  the backup is the node id's original primary asking for it back (``check-for-live-server``).
 
 Every transfer body is ``b"LRP1"``, one kind byte, then the kind's payload: JSON (UTF-8) for
 START, HELLO and TOPOLOGY; for SNAPSHOT and RECORDS a sequence of journal records, each as a
 u32 length then the record's own bytes (the journal's framing, CRC included, verified again by
-``Journal.apply``); for SNAPSHOT_END and SYNCED a u64 seq. Anything else — another magic, an
+``Journal.apply``); for SNAPSHOT_END, SYNCED and HANDOVER a u64 seq; FAILBACK has no payload. Anything else — another magic, an
 unknown kind, a truncated record, bad JSON, a field of the wrong type, a body over
 :data:`MAX_BODY` — raises :class:`ProtocolError`, and the receiving side closes that connection
 with ``amqp:decode-error`` (the primary keeps serving its clients).
@@ -31,13 +33,14 @@ MAGIC = b"LRP1"
 MAX_BODY = 8 * 1024 * 1024        # one transfer: a batch of records, a chunk of the snapshot
 BATCH_BYTES = 1024 * 1024         # the primary cuts batches and snapshot chunks at this size
 
-START, SNAPSHOT, SNAPSHOT_END, RECORDS, TOPOLOGY = 1, 2, 3, 4, 5
-HELLO, SYNCED = 16, 17
+START, SNAPSHOT, SNAPSHOT_END, RECORDS, TOPOLOGY, HANDOVER = 1, 2, 3, 4, 5, 6
+HELLO, SYNCED, FAILBACK = 16, 17, 18
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
 
 __all__ = ["RECORDS_ADDRESS", "ACKS_ADDRESS", "ProtocolError", "Start", "Hello", "Topology", "encode",
-           "decode", "START", "SNAPSHOT", "SNAPSHOT_END", "RECORDS", "TOPOLOGY", "HELLO", "SYNCED",
+           "decode", "START", "SNAPSHOT", "SNAPSHOT_END", "RECORDS", "TOPOLOGY", "HANDOVER", "HELLO", "SYNCED",
+           "FAILBACK",
            "BATCH_BYTES", "batches"]
 
 
@@ -99,8 +102,10 @@ def encode(kind: int, payload: Any) -> bytes:
         return _json(kind, {"members": [list(m) for m in payload.members], "cluster_size": payload.cluster_size})
     if kind in (SNAPSHOT, RECORDS):
         return _records(kind, payload)
-    if kind in (SNAPSHOT_END, SYNCED):
+    if kind in (SNAPSHOT_END, SYNCED, HANDOVER):
         return MAGIC + bytes([kind]) + _U64.pack(payload)
+    if kind == FAILBACK:
+        return MAGIC + bytes([kind])
     raise ValueError(f"unknown kind {kind}")
 
 
@@ -175,8 +180,12 @@ def decode(body: bytes) -> tuple[int, Any]:
             records.append(bytes(rest[pos:pos + size]))
             pos += size
         return kind, records
-    if kind in (SNAPSHOT_END, SYNCED):
+    if kind in (SNAPSHOT_END, SYNCED, HANDOVER):
         if len(rest) != 8:
             raise ProtocolError("a seq is 8 bytes")
         return kind, _U64.unpack(rest)[0]
+    if kind == FAILBACK:
+        if len(rest):
+            raise ProtocolError("failback has no payload")
+        return kind, None
     raise ProtocolError(f"unknown kind {kind}")

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from broker.ha.protocol import ACKS_ADDRESS, HELLO, RECORDS_ADDRESS, SYNCED, Hello, encode
+from broker.ha.protocol import ACKS_ADDRESS, FAILBACK, HELLO, RECORDS_ADDRESS, SYNCED, Hello, encode
 from broker.ha.replication import ReplicationSink, ReplicationSource
 from broker.ha.shared_store import HaStatus
 from broker.ha.vote import ask_backup_vote, ask_primary_vote, vote_with_retries
@@ -56,8 +56,11 @@ def _write_node_id(path: Path, node_id: str) -> None:
     os.rename(tmp, path / "node.id")
 
 
-def attach_source(cfg: "BrokerConfig", status: HaStatus, isolated: trio.Event):
-    """``on_node`` for an active member: it takes a backup, and reports replication."""
+def attach_source(cfg: "BrokerConfig", status: HaStatus, isolated: trio.Event,
+                  failback: trio.Event | None = None):
+    """``on_node`` for an active member: it takes a backup, and reports replication; an
+    activated backup with allow-failback hands over when the node id's primary asks
+    (``failback`` is set)."""
     def on_node(node) -> None:
         node.ha = status
         src = ReplicationSource(node)
@@ -66,7 +69,46 @@ def attach_source(cfg: "BrokerConfig", status: HaStatus, isolated: trio.Event):
         if cfg.ha.vote_on_replication_failure:
             src.quorum_check = lambda: primary_quorum_check(node, cfg)
         src.on_isolated = isolated.set
+        if failback is not None:
+            src.on_failback = failback.set
     return on_node
+
+
+async def find_live_self(cfg: "BrokerConfig", host, node_id: str, stop: trio.Event) -> str | None:
+    """check-for-live-server: is another node serving ``node_id`` (a backup that took over while
+    we were down)? Each of the cluster's connectors is asked once: the Open of a cluster node
+    names its node id and the live members (``lodestone:cluster-members``). Returns the
+    connector serving it, or None."""
+    from broker.amqp.frames import CLUSTER_MEMBERS
+    from broker.amqp.peer import PeerConnected, PeerConnection, RetrySettings
+
+    ccfg = cfg.cluster
+    for url in ccfg.static_connectors:
+        if url == ccfg.connector or stop.is_set():
+            continue
+        seen: dict = {}
+        peer = None
+
+        def on_event(ev) -> None:
+            if isinstance(ev, PeerConnected) and peer is not None and peer.engine is not None:
+                seen["props"] = peer.engine.remote_properties or {}
+                peer.engine.close_with("amqp:connection:forced", "checked for a live server")
+                peer._wake()
+
+        peer = PeerConnection(host, url, credentials=(ccfg.user, ccfg.password),
+                              retry=RetrySettings(initial_connect_attempts=1, reconnect_attempts=0),
+                              ca_file=ccfg.ca_file, name=f"check-live-{cfg.name}", on_event=on_event)
+        with trio.move_on_after(max(2.0, ccfg.call_timeout_ms / 1000.0)):
+            await peer.run()
+        props = seen.get("props")
+        if not isinstance(props, dict):
+            continue
+        if props.get("node-id") == node_id:
+            return url
+        for m in props.get(CLUSTER_MEMBERS) or ():
+            if isinstance(m, dict) and m.get("node-id") == node_id and isinstance(m.get("connector"), str):
+                return m["connector"]
+    return None
 
 
 async def primary_quorum_check(node, cfg: "BrokerConfig") -> bool:
@@ -121,37 +163,71 @@ async def run_replicated(cfg: "BrokerConfig", security, *, task_status=trio.TASK
                         stop.set()
                         return
                 nursery.start_soon(on_signal)
-                if backup:
-                    host = passive_node()
-                    if cfg.management.enabled:
-                        h, p = await nursery.start(serve_http, slot, cfg.management.host, cfg.management.port)
-                        slot.url = f"http://{_hostport(h, p)}"
-                        print_listening("management", slot.url)
-                    activate = await _follow_primaries(cfg, datadir, status, slot, stop, host, passive_node)
-                    if not activate:
-                        nursery.cancel_scope.cancel()
-                        return 0
-                isolated = trio.Event()
-                status.activations += 1
-                if backup:
-                    status.failovers += 1
-                status.change("active", "the quorum let this backup take over" if backup else "primary started",
-                              active=True)
+                host = passive_node()
+                if (backup or cfg.ha.check_for_live_server) and cfg.management.enabled:
+                    # a passive member answers at once (active: false); a plain primary opens
+                    # its management API when it serves
+                    h, p = await nursery.start(serve_http, slot, cfg.management.host, cfg.management.port)
+                    slot.url = f"http://{_hostport(h, p)}"
+                    print_listening("management", slot.url)
+                role_backup = backup
+                while not stop.is_set():
+                    failback = False
+                    if role_backup:
+                        outcome = await _follow_primaries(cfg, datadir, status, slot, stop, host, passive_node)
+                        if not outcome:
+                            break
+                    elif cfg.ha.check_for_live_server:
+                        status.change("checking-for-live-server", "is another node serving our node id?")
+                        url = await find_live_self(cfg, host, datadir.node_id, stop)
+                        if url is not None:
+                            log.warning("ha: node %s is served at %s: failing back (copy its journal, then ask "
+                                        "for the node id back)", datadir.node_id, url)
+                            failback = True
+                            outcome = await _follow_primaries(cfg, datadir, status, slot, stop, host, passive_node,
+                                                              candidates=[url], failback=True)
+                            if not outcome:
+                                break
+                    isolated = trio.Event()
+                    handing_over = trio.Event()
+                    status.activations += 1
+                    if role_backup:
+                        status.failovers += 1
+                    status.change("active", "took over the node id" if role_backup else
+                                  ("the node id was handed back" if failback else "primary started"), active=True)
+                    deactivate = trio.Event()
 
-                async def watch_isolation(deactivate: trio.Event) -> None:
-                    nonlocal exit_code
-                    await isolated.wait()
-                    exit_code = ISOLATED_EXIT
-                    deactivate.set()
+                    async def watch(ev: trio.Event, code: int, deactivate=deactivate) -> None:
+                        nonlocal exit_code
+                        await ev.wait()
+                        if code:
+                            exit_code = code
+                        deactivate.set()
 
-                deactivate = trio.Event()
-                nursery.start_soon(watch_isolation, deactivate)
-                on_node = attach_source(cfg, status, isolated)
-                reason = await serve_active(cfg, security, datadir, stop, deactivate=deactivate,
-                                            management=slot if slot.url else None, on_node=on_node,
-                                            task_status=task_status)
-                status.change("stopping", "isolated from the cluster's majority" if reason == "deactivate"
-                              else "stopped", active=False)
+                    async with trio.open_nursery() as wn:
+                        wn.start_soon(watch, isolated, ISOLATED_EXIT)
+                        wn.start_soon(watch, handing_over, 0)
+                        on_node = attach_source(cfg, status, isolated,
+                                                handing_over if role_backup and cfg.ha.allow_failback else None)
+
+                        async def on_deactivate(node) -> None:
+                            if handing_over.is_set() and node.replication is not None:
+                                await node.replication.hand_over(cfg.cluster.call_timeout_ms / 1000.0)
+
+                        reason = await serve_active(cfg, security, datadir, stop, deactivate=deactivate,
+                                                    management=slot if slot.url else None, on_node=on_node,
+                                                    on_deactivate=on_deactivate, task_status=task_status)
+                        wn.cancel_scope.cancel()
+                    if reason == "deactivate" and handing_over.is_set():
+                        status.failbacks += 1
+                        status.change("stopping", "handed the node id back to its primary", active=False)
+                        passive_node()
+                        if cfg.ha.restart_backup:
+                            continue      # a backup again, of the primary that just took over
+                        break
+                    status.change("stopping", "isolated from the cluster's majority" if reason == "deactivate"
+                                  else "stopped", active=False)
+                    break
                 nursery.cancel_scope.cancel()
     finally:
         datadir.close()
@@ -159,18 +235,20 @@ async def run_replicated(cfg: "BrokerConfig", security, *, task_status=trio.TASK
 
 
 async def _follow_primaries(cfg: "BrokerConfig", datadir, status: HaStatus, slot, stop: trio.Event, host,
-                            passive_node) -> bool:
-    """The backup's loop: find a primary, copy and follow it; True once a won vote lets it
-    activate, False when stopped."""
+                            passive_node, *, candidates: list[str] | None = None, failback: bool = False):
+    """The backup's loop: find a primary, copy and follow it. Returns ``"vote"`` once a won
+    vote lets it activate, ``"handover"`` once the node handed its id over (a failback), False
+    when stopped. ``candidates``: the connectors to try (default: the cluster's); ``failback``:
+    ask the node for our node id back once in sync (the original primary, check-for-live-server)."""
     from broker.amqp.peer import PeerConnection, PeerDisconnected, RetrySettings
 
     ha, ccfg = cfg.ha, cfg.cluster
     own = {ccfg.connector}
     tokens = itertools.count(1)
     while not stop.is_set():
-        candidates = [u for u in ccfg.static_connectors if u not in own]
-        status.change("looking-for-primary", f"trying {len(candidates)} connector(s)", active=False)
-        for url in candidates:
+        urls = candidates if candidates is not None else [u for u in ccfg.static_connectors if u not in own]
+        status.change("looking-for-primary", f"trying {len(urls)} connector(s)", active=False)
+        for url in urls:
             if stop.is_set():
                 return False
             lost_in_sync = False
@@ -231,6 +309,8 @@ async def _follow_primaries(cfg: "BrokerConfig", datadir, status: HaStatus, slot
                             if sink.in_sync and not announced:
                                 announced = True
                                 status.change("in-sync", f"a copy of {url} (node {status.node_id})")
+                                if failback:
+                                    acks.send(encode(FAILBACK, None), next(tokens))
 
                 async def on_stop() -> None:
                     await stop.wait()
@@ -243,7 +323,11 @@ async def _follow_primaries(cfg: "BrokerConfig", datadir, status: HaStatus, slot
                 pn.start_soon(confirm)
                 pn.start_soon(on_stop)
             lost_in_sync = sink.in_sync and sink.error is None
+            handed = sink.handover_seq is not None and sink.synced_seq >= sink.handover_seq
             sink.close()
+            if handed and not stop.is_set():
+                log.warning("ha: node %s handed its id over through seq %d", status.node_id, sink.handover_seq)
+                return "handover"
             if stop.is_set():
                 return False
             cond = ended.get("condition")
@@ -264,7 +348,7 @@ async def _follow_primaries(cfg: "BrokerConfig", datadir, status: HaStatus, slot
                         primary_id, "WON" if result.won else "lost", result.votes, result.needed, result.asked,
                         ", ".join(result.detail) or "no other primary")
             if result.won:
-                return True
+                return "vote"
         with trio.move_on_after(ccfg.retry_interval_ms / 1000.0):
             await stop.wait()
     return False

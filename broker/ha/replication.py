@@ -49,8 +49,9 @@ import trio
 
 from broker.amqp.engine import _pn_delivery_link, _pn_delivery_partial, _pn_delivery_readable, read_transfer
 from broker.trioutil import Wakeup
-from broker.ha.protocol import (ACKS_ADDRESS, HELLO, RECORDS, RECORDS_ADDRESS, SNAPSHOT, SNAPSHOT_END, START,
-                                SYNCED, TOPOLOGY, Hello, ProtocolError, Start, Topology, batches, decode, encode)
+from broker.ha.protocol import (ACKS_ADDRESS, FAILBACK, HANDOVER, HELLO, RECORDS, RECORDS_ADDRESS, SNAPSHOT,
+                                SNAPSHOT_END, START, SYNCED, TOPOLOGY, Hello, ProtocolError, Start, Topology,
+                                batches, decode, encode)
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.amqp.engine import AmqpEngine
@@ -182,6 +183,11 @@ class _Session:
             if payload > self.confirmed_seq:
                 self.confirmed_seq = payload
                 self.source.confirmed(self, payload)
+        elif kind == FAILBACK:
+            if self.hello is None:
+                self.bad_input("failback before hello")
+                return
+            self.source.failback_requested(self)
         else:
             self.bad_input(f"kind {kind} is not for the primary")
 
@@ -279,6 +285,11 @@ class ReplicationSource:
         self.on_isolated: Callable[[], None] | None = None
         self._check_due = False
         self.max_cluster_size = 1
+        #: the node id's original primary, as our backup, asks for it back: ``on_failback()``
+        #: (set only where handing over is allowed: an activated backup with allow-failback)
+        self.on_failback: Callable[[], None] | None = None
+        self.failback_session: _Session | None = None
+        self._confirmed_ev = Wakeup()
 
     # -- links (node.internal_link) ----------------------------------------------------------------
     def internal_link(self, engine: "AmqpEngine", link, address: str):
@@ -362,6 +373,43 @@ class ReplicationSource:
         held = self.held
         while held and held[0][0] <= seq:
             _release(held.popleft()[1])
+        self._confirmed_ev.set()
+
+    def failback_requested(self, session: _Session) -> None:
+        if self.on_failback is None or self.state != "in-sync":
+            log.warning("ha: backup %s asked for failback: %s", session.hello.name,
+                        "not in sync yet" if self.on_failback is not None else
+                        "this node does not hand over (allow-failback = false, or it is the primary)")
+            return
+        if self.failback_session is None:
+            self.failback_session = session
+            log.warning("ha: the node id's primary (%s) asks for it back: handing over", session.hello.name)
+            self.on_failback()
+
+    async def hand_over(self, timeout_s: float) -> bool:
+        """Failback, once clients are gone: flush, send every record and HANDOVER with the last
+        seq, wait (``timeout_s``) until the failing-back primary holds it all, then close."""
+        s = self.failback_session
+        j = self.node.journal
+        if s is None or s.closed or j is None:
+            return False
+        await trio.to_thread.run_sync(j.flush)
+        last = j.last_seq
+        with trio.move_on_after(timeout_s):
+            while True:
+                self.wake()
+                if not s.tapped and s.sent_seq >= last:
+                    break
+                await trio.sleep(0.01)
+            s.out.backlog.append(encode(HANDOVER, last))
+            s.pump()
+            while s.confirmed_seq < last and not s.closed:
+                await self._confirmed_ev.wait()
+        ok = s.confirmed_seq >= last
+        log.warning("ha: handed over through seq %d to %s: %s", last, s.hello.name,
+                    "confirmed" if ok else f"NOT confirmed within {timeout_s:g} s")
+        s.close("amqp:connection:forced", "handed over to the primary")
+        return ok
 
     def session_lost(self, session: _Session, why: str) -> None:
         if session is not self.session:
@@ -457,6 +505,7 @@ class ReplicationSink:
         self.error: str | None = None
         self.pending_flush = False
         self.records_received = 0
+        self.handover_seq: int | None = None   # the primary handed its node id over through this seq
 
     def open_fresh(self) -> None:
         import dataclasses
@@ -512,6 +561,11 @@ class ReplicationSink:
             for rec in payload:
                 self.applied_seq = self.journal.apply(rec)
             self.records_received += len(payload)
+            self.pending_flush = True
+        elif kind == HANDOVER:
+            if not self.in_sync:
+                raise ProtocolError("handover before the snapshot ended")
+            self.handover_seq = payload
             self.pending_flush = True
         elif kind == TOPOLOGY:
             self.topology = payload

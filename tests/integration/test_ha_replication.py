@@ -230,3 +230,49 @@ def test_garbage_on_the_replication_link_closes_that_connection_only(tmp_path, m
     send(primary, "still", ["serving"])
     assert receive_all(primary, "still") == ["serving"]
     assert ha_view(primary)["active"] is True
+
+
+def check_live_pair(tmp_path, members, backup_ha=None):
+    """A primary with check-for-live-server whose cluster knows the backup's connector (where it
+    looks for its node id when it restarts), and its backup."""
+    backup = start_replica(tmp_path, "backup", "backup", ha={**FAST_VOTES, **(backup_ha or {})}, start=False)
+    primary = start_replica(tmp_path, "primary", "primary", static=[backup.amqp_url],
+                            ha={"check-for-live-server": True})
+    members.append(primary)
+    wait_active(primary)
+    text = backup.config_path.read_text().replace("static-connectors = []",
+                                                  f'static-connectors = ["{primary.amqp_url}"]')
+    backup.config_path.write_text(text)
+    backup.start()
+    members.append(backup)
+    return primary, backup
+
+
+def test_failback_to_the_restarted_primary_and_back_to_standby(tmp_path, members):
+    primary, backup = check_live_pair(tmp_path, members)
+    wait_phase(backup, "in-sync")
+    send(primary, "fb", [f"a{i}" for i in range(100)])
+    primary.kill()
+    wait_active(backup)
+    send(backup, "fb", [f"b{i}" for i in range(50)])
+    primary.start()        # stale data on disk: it must not serve it
+    view = wait_active(primary, 60)
+    assert view["node_id"] == backup.node_id
+    bview = wait_phase(backup, "in-sync", 60)        # restart-backup: a backup of the primary again
+    assert bview["pair"]["failbacks"] == 1 and bview["active"] is False
+    assert receive_all(primary, "fb") == [f"a{i}" for i in range(100)] + [f"b{i}" for i in range(50)]
+    assert (primary.workdir / "data" / "journal.old-1").is_dir()      # the stale copy, kept aside
+    assert "failing back" in primary.stderr_text()
+
+
+def test_without_allow_failback_the_restarted_primary_stays_a_backup(tmp_path, members):
+    primary, backup = check_live_pair(tmp_path, members, {"allow-failback": False})
+    wait_phase(backup, "in-sync")
+    primary.kill()
+    wait_active(backup)
+    send(backup, "nf", ["kept by the backup"])
+    primary.start()
+    wait_phase(primary, "in-sync", 60)        # a copy of the active backup, not serving
+    assert ha_view(backup)["active"] is True and ha_view(primary)["active"] is False
+    assert broker_info(primary)["active"] is False
+    assert receive_all(backup, "nf") == ["kept by the backup"]
