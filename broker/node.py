@@ -276,8 +276,15 @@ class Node:
         """Extra Open properties of accepted connections, for a cluster node: its start time, so
         two nodes with one node id can tell which one is the newcomer (broker.cluster.bridge),
         and the cluster's live members, for clients (``lodestone:cluster-members``,
-        docs/cluster.md "Topology to clients")."""
-        return self.cluster.open_properties() if self.cluster is not None else {}
+        docs/cluster.md "Topology to clients"); for a replication primary with a backup in sync,
+        Artemis's ``failover-server-list`` (docs/ha.md)."""
+        props = self.cluster.open_properties() if self.cluster is not None else {}
+        repl = self.replication
+        if repl is not None:
+            fsl = repl.failover_server_list()
+            if fsl:
+                props = {**props, "failover-server-list": fsl}
+        return props
 
     def address_created(self, address: str) -> None:
         self.counters["addresses_auto_created"] += 1

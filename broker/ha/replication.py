@@ -157,6 +157,7 @@ class _Session:
         self.sent_seq = 0
         self.closed = False
         self.connected_at = time.time()
+        self.started_mono = time.monotonic()
 
     # -- lifecycle -------------------------------------------------------------------------------
     def attached(self) -> None:
@@ -195,6 +196,7 @@ class _Session:
         if self.started or self.hello is None or self.out.link is None or self.closed:
             return
         self.started = True
+        self.started_mono = time.monotonic()
         j = self.source.node.journal
         snap = j.snapshot(tap=self.tap)
         self.through_seq = self.sent_seq = snap.through_seq
@@ -428,10 +430,33 @@ class ReplicationSource:
             self.kick()
 
     def check_timeouts(self, timeout_s: float) -> None:
-        """A held batch older than ``timeout_s``: the backup is not answering, drop it."""
-        if self.held and time.monotonic() - self.held[0][2] > timeout_s and self.session is not None:
-            self.session.close("amqp:resource-limit-exceeded",
-                               f"the backup did not confirm within {timeout_s:g} s")
+        """A held batch older than ``timeout_s``: the backup is not answering, drop it. An
+        initial sync not done within ``initial-replication-sync-timeout-ms``: drop it too (it
+        starts over)."""
+        s = self.session
+        if s is None:
+            return
+        if self.held and time.monotonic() - self.held[0][2] > timeout_s:
+            s.close("amqp:resource-limit-exceeded", f"the backup did not confirm within {timeout_s:g} s")
+            return
+        limit = self.cfg.initial_replication_sync_timeout_ms / 1000.0
+        if self.state == "syncing" and s.started and time.monotonic() - s.started_mono > limit:
+            s.close("amqp:resource-limit-exceeded", f"the initial sync did not complete within {limit:g} s")
+
+    def failover_server_list(self) -> list:
+        """Artemis's Open property ``failover-server-list`` (``AMQPConnectionContext``): one map
+        for the backup — symbol keys ``network-host``, ``scheme``, ``hostname``, ``port`` — while
+        a backup is in sync and said where it would serve; else empty."""
+        if self.state != "in-sync" or not self.backup_connector:
+            return []
+        from urllib.parse import urlsplit
+
+        from proton import int32, symbol
+        parts = urlsplit(self.backup_connector)
+        if not parts.hostname or not parts.port:
+            return []
+        return [{symbol("network-host"): parts.hostname, symbol("scheme"): parts.scheme,
+                 symbol("hostname"): parts.hostname, symbol("port"): int32(parts.port)}]
 
     def topology(self) -> Topology:
         cluster = self.node.cluster

@@ -75,6 +75,14 @@ def test_a_lone_pair_fails_over_with_every_acknowledged_message(tmp_path, member
     assert broker_info(backup)["active"] is False
     pview = ha_view(primary)
     assert pview["replication"]["state"] == "in-sync" and pview["replication"]["backup"]["name"] == "backup"
+    # Artemis's failover-server-list in the primary's Open names the backup (unmodified proton reads it)
+    conn = BlockingConnection(primary.amqp_url, **CLIENT)
+    try:
+        fsl = conn.conn.remote_properties["failover-server-list"]
+    finally:
+        conn.close()
+    assert [dict(m) for m in fsl] == [{"network-host": "127.0.0.1", "scheme": "amqp", "hostname": "127.0.0.1",
+                                       "port": backup.port}]
     bodies = [f"m{i}" for i in range(500)]
     send(primary, "orders", bodies)       # each acknowledged once both nodes hold it
     primary.kill()
