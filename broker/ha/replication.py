@@ -181,9 +181,9 @@ class _Session:
             if payload > self.sent_seq:
                 self.bad_input(f"synced seq {payload} beyond what was sent ({self.sent_seq})")
                 return
-            if payload > self.confirmed_seq:
-                self.confirmed_seq = payload
-                self.source.confirmed(self, payload)
+            if payload > self.confirmed_seq or (payload >= self.through_seq and self.source.state == "syncing"):
+                self.confirmed_seq = max(self.confirmed_seq, payload)
+                self.source.confirmed(self, payload)   # (an empty journal's snapshot is seq 0)
         elif kind == FAILBACK:
             if self.hello is None:
                 self.bad_input("failback before hello")

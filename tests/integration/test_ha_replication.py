@@ -284,3 +284,21 @@ def test_without_allow_failback_the_restarted_primary_stays_a_backup(tmp_path, m
     assert ha_view(backup)["active"] is True and ha_view(primary)["active"] is False
     assert broker_info(primary)["active"] is False
     assert receive_all(backup, "nf") == ["kept by the backup"]
+
+
+def test_a_backup_of_a_primary_with_an_empty_journal_gets_in_sync(tmp_path, members):
+    """The snapshot of an empty journal is seq 0: confirming it puts the backup in sync."""
+    primary = start_replica(tmp_path, "primary", "primary", config={"node": {"persistent": True}})
+    members.append(primary)
+    wait_active(primary)
+    backup = start_replica(tmp_path, "backup", "backup", static=[primary.amqp_url], ha=FAST_VOTES)
+    members.append(backup)
+    wait_phase(backup, "in-sync")
+    deadline = time.monotonic() + 20
+    while ha_view(primary)["replication"]["state"] != "in-sync":
+        assert time.monotonic() < deadline, ha_view(primary)
+        time.sleep(0.05)
+    send(primary, "e", ["first"])
+    primary.kill()
+    wait_active(backup)
+    assert receive_all(backup, "e") == ["first"]
