@@ -1,7 +1,8 @@
-"""`lodestone-local`: run a local deployment — three broker nodes and the router — in the foreground.
+"""`lodestone-local`: run a local deployment — three broker nodes, broker-1's replicated backup and the router — in the foreground.
 
-It starts ``python -m broker run etc/broker-{1,2,3}.toml`` and then ``python -m router run
-etc/router.toml`` as child processes, waits for every ``listening ...`` line, prints where to
+It starts ``python -m broker run etc/broker-{1,2,3}.toml`` (and ``etc/broker-1-backup.toml``,
+broker-1's replicated backup, when that file exists; it prints only its management line until it
+takes over) and then ``python -m router run etc/router.toml`` as child processes, waits for every ``listening ...`` line, prints where to
 connect (with each process's pid), and stays up until Ctrl-C or SIGTERM, which it forwards to
 every child (router first, so it drains, then the brokers). Children's logs go to
 ``var/local/logs/<name>.log`` (``--logs``).
@@ -48,6 +49,7 @@ class Child:
     backoff_s: float = 0.0
     restart_at: float | None = None   # monotonic time of the next restart, while it is down
     announced: bool = True            # "is back" printed for the current process
+    listeners: int = 2                # listening lines that say it is up (a passive backup: 1)
 
     def start(self, env: dict[str, str]) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -138,6 +140,8 @@ def cluster_discovery_args(etc: Path, n: int, mode: str) -> tuple[list[str], str
     from broker.config import load_config
 
     cfgs = [load_config(etc / f"broker-{i}.toml") for i in range(1, n + 1)]
+    if (etc / "broker-1-backup.toml").exists() and n >= 1:
+        cfgs.append(load_config(etc / "broker-1-backup.toml"))
     c0 = cfgs[0].cluster
     if c0 is None:
         return [], "cluster: none (no [cluster] in broker-1.toml)"
@@ -204,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"lodestone-local: {discovery_line}", flush=True)
     brokers = [Child(f"broker-{i}", [sys.executable, "-m", "broker", "run", str(etc / f"broker-{i}.toml"), *extra],
                      logs / f"broker-{i}.log") for i in range(1, args.brokers + 1)]
+    backup_cfg = etc / "broker-1-backup.toml"
+    if backup_cfg.exists() and args.brokers >= 1:   # broker-1's replicated backup (docs/ha.md)
+        brokers.append(Child("broker-1-backup", [sys.executable, "-m", "broker", "run", str(backup_cfg), *extra],
+                             logs / "broker-1-backup.log", listeners=1))
     router = Child("router", [sys.executable, "-m", "router", "run", str(etc / "router.toml")],
                    logs / "router.log")
 
@@ -229,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     for b in brokers:
         b.start(env)
     for b in brokers:
-        if not b.wait_listening(2, args.start_timeout):
+        if not b.wait_listening(b.listeners, args.start_timeout):
             print(f"lodestone-local: {b.name} did not start; see {b.log_path}", file=sys.stderr)
             return shutdown(1)
     router.start(env)
@@ -239,6 +247,10 @@ def main(argv: list[str] | None = None) -> int:
 
     print("Lodestone local deployment is up.")
     for b in brokers:
+        if b.listeners == 1:
+            print(f"  {b.name:9} passive backup of broker-1 (AMQP once it takes over)   management "
+                  f"{b.listening.get('management', '?'):24} pid {b.proc.pid}")
+            continue
         print(f"  {b.name:9} amqp {b.listening.get('amqp', '?'):28} management {b.listening.get('management', '?'):24} "
               f"pid {b.proc.pid}")
     for what, url in router.listening.items():
@@ -280,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                 b.restarts += 1
                 b.announced = False
                 b.start(env)
-            elif not b.announced and len(b.listening) >= 2:
+            elif not b.announced and len(b.listening) >= b.listeners:
                 b.announced = True
                 print(f"lodestone-local: {b.name} is back (pid {b.proc.pid}, restart {b.restarts})",
                       flush=True)

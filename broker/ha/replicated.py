@@ -74,18 +74,49 @@ def attach_source(cfg: "BrokerConfig", status: HaStatus, isolated: trio.Event,
     return on_node
 
 
+DISCOVERY_LISTEN_S = 2.5   # how long a member looking for its pair listens to the discovery group
+
+
+async def cluster_connectors(cfg: "BrokerConfig") -> list[str]:
+    """Where an HA member looks for its pair: ``[cluster] static-connectors``, or the members
+    heard on the cluster's discovery group within ``min(initial-wait-timeout-ms,
+    DISCOVERY_LISTEN_S)`` (its own node id included: a backup serving it announces it too)."""
+    from broker.cluster.discovery import DiscoveryGroup
+    from broker.cluster.udp import listen
+
+    ccfg = cfg.cluster
+    urls = list(ccfg.static_connectors)
+    d = next((g for g in cfg.discovery_groups if g.name == ccfg.discovery_group), None) \
+        if ccfg.discovery_group else None
+    if d is not None:
+        group = DiscoveryGroup(None, d.refresh_timeout_ms / 1000.0, cluster=ccfg.name, key=ccfg.key)
+        try:
+            with trio.move_on_after(min(d.initial_wait_timeout_ms / 1000.0, DISCOVERY_LISTEN_S)):
+                await listen(d.group_address, d.group_port, group, lambda kind, entry: None,
+                             bind_address=d.local_bind_address)
+        except OSError as exc:
+            log.warning("ha: cannot listen to discovery group %s: %s", d.name, exc)
+        scheme = ccfg.connector.split("://", 1)[0]
+        for e in group.entries.values():
+            cs = e.announcement.connectors
+            urls.append(next((c for c in cs if c.startswith(scheme + "://")), cs[0]))
+    own = ccfg.connector
+    return [u for u in dict.fromkeys(urls) if u != own]
+
+
 async def find_live_self(cfg: "BrokerConfig", host, node_id: str, stop: trio.Event) -> str | None:
     """check-for-live-server: is another node serving ``node_id`` (a backup that took over while
-    we were down)? Each of the cluster's connectors is asked once: the Open of a cluster node
+    we were down)? Each of the cluster's connectors (:func:`cluster_connectors`) is asked once:
+    the Open of a cluster node
     names its node id and the live members (``lodestone:cluster-members``). Returns the
     connector serving it, or None."""
     from broker.amqp.frames import CLUSTER_MEMBERS
     from broker.amqp.peer import PeerConnected, PeerConnection, RetrySettings
 
     ccfg = cfg.cluster
-    for url in ccfg.static_connectors:
-        if url == ccfg.connector or stop.is_set():
-            continue
+    for url in await cluster_connectors(cfg):
+        if stop.is_set():
+            break
         seen: dict = {}
         peer = None
 
@@ -246,7 +277,7 @@ async def _follow_primaries(cfg: "BrokerConfig", datadir, status: HaStatus, slot
     own = {ccfg.connector}
     tokens = itertools.count(1)
     while not stop.is_set():
-        urls = candidates if candidates is not None else [u for u in ccfg.static_connectors if u not in own]
+        urls = candidates if candidates is not None else [u for u in await cluster_connectors(cfg) if u not in own]
         status.change("looking-for-primary", f"trying {len(urls)} connector(s)", active=False)
         for url in urls:
             if stop.is_set():

@@ -18,8 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-# (9876: the brokers' multicast discovery group)
-FIXED_PORTS = [5672, 5673, 5674, 8160, 15672, 15673, 15674, 18161, 18162, 18163, 9876]
+# (9876: the brokers' multicast discovery group; 15675/18164: broker-1's replicated backup)
+FIXED_PORTS = [5672, 5673, 5674, 8160, 15672, 15673, 15674, 18161, 18162, 18163, 9876, 15675, 18164]
 
 
 def _free_ports(n):
@@ -115,7 +115,7 @@ def test_local_deployment_serves_proxy_and_redirect_clients(local_deployment):
 def test_children_stop_when_the_supervisor_is_killed(local_deployment):
     proc, banner, tmp_path, ports = local_deployment
     children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-    assert len(children) == 4
+    assert len(children) == 5          # three brokers, broker-1's backup, the router
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 30

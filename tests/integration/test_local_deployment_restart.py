@@ -67,7 +67,7 @@ def test_banner_shows_pids_and_client_helpers(local_deployment):
     pids = [int(p) for p in re.findall(r"pid (\d+)", banner)]
     children = {int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
                                                text=True).stdout.split()}
-    assert children <= set(pids) and len(children) == 4 and proc.pid in pids
+    assert children <= set(pids) and len(children) == 5 and proc.pid in pids
     assert "docs/clients.md" in banner
     assert "connect_following_redirects" in banner
 
@@ -104,3 +104,56 @@ def test_a_killed_broker_is_reported_and_restarted(local_deployment):
     assert new_pid != old_pid and os.path.exists(f"/proc/{new_pid}")
     _wait(lambda: pool_ready() == {"broker-1": True, "broker-2": True, "broker-3": True})
     assert proc.poll() is None
+
+
+def test_broker_1_fails_over_to_its_backup_and_back(local_deployment):
+    """broker-1 has a replicated backup (etc/broker-1-backup.toml): kill -9 broker-1, the backup
+    takes over its node id with every acknowledged message and the router sends broker-1's keys
+    there; lodestone-local restarts broker-1, which takes its node id back (failback)."""
+    from proton import Message
+    from proton.utils import BlockingConnection
+
+    proc, banner, tmp_path, ports = local_deployment
+    out: list[str] = []
+    threading.Thread(target=lambda: out.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    auth = ("admin", "admin")
+    b1_mgmt, bk_mgmt = (f"http://127.0.0.1:{ports[p]}" for p in (18161, 18164))
+    ha = lambda url: http_json(url + "/api/v1/ha", auth=auth)[1]  # noqa: E731
+    _wait(lambda: ha(bk_mgmt)["phase"] == "in-sync")
+    node_id = ha(b1_mgmt)["node_id"]
+    assert ha(bk_mgmt)["node_id"] == node_id
+    b1 = f"amqp://127.0.0.1:{ports[15672]}"
+    conn = BlockingConnection(b1, user="app", password="app", allowed_mechs="PLAIN", timeout=20)
+    snd = conn.create_sender("ha.local")
+    for i in range(50):
+        snd.send(Message(body=f"m{i}", durable=True))
+    conn.close()
+    pid = int(re.search(r"broker-1 .* pid (\d+)", banner).group(1))
+    os.kill(pid, signal.SIGKILL)
+    _wait(lambda: ha(bk_mgmt)["active"] is True)
+    assert ha(bk_mgmt)["node_id"] == node_id
+    router = f"http://127.0.0.1:{ports[8160]}"
+
+    def routed_to_backup():
+        status, body = http_json(router + "/api/v1/routers/main/pool", auth=auth)
+        return any(t["node_id"] == node_id and t["ready"] and t["port"] == ports[15675] for t in body["targets"])
+    _wait(routed_to_backup)              # the router's cluster pool follows the node id to the backup
+    # lodestone-local restarts broker-1: it finds its node id served by the backup and fails back
+    _wait(lambda: "broker-1 is back" in "".join(out), 90)
+    _wait(lambda: ha(b1_mgmt)["active"] is True, 60)
+    view = None
+
+    def standby():
+        nonlocal view
+        view = ha(bk_mgmt)
+        return view["phase"] == "in-sync" and not view["active"]
+    _wait(standby, 60)
+    assert view["pair"]["failbacks"] == 1
+    conn = BlockingConnection(b1, user="app", password="app", allowed_mechs="PLAIN", timeout=20)
+    rcv = conn.create_receiver("ha.local", credit=100)
+    got = []
+    for _ in range(50):
+        got.append(rcv.receive(timeout=20).body)
+        rcv.accept()
+    conn.close()
+    assert got == [f"m{i}" for i in range(50)]
