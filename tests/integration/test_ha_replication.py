@@ -302,3 +302,40 @@ def test_a_backup_of_a_primary_with_an_empty_journal_gets_in_sync(tmp_path, memb
     primary.kill()
     wait_active(backup)
     assert receive_all(backup, "e") == ["first"]
+
+
+def test_the_failover_client_learns_the_backup_and_keeps_sending(tmp_path, members):
+    """router.client.FailoverConnection given only the primary's URL learns the backup from the
+    Open's failover-server-list; the primary is SIGKILLed mid-stream; every send returns once
+    stored, and the backup holds every one of them."""
+    import threading
+
+    from router.client import FailoverConnection
+
+    primary = start_replica(tmp_path, "primary", "primary")
+    members.append(primary)
+    wait_active(primary)
+    backup = start_replica(tmp_path, "backup", "backup", static=[primary.amqp_url], ha=FAST_VOTES)
+    members.append(backup)
+    wait_phase(backup, "in-sync")
+    deadline = time.monotonic() + 20
+    while ha_view(primary)["replication"]["state"] != "in-sync":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    conn = FailoverConnection(primary.amqp_url, reconnect_timeout_s=30, **CLIENT)
+    assert conn.learned == [f"amqp://127.0.0.1:{backup.port}"]
+    snd = conn.sender("fo")
+    sent = []
+    killer = None
+    for i in range(400):
+        if i == 150:
+            killer = threading.Thread(target=primary.kill)
+            killer.start()
+        snd.send(Message(body=f"m{i}", durable=True))
+        sent.append(f"m{i}")
+    killer.join()
+    assert conn.failovers == 1 and conn.current == f"amqp://127.0.0.1:{backup.port}"
+    conn.close()
+    got = receive_all(backup, "fo")
+    assert sorted(set(got)) == sorted(sent)          # every acknowledged send is on the backup
+    assert len(got) - len(set(got)) <= snd.resent    # a resend whose first copy was stored (no dup ids yet)
