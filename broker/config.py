@@ -386,8 +386,9 @@ def _ha(t: Table, cluster: ClusterConfig | None) -> HaConfig:
     if scale_down and cluster is None:
         raise t.error("scale-down", "true needs a [cluster] table (scale-down moves messages over the "
                       "cluster's bridges, with its credential)")
-    if scale_down and policy != "live-only":
-        raise t.error("scale-down", f"scale-down from a {policy} node is not supported yet (see docs/ha.md)")
+    if scale_down and policy != "live-only" and not (policy == "replication" and role == "backup"):
+        raise t.error("scale-down", f"scale-down from a {policy} {role} is not supported (live-only nodes and "
+                      "replication backups scale down; see docs/ha.md)")
     if policy == "replication":
         if cluster is None:
             raise t.error("policy", "'replication' needs a [cluster] table: the backup finds its primary "

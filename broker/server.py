@@ -103,7 +103,8 @@ class ManagementSlot:
 
 async def serve_active(cfg: "BrokerConfig", security, datadir, stop: trio.Event, *,
                        deactivate: trio.Event | None = None, management: ManagementSlot | None = None,
-                       on_node=None, on_deactivate=None, task_status=trio.TASK_STATUS_IGNORED) -> str:
+                       on_node=None, on_deactivate=None, scale_down_only: bool = False,
+                       task_status=trio.TASK_STATUS_IGNORED) -> str:
     """Serve as the active node on a locked data directory until ``stop`` (a signal: returns
     ``"stop"``) or ``deactivate`` (an HA node hands over: returns ``"deactivate"``); then close
     every connection, flush, and return with the journal closed (the data directory stays locked:
@@ -111,7 +112,9 @@ async def serve_active(cfg: "BrokerConfig", security, datadir, stop: trio.Event,
     node is put behind it); without it this function serves the management API itself.
     ``on_node(node)`` is called once the node exists (an HA node's observability);
     ``await on_deactivate(node)`` runs on a hand-over once the listeners are closed, before the
-    remaining connections are (a failback sends its last records there)."""
+    remaining connections are (a failback sends its last records there). ``scale_down_only``: a
+    backup that took over with ``[ha] scale-down`` — no acceptor listens; the node joins the
+    cluster, moves every message to another node and returns ``"scaled-down"``."""
     from broker.amqp.driver import serve_amqp
     from broker.http import serve_http
     from broker.management import make_handler
@@ -141,7 +144,7 @@ async def serve_active(cfg: "BrokerConfig", security, datadir, stop: trio.Event,
                     amqp_urls = []
                     mgmt_url = ""
                     listeners: list[trio.CancelScope] = []
-                    for acc in cfg.acceptors:
+                    for acc in (cfg.acceptors if not scale_down_only else ()):
                         listeners.append(trio.CancelScope())
                         host, port = await services.start(_in_scope, listeners[-1], serve_amqp, node, acc)
                         print_listening(acc.scheme, f"{acc.scheme}://{_hostport(host, port)}")
@@ -169,20 +172,25 @@ async def serve_active(cfg: "BrokerConfig", security, datadir, stop: trio.Event,
                         services.start_soon(node.activity_flusher)
                     if cfg.expiry_scan_period_ms > 0:
                         services.start_soon(node.expiry_scanner)
-                    node.active = True
+                    node.active = not scale_down_only   # a scaling-down backup serves no client
                     if node.routing is not None:
                         node.routing.set_active(True)
                     log.info("node active", extra={"fields": {"node_id": node.node_id}})
                     task_status.started(node)
-                    async with trio.open_nursery() as waiter:   # until a signal or a hand-over
-                        async def wait_for(ev: trio.Event, why: str) -> None:
-                            nonlocal reason
-                            await ev.wait()
-                            reason = why
-                            waiter.cancel_scope.cancel()
-                        waiter.start_soon(wait_for, stop, "stop")
-                        if deactivate is not None:
-                            waiter.start_soon(wait_for, deactivate, "deactivate")
+                    if scale_down_only:
+                        result = await node.cluster.scale_down(ccfg.call_timeout_ms / 1000.0)
+                        log.warning("ha: this backup scaled down instead of serving: %s", result)
+                        reason = "scaled-down"
+                    else:
+                        async with trio.open_nursery() as waiter:   # until a signal or a hand-over
+                            async def wait_for(ev: trio.Event, why: str) -> None:
+                                nonlocal reason
+                                await ev.wait()
+                                reason = why
+                                waiter.cancel_scope.cancel()
+                            waiter.start_soon(wait_for, stop, "stop")
+                            if deactivate is not None:
+                                waiter.start_soon(wait_for, deactivate, "deactivate")
                     node.active = False
                     if node.routing is not None:
                         node.routing.set_active(False)
@@ -190,7 +198,7 @@ async def serve_active(cfg: "BrokerConfig", security, datadir, stop: trio.Event,
                         for scope in listeners:
                             scope.cancel()
                         await on_deactivate(node)
-                    if cfg.ha.scale_down and node.cluster is not None and reason == "stop":
+                    if cfg.ha.scale_down and node.cluster is not None and reason == "stop" and not scale_down_only:
                         # Artemis live-only scale-down: stop taking clients, let them go, move
                         # every message to another node, then stop
                         for scope in listeners:
@@ -256,7 +264,7 @@ async def _run_cluster(node: Node, ccfg, amqp_urls: list[str], mgmt_url: str, *,
     from broker.cluster.bridge import ClusterNode
 
     connector = ccfg.connector or amqp_urls[0]
-    if connector.rsplit(":", 1)[-1] == "0":  # port 0 in the config: the first acceptor of its scheme, as bound
+    if connector.rsplit(":", 1)[-1] == "0" and amqp_urls:  # port 0 in the config: the first acceptor of its scheme, as bound
         scheme = connector.split("://", 1)[0]
         connector = next((u for u in amqp_urls if u.startswith(scheme + "://")), amqp_urls[0])
     if ccfg.weak_password:

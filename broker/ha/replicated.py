@@ -219,6 +219,15 @@ async def run_replicated(cfg: "BrokerConfig", security, *, task_status=trio.TASK
                                                               candidates=[url], failback=True)
                             if not outcome:
                                 break
+                    if role_backup and cfg.ha.scale_down:
+                        # Artemis's backup scale-down: move the node id's messages to another live
+                        # node instead of serving them, then stop
+                        status.change("scaling-down", "took over to move the messages to another node")
+                        await serve_active(cfg, security, datadir, stop, management=slot if slot.url else None,
+                                           on_node=lambda node: setattr(node, "ha", status), scale_down_only=True,
+                                           task_status=task_status)
+                        status.change("stopping", "scaled down", active=False)
+                        break
                     isolated = trio.Event()
                     handing_over = trio.Event()
                     status.activations += 1

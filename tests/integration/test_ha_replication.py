@@ -339,3 +339,18 @@ def test_the_failover_client_learns_the_backup_and_keeps_sending(tmp_path, membe
     got = receive_all(backup, "fo")
     assert sorted(set(got)) == sorted(sent)          # every acknowledged send is on the backup
     assert len(got) - len(set(got)) <= snd.resent    # a resend whose first copy was stored (no dup ids yet)
+
+
+def test_a_backup_with_scale_down_moves_the_messages_instead_of_serving(tmp_path, members):
+    p1, p2, p3 = three_primaries(tmp_path, members)
+    backup = start_replica(tmp_path, "backup", "backup", static=[p1.amqp_url, p2.amqp_url, p3.amqp_url],
+                           ha={"group-name": "g1", "scale-down": True, **FAST_VOTES})
+    members.append(backup)
+    wait_phase(backup, "in-sync")
+    bodies = [f"s{i}" for i in range(300)]
+    send(p1, "sd", bodies)
+    p1.kill()
+    assert backup.proc.wait(60) == 0, backup.stderr_text()[-3000:]    # scaled down, then stopped
+    assert "this backup scaled down instead of serving" in backup.stderr_text()
+    got = receive_all(p2, "sd") + receive_all(p3, "sd")
+    assert sorted(got) == sorted(bodies)                               # every message, once
