@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Mapping
 
 from broker.cluster.settings import (HA_POLICIES, LOAD_BALANCING_MODES, BroadcastGroupConfig, ClusterConfig,
                                      DiscoveryGroupConfig, HaConfig, parse_connector)
-from broker.cluster.settings import HA_ROLES
+from broker.cluster.settings import HA_ROLES, ColocatedConfig
 from broker.core.filters import SelectorError, compile_queue_filter
 from broker.core.addresses import ANYCAST, MULTICAST, AddressSettings, SettingsResolver, WildcardSettings
 from broker.core.limits import SourceLimits, source_limits_from
@@ -345,8 +345,19 @@ def _ha(t: Table, cluster: ClusterConfig | None) -> HaConfig:
     ``replication`` (docs/ha.md)."""
     d = HaConfig()
     policy = t.choice("policy", HA_POLICIES, d.policy)
+    colocated = None
     if t.has("colocated"):
-        raise t.error("colocated", "colocated backups are not supported yet (see docs/ha.md)")
+        ct = t.table("colocated")
+        d_c = ColocatedConfig()
+        colocated = ColocatedConfig(
+            request_backup=ct.bool("request-backup", d_c.request_backup),
+            max_backups=ct.int("max-backups", d_c.max_backups, min=0),
+            backup_request_retries=ct.int("backup-request-retries", d_c.backup_request_retries, min=-1),
+            backup_request_retry_interval_ms=ct.int("backup-request-retry-interval-ms",
+                                                    d_c.backup_request_retry_interval_ms, min=1),
+            backup_port_offset=ct.int("backup-port-offset", d_c.backup_port_offset, min=1, max=65535),
+            excludes=tuple(ct.str_list("excludes", [])))
+        ct.done()
     if policy != "replication":
         for key in _REPLICATION_KEYS:
             if t.has(key):
@@ -389,6 +400,9 @@ def _ha(t: Table, cluster: ClusterConfig | None) -> HaConfig:
     if scale_down and policy != "live-only" and not (policy == "replication" and role == "backup"):
         raise t.error("scale-down", f"scale-down from a {policy} {role} is not supported (live-only nodes and "
                       "replication backups scale down; see docs/ha.md)")
+    if colocated is not None and not (policy == "replication" and role == "primary"):
+        raise t.error("colocated", "colocated backups are for replication primaries (policy = 'replication', "
+                      "role = 'primary')")
     if policy == "replication":
         if cluster is None:
             raise t.error("policy", "'replication' needs a [cluster] table: the backup finds its primary "
@@ -401,7 +415,7 @@ def _ha(t: Table, cluster: ClusterConfig | None) -> HaConfig:
                     check_for_live_server=check_live, initial_replication_sync_timeout_ms=sync_timeout,
                     vote_on_replication_failure=vote_fail, quorum_size=quorum, vote_retries=vote_retries,
                     vote_retry_wait_ms=vote_wait, quorum_vote_wait_s=vote_total,
-                    max_saved_replicated_journals_size=saved, backup_fsync=backup_fsync,
+                    max_saved_replicated_journals_size=saved, backup_fsync=backup_fsync, colocated=colocated,
                     scale_down=scale_down, scale_down_group_name=sd_group, scale_down_connectors=connectors)
 
 
@@ -521,6 +535,12 @@ def load_config(file: str | Path) -> BrokerConfig:
     cluster = _cluster(root.table("cluster"), discovery_groups) if root.has("cluster") else None
     ha = _ha(root.table("ha"), cluster)
     routers, routing_log = _routers(root, acceptors, cluster, data_dir)
+    if ha.colocated is not None:
+        names = {a.name for a in acceptors}
+        for i, name in enumerate(ha.colocated.excludes):
+            if name not in names:
+                raise ConfigError(root.file, f"ha.colocated.excludes[{i}]",
+                                  f"{name!r} is not an acceptor (acceptors: {', '.join(sorted(names))})")
 
     lg = root.table("logging")
     level = lg.choice("level", ("DEBUG", "INFO", "WARNING", "ERROR"), "INFO")

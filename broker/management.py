@@ -45,6 +45,7 @@ __all__ = ["make_handler", "MANAGEMENT_ADDRESS", "openapi_document"]
 #: what the cluster user may read (the probes of an embedded router's cluster pool, and a
 #: member's view of the cluster): everything else needs a users-file user with ``manage``
 CLUSTER_READABLE = frozenset({"/api/v1/broker", "/api/v1/cluster", "/api/v1/ha"})
+COLOCATED_PATH = "/api/v1/ha/colocated"   # another primary asks this node to host its backup
 
 
 async def _principal(node: "Node", request: Request):
@@ -62,8 +63,10 @@ async def _principal(node: "Node", request: Request):
                 await trio.sleep(node.security.login.failure_delay_s)
                 raise HttpError(401, "bad credentials", challenge)
             path = request.path.rstrip("/") or "/"
-            if request.method != "GET" or path not in CLUSTER_READABLE:
-                raise HttpError(403, f"the cluster user may only read {', '.join(sorted(CLUSTER_READABLE))}")
+            if not ((request.method == "GET" and path in CLUSTER_READABLE)
+                    or (request.method == "POST" and path == COLOCATED_PATH)):
+                raise HttpError(403, f"the cluster user may only read {', '.join(sorted(CLUSTER_READABLE))} "
+                                     f"and ask for a colocated backup (POST {COLOCATED_PATH})")
             return Principal(creds[0], (CLUSTER_ROLE,))
     result = await node.login_gate.login(creds[0], creds[1], ip)   # throttled like AMQP logins
     principal = result.principal
@@ -322,6 +325,12 @@ def make_handler(node: "Node"):
                 return json_response(cluster_view(node))
             if path == "/api/v1/ha":
                 return json_response(ha_view(node))
+        if method == "POST" and path == COLOCATED_PATH:
+            host = getattr(node, "colocated", None)
+            if host is None:
+                raise HttpError(404, "this node hosts no colocated backups ([ha.colocated] max-backups)")
+            status, body = host.request(request.json())
+            return json_response(body, status)
         if method == "POST" and path == "/api/v1/addresses":
             return _create_address(node, principal, request.json())
         if method == "DELETE":
@@ -475,6 +484,12 @@ def openapi_document() -> dict:
                                        "node_id": {"type": "string", "nullable": True}, "phase": s_str,
                                        "pair": {"type": "object", "nullable": True},
                                        "replication": {"type": "object", "nullable": True}}})}},
+            "/api/v1/ha/colocated": {"post": {"summary": "ask this node to host a colocated backup (cluster user)",
+                                              "security": secured,
+                                              "responses": {"202": {"description": "hosting it"},
+                                                            "200": {"description": "already hosting it"},
+                                                            "409": {"description": "full, or its own id"},
+                                                            "404": {"description": "hosts no colocated backups"}}}},
             "/api/v1/connections": {"get": {"summary": "open AMQP connections", "security": secured,
                                             "responses": ok({"type": "array", "items": conn})}},
             "/metrics": {"get": {"summary": "Prometheus text exposition (Basic auth with manage unless "

@@ -88,6 +88,7 @@ class ManagementSlot:
         self.url = ""
         self.status = None   # broker.ha.shared_store.HaStatus of an HA node
         self.store = None
+        self.node = None     # the Node behind it
 
     async def __call__(self, request):
         from broker.http import HttpError
@@ -98,13 +99,14 @@ class ManagementSlot:
 
     def serve(self, node: Node) -> None:
         from broker.management import make_handler
+        self.node = node
         self.handler = make_handler(node)
 
 
 async def serve_active(cfg: "BrokerConfig", security, datadir, stop: trio.Event, *,
                        deactivate: trio.Event | None = None, management: ManagementSlot | None = None,
                        on_node=None, on_deactivate=None, scale_down_only: bool = False,
-                       task_status=trio.TASK_STATUS_IGNORED) -> str:
+                       label: str | None = None, task_status=trio.TASK_STATUS_IGNORED) -> str:
     """Serve as the active node on a locked data directory until ``stop`` (a signal: returns
     ``"stop"``) or ``deactivate`` (an HA node hands over: returns ``"deactivate"``); then close
     every connection, flush, and return with the journal closed (the data directory stays locked:
@@ -114,7 +116,8 @@ async def serve_active(cfg: "BrokerConfig", security, datadir, stop: trio.Event,
     ``await on_deactivate(node)`` runs on a hand-over once the listeners are closed, before the
     remaining connections are (a failback sends its last records there). ``scale_down_only``: a
     backup that took over with ``[ha] scale-down`` — no acceptor listens; the node joins the
-    cluster, moves every message to another node and returns ``"scaled-down"``."""
+    cluster, moves every message to another node and returns ``"scaled-down"``. ``label``:
+    prefixes the ``listening`` lines (a colocated backup: ``colocated-<n>-amqp``)."""
     from broker.amqp.driver import serve_amqp
     from broker.http import serve_http
     from broker.management import make_handler
@@ -147,7 +150,8 @@ async def serve_active(cfg: "BrokerConfig", security, datadir, stop: trio.Event,
                     for acc in (cfg.acceptors if not scale_down_only else ()):
                         listeners.append(trio.CancelScope())
                         host, port = await services.start(_in_scope, listeners[-1], serve_amqp, node, acc)
-                        print_listening(acc.scheme, f"{acc.scheme}://{_hostport(host, port)}")
+                        print_listening(f"{label}-{acc.scheme}" if label else acc.scheme,
+                                        f"{acc.scheme}://{_hostport(host, port)}")
                         amqp_urls.append(f"{acc.scheme}://{_hostport(host, port)}")
                     if management is not None:
                         management.serve(node)
@@ -156,7 +160,7 @@ async def serve_active(cfg: "BrokerConfig", security, datadir, stop: trio.Event,
                         host, port = await services.start(
                             serve_http, make_handler(node), cfg.management.host, cfg.management.port)
                         mgmt_url = f"http://{_hostport(host, port)}"
-                        print_listening("management", mgmt_url)
+                        print_listening(f"{label}-management" if label else "management", mgmt_url)
                     if journal is not None:
                         services.start_soon(node.committer)
                     ccfg = cfg.cluster

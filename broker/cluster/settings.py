@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 __all__ = ["ClusterConfig", "HaConfig", "BroadcastGroupConfig", "DiscoveryGroupConfig", "DEFAULT_CLUSTER_PASSWORD", "SAMPLE_CLUSTER_PASSWORD", "LOAD_BALANCING_MODES", "parse_address_filter",
-           "address_clustered", "Connector", "parse_connector", "HA_POLICIES", "HA_ROLES"]
+           "address_clustered", "Connector", "parse_connector", "HA_POLICIES", "HA_ROLES", "ColocatedConfig"]
 
 #: the cluster password Artemis ships (``CHANGE ME!!``); a node using it (or none) warns at every start
 DEFAULT_CLUSTER_PASSWORD = "CHANGE ME!!"
@@ -166,6 +166,20 @@ HA_ROLES = ("primary", "backup")
 
 
 @dataclass(frozen=True)
+class ColocatedConfig:
+    """``[ha.colocated]`` (Artemis ``<colocated>``): this primary asks the cluster's other nodes to
+    host a backup for it (``request-backup``), and hosts up to ``max-backups`` for others, on
+    ports offset by ``backup-port-offset`` (acceptors named in ``excludes`` keep theirs)."""
+
+    request_backup: bool = False
+    max_backups: int = 1
+    backup_request_retries: int = -1
+    backup_request_retry_interval_ms: int = 5000
+    backup_port_offset: int = 100
+    excludes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class HaConfig:
     """``[ha]`` (Artemis ``<ha-policy>``, Artemis 2.x role names; docs/ha.md): ``live-only``
     (with scale-down) or ``shared-store`` (a primary and its backups on one data directory)."""
@@ -188,6 +202,7 @@ class HaConfig:
     quorum_vote_wait_s: int = 30
     max_saved_replicated_journals_size: int = 2
     backup_fsync: bool = True            # the backup fsyncs a batch before confirming it
+    colocated: ColocatedConfig | None = None   # [ha.colocated]
     scale_down: bool = False
     scale_down_group_name: str | None = None
     scale_down_connectors: tuple[str, ...] = ()

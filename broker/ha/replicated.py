@@ -22,6 +22,7 @@ looks for the primary again, as Artemis's backup restarts as a backup.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -56,13 +57,22 @@ def _write_node_id(path: Path, node_id: str) -> None:
     os.rename(tmp, path / "node.id")
 
 
+async def _when_active(status: HaStatus, cfg, task) -> None:
+    """Run ``task(node, cfg)`` once this member's node is active (``attach_source`` records it)."""
+    while getattr(status, "node", None) is None or not status.node.active:
+        await trio.sleep(0.05)
+    await task(status.node, cfg)
+
+
 def attach_source(cfg: "BrokerConfig", status: HaStatus, isolated: trio.Event,
-                  failback: trio.Event | None = None):
+                  failback: trio.Event | None = None, colocated_host=None):
     """``on_node`` for an active member: it takes a backup, and reports replication; an
     activated backup with allow-failback hands over when the node id's primary asks
     (``failback`` is set)."""
     def on_node(node) -> None:
         node.ha = status
+        status.node = node
+        node.colocated = colocated_host
         src = ReplicationSource(node)
         node.replication = src
         status.replication_view = src.describe
@@ -162,8 +172,12 @@ async def primary_quorum_check(node, cfg: "BrokerConfig") -> bool:
     return result.won
 
 
-async def run_replicated(cfg: "BrokerConfig", security, *, task_status=trio.TASK_STATUS_IGNORED) -> int:
-    """Run one member of a replicated pair until SIGTERM/SIGINT; returns the exit status."""
+async def run_replicated(cfg: "BrokerConfig", security, *, stop: trio.Event | None = None, label: str | None = None,
+                         on_status=None, task_status=trio.TASK_STATUS_IGNORED) -> int:
+    """Run one member of a replicated pair until SIGTERM/SIGINT; returns the exit status.
+    ``stop``/``label``/``on_status``: a colocated backup inside another node's process
+    (``broker.ha.colocated``) — stopped with its host, listeners printed as ``<label>-<what>``,
+    its status handed to the host."""
     from broker.http import serve_http
     from broker.logsetup import print_listening
     from broker.node import Node
@@ -175,8 +189,11 @@ async def run_replicated(cfg: "BrokerConfig", security, *, task_status=trio.TASK
     datadir = open_data_dir(cfg.data_dir)
     status = HaStatus(ha.policy, ha.role, str(cfg.data_dir), node_id=None if backup else datadir.node_id)
     status.replication_view = None
+    if on_status is not None:
+        on_status(status)
     slot = ManagementSlot()
     exit_code = 0
+    mgmt_label = f"{label}-management" if label else "management"
 
     def passive_node() -> Node:
         node = Node(cfg, security, status.node_id or "", None)
@@ -185,22 +202,30 @@ async def run_replicated(cfg: "BrokerConfig", security, *, task_status=trio.TASK
         return node
 
     try:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            stop = trio.Event()
+        with (trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) if stop is None
+              else contextlib.nullcontext(None)) as signals:
+            stop = stop if stop is not None else trio.Event()
             async with trio.open_nursery() as nursery:
                 async def on_signal() -> None:
                     async for sig in signals:
                         log.info("signal %s: shutting down", signal.Signals(sig).name)
                         stop.set()
                         return
-                nursery.start_soon(on_signal)
+                if signals is not None:
+                    nursery.start_soon(on_signal)
+                colocated_host = None
+                co = cfg.ha.colocated
+                if co is not None and co.max_backups > 0:
+                    from broker.ha.colocated import ColocatedHost
+                    colocated_host = ColocatedHost(cfg, security, nursery, stop, datadir.node_id)
+                    status.colocated = colocated_host
                 host = passive_node()
                 if (backup or cfg.ha.check_for_live_server) and cfg.management.enabled:
                     # a passive member answers at once (active: false); a plain primary opens
                     # its management API when it serves
                     h, p = await nursery.start(serve_http, slot, cfg.management.host, cfg.management.port)
                     slot.url = f"http://{_hostport(h, p)}"
-                    print_listening("management", slot.url)
+                    print_listening(mgmt_label, slot.url)
                 role_backup = backup
                 while not stop.is_set():
                     failback = False
@@ -248,7 +273,11 @@ async def run_replicated(cfg: "BrokerConfig", security, *, task_status=trio.TASK
                         wn.start_soon(watch, isolated, ISOLATED_EXIT)
                         wn.start_soon(watch, handing_over, 0)
                         on_node = attach_source(cfg, status, isolated,
-                                                handing_over if role_backup and cfg.ha.allow_failback else None)
+                                                handing_over if role_backup and cfg.ha.allow_failback else None,
+                                                colocated_host)
+                        if co is not None and co.request_backup:
+                            from broker.ha.colocated import request_backups
+                            wn.start_soon(_when_active, status, cfg, request_backups)
 
                         async def on_deactivate(node) -> None:
                             if handing_over.is_set() and node.replication is not None:
@@ -256,7 +285,8 @@ async def run_replicated(cfg: "BrokerConfig", security, *, task_status=trio.TASK
 
                         reason = await serve_active(cfg, security, datadir, stop, deactivate=deactivate,
                                                     management=slot if slot.url else None, on_node=on_node,
-                                                    on_deactivate=on_deactivate, task_status=task_status)
+                                                    on_deactivate=on_deactivate, label=label,
+                                                    task_status=task_status)
                         wn.cancel_scope.cancel()
                     if reason == "deactivate" and handing_over.is_set():
                         status.failbacks += 1

@@ -136,6 +136,7 @@ class HaStatus:
     last_change: str | None = None
     #: replication: a callable giving ``{"state", "lag_records", ...}`` (broker.ha.replication)
     replication_view: object = None
+    colocated: object = None   # broker.ha.colocated.ColocatedHost: the backups this node hosts
 
     def change(self, phase: str, why: str, *, active: bool | None = None) -> None:
         """A role/phase change: one log line each, as the issue asks."""
@@ -156,7 +157,8 @@ class HaStatus:
                 "pair": {"store": self.store, "state": STATE_NAMES.get(state) if state else None,
                          "activations": self.activations, "failovers": self.failovers,
                          "failbacks": self.failbacks},
-                "replication": self.replication_view() if callable(self.replication_view) else None}
+                "replication": self.replication_view() if callable(self.replication_view) else None,
+                "colocated": self.colocated.describe() if self.colocated is not None else None}
 
 
 async def _acquire_live(store: SharedStore, path: Path, *, backup: bool, status: HaStatus):
