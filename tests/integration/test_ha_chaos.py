@@ -1,8 +1,9 @@
 """The HA chaos test (issue 12): producers and consumers through the router (proxy mode) at load,
 the active primary SIGKILLed, then exact counts — for a replicated pair and for a shared-store pair.
 
-Real processes only: the pair (tests/haproc.py), a router with the pair as its pool (the two
-members as two targets: only the active one probes ready), and unmodified python-qpid-proton
+Real processes only: the pair (tests/haproc.py), a router with the pair as its pool (the backup
+a target with ``backup-of`` the primary: one routing identity served by its active member, re-probed
+at once when a proxied upstream fails — docs/router.md "HA pairs"), and unmodified python-qpid-proton
 clients wrapped in ``router.client.FailoverConnection`` (reconnects through the router, re-creates
 its links, resends an unconfirmed send with its ``_AMQ_DUPL_ID``).
 
@@ -44,10 +45,15 @@ def router_toml(members) -> str:
              "[[acceptors]]", 'name = "proxy"', "port = 0", 'router = "pair"', 'mode = "proxy"',
              "[routers.pair]", 'key-type = "CLIENT_ID"',
              "[routers.pair.policy]", 'name = "FIRST_ELEMENT"',
-             "[routers.pair.pool]", "check-period = 250", "quorum-timeout = 10000",
+             "[routers.pair.pool]", "check-period = 2000", "quorum-timeout = 10000",
              'username = "admin"', 'password = "admin"']
-    for m in members:
-        lines += ["[[routers.pair.pool.targets]]", f"name = {toml_str(m.workdir.name)}", 'host = "127.0.0.1"',
+    primary, *backups = members
+    lines += ["[[routers.pair.pool.targets]]", f"name = {toml_str(primary.workdir.name)}", 'host = "127.0.0.1"',
+              f"port = {primary.port}", f"management-url = {toml_str(primary.management_url)}",
+              f"node-id = {toml_str(primary.node_id)}"]
+    for m in backups:   # the pair: one routing identity served by its active member (docs/router.md)
+        lines += ["[[routers.pair.pool.targets]]", f"name = {toml_str(m.workdir.name)}",
+                  f"backup-of = {toml_str(primary.workdir.name)}", 'host = "127.0.0.1"',
                   f"port = {m.port}", f"management-url = {toml_str(m.management_url)}"]
     return "\n".join(lines) + "\n"
 
