@@ -615,3 +615,17 @@ async def test_the_cluster_source_applies_pairs_and_role_changes_to_the_pool():
     st = pool.members[2]
     assert st.ready and not st.target.backup and pool.ready_target("B") is st.target
     assert src.status()["members"] == ["A", "B", "B@127.0.0.1:5012"]
+
+
+def test_the_dry_run_counts_a_pair_once(tmp_path, capsys):
+    from router.dryrun_cli import dry_run_main
+
+    p = tmp_path / "router.toml"
+    p.write_text(HEAD + target_toml("b1", 5001, extra='node-id = "X"\n')
+                 + target_toml("b1-backup", 5002, extra='backup-of = "b1"\n')
+                 + target_toml("b2", 5003, extra='node-id = "Y"\n'))
+    keys = tmp_path / "keys.txt"
+    keys.write_text("\n".join(f"k{i}" for i in range(200)) + "\n")
+    assert dry_run_main([str(p), "--keys", str(keys), "--json", "--remove", "b2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["before_targets"] == ["X", "Y"] and report["after_targets"] == ["X"]
