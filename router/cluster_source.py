@@ -121,8 +121,13 @@ class ClusterSource:
                     log.info("cluster pool: %s left", slot)
             for t in change.added:
                 if pool.add_target(t):
-                    log.info("cluster pool: %s joined (amqp %s:%d, management %s)", t.name, t.host,
-                             t.port, t.management_url)
+                    log.info("cluster pool: %s joined (amqp %s:%d, management %s%s)", t.name,
+                             t.host, t.port, t.management_url,
+                             f"; backup of node {t.node_id}" if t.backup else "")
+            for t in change.updated:
+                if pool.update_target(t):
+                    log.info("cluster pool: %s is now listed as %s of node %s", t.name,
+                             "a backup" if t.backup else "the primary", t.node_id)
             return bool(change)
         self.read_errors += 1
         text = "; ".join(errors) or "no management URL to ask"

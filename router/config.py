@@ -19,7 +19,7 @@ and Artemis key resolution (``artemis-keys = true``).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
 from urllib.parse import parse_qsl, urlsplit
@@ -96,9 +96,14 @@ class TargetConfig:
     #: extraProps for it (management getTargetAsJSON shows them); None for TOML targets
     connector_params: tuple[tuple[str, str], ...] | None = None
     connector_extra: tuple[tuple[str, str], ...] | None = None
+    #: an HA backup: the name of the pool target (its primary) whose node id it serves when active
+    backup_of: str | None = None
+    #: the HA pair this target is a member of (its primary's name; set on the primary too)
+    pair: str | None = None
 
     def to_target(self) -> Target:
-        return Target(self.node_id, self.host, self.port, self.tls, self.management_url, self.name)
+        return Target(self.node_id, self.host, self.port, self.tls, self.management_url, self.name,
+                      self.pair, self.backup_of is not None)
 
 
 @dataclass(frozen=True)
@@ -312,15 +317,52 @@ def _mgmt_url(t: Table, key: str) -> str | None:
     return url
 
 
-def _target(t: Table, default_name: str | None = None) -> TargetConfig:
+def _target(t: Table, default_name: str | None = None, *, pool: bool = False) -> TargetConfig:
+    if not pool and t.has("backup-of"):
+        raise t.error("backup-of", "only a pool target can be a backup (of another pool target)")
     host = t.str("host")
     port = t.int("port", min=1, max=65535)
     tc = TargetConfig(name=t.str("name", default_name or f"{host}:{port}"), host=host, port=port,
                       tls=t.bool("tls", False), management_url=_mgmt_url(t, "management-url"),
                       node_id=t.str("node-id", None), username=t.str("username", None),
-                      password=t.str("password", None))
+                      password=t.str("password", None), backup_of=t.str("backup-of", None))
     t.done()
     return tc
+
+
+def _pairs(t: Table, targets: tuple[TargetConfig, ...]) -> tuple[TargetConfig, ...]:
+    """Check ``backup-of`` and mark both members of each HA pair with the pair's name (the
+    primary's): a backup names a target listed before it that is no backup itself, both have a
+    management URL (only the broker's API tells an active member from a passive one), and the
+    node id is the primary's to give."""
+    index = {tc.name: i for i, tc in enumerate(targets)}
+    primaries: set[str] = set()
+    for i, tc in enumerate(targets):
+        if tc.backup_of is None:
+            continue
+        where = f"targets[{i}]"
+        j = index.get(tc.backup_of)
+        if j is None or j == i:
+            raise t.error(f"{where}.backup-of", f"{tc.backup_of!r} names no other target of this pool")
+        if j > i:
+            raise t.error(f"{where}.backup-of", f"{tc.backup_of!r} must be listed before its backup "
+                                                f"{tc.name!r}")
+        if targets[j].backup_of is not None:
+            raise t.error(f"{where}.backup-of", f"{tc.backup_of!r} is itself a backup (of "
+                                                f"{targets[j].backup_of!r}): name the primary")
+        if tc.node_id is not None:
+            raise t.error(f"{where}.node-id", f"{tc.node_id!r}: a backup serves its primary's node "
+                                              f"id; set node-id on {tc.backup_of!r}")
+        for k, m in ((i, tc), (j, targets[j])):
+            if m.management_url is None:
+                raise t.error(f"targets[{k}].management-url",
+                              f"missing: {m.name!r} is a member of the pair {tc.backup_of!r} (only "
+                              "its management API tells an active member from a passive backup)")
+        primaries.add(tc.backup_of)
+    if not primaries:
+        return targets
+    return tuple(replace(tc, pair=tc.backup_of or tc.name)
+                 if (tc.backup_of or tc.name) in primaries else tc for tc in targets)
 
 
 def _prop_value(t: Table, key: str) -> str:
@@ -384,12 +426,13 @@ def _pool(t: Table, embedded: bool = False) -> PoolConfig:
     if source not in membership_source_names():
         raise t.error("source", f"{source!r} is not available (known: "
                                 f"{', '.join(membership_source_names())})")
-    targets = tuple(_target(tt) for tt in t.array_of_tables("targets"))
+    targets = tuple(_target(tt, pool=True) for tt in t.array_of_tables("targets"))
     names = set()
     for i, tc in enumerate(targets):
         if tc.name in names:
             raise t.error(f"targets[{i}].name", f"{tc.name!r} is used by two targets")
         names.add(tc.name)
+    targets = _pairs(t, targets)
     options: dict = {}
     if source == "cluster":
         if targets:

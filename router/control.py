@@ -22,7 +22,8 @@ Either side closing (process exit, kill -9) ends ``run``; ``closed`` is set, wai
 supervisor → worker: ``state {filters, pools}``, ``set_filter {router, field, value}`` (id),
 ``pool {router, states}``, ``stats`` (id).
 worker → supervisor: ``ready {ports}``, ``cache_get {router, key}`` (id),
-``cache_write {router, puts, touches, deletes}`` (id), ``ping`` (id).
+``cache_write {router, puts, touches, deletes}`` (id), ``ping`` (id),
+``upstream_failed {router, slot, error}`` (the worker's proxy could not connect to that target).
 """
 
 from __future__ import annotations

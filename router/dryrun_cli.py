@@ -157,6 +157,8 @@ def _run(args) -> int:
     before = []
     if rc.pool.source == "static":
         for t in rc.pool.targets:
+            if t.backup_of is not None:  # an HA backup serves its primary's node id: hashed once
+                continue
             target = t.to_target()
             nid = node_ids.get(t.name, target.node_id)
             before.append(Target(nid, target.host, target.port, target.tls, target.management_url, target.name))
@@ -165,7 +167,12 @@ def _run(args) -> int:
             host, port = _hostport(f"--target {name}={hostport}", hostport)
             before.append(Target(node_ids.get(name), host, port, name=name))
     elif live_targets:  # the members the running router follows, in its pool order
+        pairs: dict[str, dict] = {}  # an HA pair is one target: its primary, else first backup
         for t in live_targets:
+            p = str(t.get("pair") or t["name"])
+            if p not in pairs or (pairs[p].get("backup") and not t.get("backup")):
+                pairs[p] = t
+        for t in pairs.values():
             before.append(Target(node_ids.get(t["name"], t.get("node_id")), str(t.get("host")), int(t.get("port") or 0),
                                  bool(t.get("tls")), t.get("management_url"), t["name"]))
     else:

@@ -11,7 +11,19 @@ timeout, so a slow target never holds back the others:
 * without one (targets imported from an Artemis broker.xml): a TCP connect; ready iff it connects.
 
 Any error (refused, timeout, TLS, bad status, bad JSON) makes the target not ready at once and the
-error text is kept for the management API. The HTTP client is ``broker.http``'s (h11 over
+error text is kept for the management API.
+
+Sooner than check-period (``ProbeKicks``):
+
+* **re-probe on an upstream failure**: when the proxy cannot connect to a target the service
+  marks it not ready and *kicks* its probe task, which probes again at once — but never while a
+  probe of it is in flight (the kick is kept and served when that probe ends, whose answer may
+  predate the failure) and never sooner than ``REPROBE_MIN_INTERVAL_S`` after the previous probe
+  started: a flood of failing connections is at most one probe per target per 100 ms;
+* **a pair failing over** (no member of an HA pair ready, ``Pool.failing_over_slots``): its
+  members are probed at once, then every 100 ms doubling to ``FAILOVER_PROBE_MAX_S`` (never
+  slower than check-period) until one is ready, so the router routes to the backup as soon as
+  its probe answers ``active``. The HTTP client is ``broker.http``'s (h11 over
 ``trio.open_tcp_stream``, TLS via ``trio.SSLStream`` for https URLs).
 
 With ``workers = N`` only the supervisor probes (``router.workers``): it pushes each probe's
@@ -35,6 +47,36 @@ from router.core.policies.base import Target
 from router.core.pool import Pool
 
 MAX_BODY = 1 << 20
+REPROBE_MIN_INTERVAL_S = 0.1  # a target's probes start at least this far apart when hurried
+FAILOVER_PROBE_MAX_S = 1.0    # a failing-over pair's members: 0.1 s doubling to this
+
+
+class ProbeKicks:
+    """Requests to probe a target now, from the shell (``RouterService.upstream_failed``) to
+    the probe task of that target in :func:`run_health_checks`. ``kick`` never blocks; kicks of
+    one target coalesce into its next probe (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._events: dict[str, trio.Event] = {}
+        self.kicks = 0
+
+    def kick(self, slot: str) -> None:
+        """Probe the target in ``slot`` as soon as its rate limit allows."""
+        self.kicks += 1
+        self.event(slot).set()
+
+    def event(self, slot: str) -> trio.Event:
+        ev = self._events.get(slot)
+        if ev is None:
+            ev = self._events[slot] = trio.Event()
+        return ev
+
+    def rearm(self, slot: str) -> None:
+        """A probe of ``slot`` starts: kicks from now on ask for the one after it."""
+        self._events[slot] = trio.Event()
+
+    def forget(self, slot: str) -> None:
+        self._events.pop(slot, None)
 
 
 @dataclass(frozen=True)
@@ -117,7 +159,7 @@ async def run_health_checks(pool: Pool, *, check_period_ms: int, username: str |
                             ssl_context: ssl.SSLContext | None = None,
                             on_round: Callable[[], None] | None = None,
                             credentials: dict[str, tuple[str | None, str | None]] | None = None,
-                            probe_local: bool = True,
+                            probe_local: bool = True, kicks: ProbeKicks | None = None,
                             task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Probe every target of ``pool``, each in its own task; never returns.
 
@@ -132,9 +174,13 @@ async def run_health_checks(pool: Pool, *, check_period_ms: int, username: str |
     ``credentials`` maps a target's name to its own (username, password), overriding the pool's.
     ``probe_local = False``: the local target is not probed (a router inside a broker: the
     broker sets its own readiness).
+    ``kicks``: re-probe requests (an upstream failure), and the members of a pair that is failing
+    over are probed sooner (module docstring).
     """
     period = check_period_ms / 1000.0
     timeout = min(period, 2.0)
+    if kicks is None:
+        kicks = ProbeKicks()
 
     def state(slot: str):
         for st in pool.all_states():
@@ -143,13 +189,17 @@ async def run_health_checks(pool: Pool, *, check_period_ms: int, username: str |
         return None
 
     async def probe_forever(slot: str, first_done: Callable[[], None]) -> None:
+        hurry: float | None = None  # the current interval while the target's pair fails over
         while True:
             st = state(slot)
             if st is None:  # left the pool
                 first_done()
+                kicks.forget(slot)
                 return
             target = st.target
             user, pw = (credentials or {}).get(target.name, (username, password))
+            kicks.rearm(slot)
+            started = trio.current_time()
             res = await probe_target(target, username=user, password=pw,
                                      timeout_s=timeout, ssl_context=ssl_context)
             pool.report_probe(slot, res.ok, res.node_id, res.connection_count, clock(),
@@ -157,7 +207,24 @@ async def run_health_checks(pool: Pool, *, check_period_ms: int, username: str |
             first_done()
             if on_round is not None:
                 on_round()
-            await trio.sleep(period)
+            # the next probe: check-period after this one finished (fixed delay); sooner while
+            # its pair fails over, or when kicked (an upstream failure, a pair that just lost
+            # its last active member)
+            if slot in pool.failing_over_slots():
+                hurry = REPROBE_MIN_INTERVAL_S if hurry is None else min(hurry * 2,
+                                                                         FAILOVER_PROBE_MAX_S)
+                delay = min(period, hurry)
+            else:
+                hurry, delay = None, period
+            ev = kicks.event(slot)
+            with trio.move_on_after(delay):
+                await ev.wait()
+            if ev.is_set():
+                hurry = None
+            # never two probes of one target closer than REPROBE_MIN_INTERVAL_S
+            rest = started + REPROBE_MIN_INTERVAL_S - trio.current_time()
+            if rest > 0:
+                await trio.sleep(rest)
 
     async with trio.open_nursery() as nursery:
         tasks: dict[str, trio.CancelScope] = {}
@@ -191,13 +258,20 @@ async def run_health_checks(pool: Pool, *, check_period_ms: int, username: str |
                 tasks.pop(slot).cancel()
 
         changed = trio.Event()
+        failing: set[str] = set()
 
         def on_pool_change(_pool: Pool) -> None:
+            nonlocal failing
             changed.set()
+            now_failing = pool.failing_over_slots()
+            for slot in now_failing - failing:  # a pair lost its last active member
+                kicks.kick(slot)
+            failing = now_failing
 
         reconcile()
         await all_first.wait()
         task_status.started()
+        failing = pool.failing_over_slots()
         pool.listeners.append(on_pool_change)
         try:
             while True:

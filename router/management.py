@@ -446,7 +446,7 @@ class ManagementApi(RouterResources):
                      (({}, agg.open_fds or 0),)),
               Metric("lodestone_router_fd_limit", "gauge", "RLIMIT_NOFILE soft limit (per process)",
                      (({}, agg.fd_limit or 0),))]
-        ready, total, quorum, target_ready = [], [], [], []
+        ready, total, quorum, target_ready, pair_states = [], [], [], [], []
         service_counters = []
         for name, service in r.services.items():
             pool = getattr(service, "pool", None)
@@ -458,12 +458,19 @@ class ManagementApi(RouterResources):
                     t = st.target
                     target_ready.append(({"router": name, "target": t.name or f"{t.host}:{t.port}",
                                           "node_id": t.node_id or ""}, 1 if st.ready else 0))
+                if pool.pair_count:
+                    for p in pool.pairs():
+                        for state in ("serving", "failing_over", "split_brain"):
+                            pair_states.append(({"router": name, "pair": p["name"], "state": state},
+                                                1 if p["state"] == state else 0))
             for cname, v in sorted(agg.routers.get(name, {}).items()):
                 service_counters.append(({"router": name, "event": str(cname)}, v))
         ms += [Metric("lodestone_router_pool_ready_targets", "gauge", "Ready targets per router", tuple(ready)),
                Metric("lodestone_router_pool_targets", "gauge", "Targets per router", tuple(total)),
                Metric("lodestone_router_pool_quorum_met", "gauge", "1 when the pool has its quorum", tuple(quorum)),
                Metric("lodestone_router_target_ready", "gauge", "1 when a target is ready", tuple(target_ready)),
+               Metric("lodestone_router_pair_state", "gauge", "1 for each HA pair's current state: serving, "
+                      "failing_over (no member active), split_brain (several active)", tuple(pair_states)),
                Metric("lodestone_router_routing_events_total", "counter", "Routing-core events per router",
                       tuple(service_counters)),
                Metric("lodestone_router_redis_miss_read_share", "gauge",
@@ -595,7 +602,8 @@ def openapi_document() -> dict:
                           body={"type": "object", "required": ["local_target_filter"],
                                 "properties": {"local_target_filter": nullable_str}})},
             "/api/v1/routers/{router}/pool": {"get": op("Targets with readiness, node ids, connection counts; "
-                                                        "quorum", params=[router_param])},
+                                                        "quorum; HA pairs (serving member, failing over, "
+                                                        "split brain)", params=[router_param])},
             "/api/v1/routers/{router}/cache": {"get": op(
                 "One page of sticky-cache entries in key order; follow next as after for the next page",
                 {"type": "object", "properties": {

@@ -31,6 +31,15 @@ Theory of operation
 * **Quorum waits.** A REFUSED_UNAVAILABLE below quorum with ``quorum-timeout > 0`` parks only
   that connection on a ``trio.Event`` that the pool's change listener sets; it re-decides on
   every pool change until the deadline (Artemis blocks a thread and polls; we do neither).
+* **Failover waits.** A cached key whose HA pair has no member ready (``explanation.failover``)
+  waits the same way, up to ``quorum-timeout``, for a member to become active; when the wait
+  expires it is decided once more with ``hold=False`` (the policy re-places it, as for any cached
+  node that is not ready). Pair state changes (failing over, served again, split brain) are
+  logged by the process that probes.
+* **Upstream failures** (``upstream_failed``): the proxy could not connect to a target — it is
+  marked not ready at once and its probe task is kicked (``router.health.ProbeKicks``). A worker
+  of a multi-worker router marks it locally and tells its supervisor (at most once per target
+  per 100 ms), whose prober probes.
 * **Background tasks** (``run``): health probes (``router.health``), cache persistence or Redis
   sync, expiry sweep, pins-file reload.
 
@@ -61,7 +70,7 @@ from router.core.policies import create_policy
 from router.core.policies.base import Target
 from router.core.pool import FollowContext, Pool, create_membership_source
 from router.errors import CacheBackendError, CacheBackendTimeout, PinFileError
-from router.health import run_health_checks
+from router.health import REPROBE_MIN_INTERVAL_S, ProbeKicks, run_health_checks
 
 log = logging.getLogger("lodestone.router.service")
 
@@ -80,7 +89,8 @@ COUNTERS = ("route_ok", "route_refused_unavailable", "route_refused_use_another"
             "persist_writes", "persist_errors", "persist_compactions", "cache_evictions",
             "key_too_long", "redis_reads", "redis_reads_skipped", "redis_read_timeouts",
             "pins_reloads", "pins_errors", "pins_bad_lines", "probe_rounds",
-            "management_lookups")
+            "management_lookups", "failover_waits", "failover_wait_timeouts",
+            "upstream_marked_down", "upstream_reprobes")
 
 _OUTCOME_COUNTER = {Outcome.OK: "route_ok",
                     Outcome.REFUSED_UNAVAILABLE: "route_refused_unavailable",
@@ -110,6 +120,13 @@ class RouterService:
         self.round_listeners: list[Callable[[], None]] = []
         #: a worker of a multi-worker router: pool fed by the supervisor, cache shared through it
         self.follower = shared is not None
+        self._link = shared
+        #: re-probe requests for the health checker (upstream failures)
+        self._kicks = ProbeKicks()
+        #: a worker: when it last told the supervisor about each target's upstream failure
+        self._reported_down: dict[str, float] = {}
+        #: what was last logged about each pair: "failing_over" / "serving" / "split_brain"
+        self._pair_states: dict[str, tuple] = {}
         #: the embedder sets the local target's readiness (a router inside a broker: the broker
         #: is the local target, ready while it is active); it is never probed
         self.local_managed = local_managed
@@ -174,6 +191,7 @@ class RouterService:
                            local=self._holder.local, pins=pins,
                            max_key_length=config.max_key_length,
                            fail_back=cc.fail_back if cc is not None else "stay")
+        self.core.failover_wait = bool(pc is not None and pc.quorum_timeout_ms)
 
     # -- public surface -------------------------------------------------------------------------
     @property
@@ -196,16 +214,50 @@ class RouterService:
         is resolved once: the remote-tier read, the claim and every re-decision of a quorum
         wait use the same key, even if the key filter is replaced meanwhile."""
         rk = self.core.resolve(conn)
-        if self._remote is None:
-            d = self.core.decide_resolved(rk, self.clock())
-        else:
-            d = await self._decide_with_remote(rk)
+        d = await self._decide(rk)
         pc = self.config.pool
-        if (d.outcome is Outcome.REFUSED_UNAVAILABLE and pc is not None and pc.quorum_timeout_ms
-                and not self._holder.quorum_met and d.explanation.cache != "skipped"):
-            d = await self._wait_for_quorum(rk, d, pc.quorum_timeout_ms / 1000.0)
+        if (pc is not None and pc.quorum_timeout_ms and self._must_wait(d)
+                and d.explanation.cache != "skipped"):
+            d = await self._wait(rk, d, pc.quorum_timeout_ms / 1000.0)
         self._count(d)
         return d
+
+    async def _decide(self, rk: ResolvedKey, hold: bool = True) -> Decision:
+        if self._remote is None:
+            return self.core.decide_resolved(rk, self.clock(), hold=hold)
+        return await self._decide_with_remote(rk, hold)
+
+    def _must_wait(self, d: Decision) -> bool:
+        """A refusal that a pool change may lift: below quorum, or a key whose pair fails over."""
+        return d.outcome is Outcome.REFUSED_UNAVAILABLE and (
+            d.explanation.failover is not None or not self._holder.quorum_met)
+
+    def upstream_failed(self, slot: str, error: str) -> None:
+        """The proxy could not connect to the target in ``slot`` (refused, unreachable, timed
+        out, broke the handshake): mark it not ready at once and have it probed again now
+        (rate-limited: ``router.health.ProbeKicks``) instead of at its next check-period. A
+        worker does the first here and asks its supervisor, whose prober does the rest."""
+        pool = self._holder
+        if self.local_managed and pool.local is not None and pool.local.target.slot == slot:
+            return  # the embedder owns the local target's readiness
+        if pool.mark_not_ready(slot, f"upstream connect failed: {error}"):
+            self.counters["upstream_marked_down"] += 1
+        if self.follower:
+            now = self.clock()
+            if now - self._reported_down.get(slot, -1e9) < REPROBE_MIN_INTERVAL_S:
+                return
+            self._reported_down[slot] = now
+            try:
+                self._link.send({"op": "upstream_failed", "router": self.name, "slot": slot,
+                                 "error": error})
+            except Exception as exc:  # noqa: BLE001 - ChannelClosed: the supervisor is gone
+                log.debug("router %s: cannot report upstream failure of %s: %s", self.name,
+                          slot, exc)
+            return
+        self.counters["upstream_reprobes"] += 1
+        self._kicks.kick(slot)
+        for cb in list(self.round_listeners):  # the supervisor pushes the mark to its workers
+            cb()
 
     @property
     def live_assignments(self) -> dict[str, int] | None:
@@ -303,10 +355,11 @@ class RouterService:
     def pool_states(self) -> dict[str, Any]:
         """Owner: the probed targets' results, for ``apply_pool_states`` in the workers; with a
         dynamic membership source also the members (``[name, host, port, tls, management_url,
-        node_id]`` in pool order), which the workers adopt first."""
+        node_id, pair, backup]`` in pool order), which the workers adopt first."""
         members = None
         if self.dynamic_membership:
-            members = [[t.name, t.host, t.port, t.tls, t.management_url, t.node_id]
+            members = [[t.name, t.host, t.port, t.tls, t.management_url, t.node_id, t.pair,
+                        t.backup]
                        for t in (st.target for st in self._holder.members if not st.local)]
         return {"members": members,
                 "states": [[st.target.slot, st.ready, st.target.node_id, st.connection_count,
@@ -316,8 +369,9 @@ class RouterService:
         """Follower: take the supervisor's membership (dynamic sources) and probe results
         (unknown targets are ignored)."""
         if pushed.get("members") is not None:
-            self._holder.sync_members(Target(node_id, host, int(port), bool(tls), mgmt, name)
-                                      for name, host, port, tls, mgmt, node_id in pushed["members"])
+            self._holder.sync_members(
+                Target(node_id, host, int(port), bool(tls), mgmt, name, pair, bool(backup))
+                for name, host, port, tls, mgmt, node_id, pair, backup in pushed["members"])
         now = self.clock()
         for slot, ready, node_id, count, error in pushed["states"]:
             self._holder.report_probe(slot, bool(ready), node_id, count, now, error=error)
@@ -420,27 +474,60 @@ class RouterService:
         if cache is not None:
             c["cache_evictions"] = cache.evictions
 
-    def _on_pool_change(self, _pool: Pool) -> None:
+    def _on_pool_change(self, pool: Pool) -> None:
         ev, self._pool_changed = self._pool_changed, trio.Event()
         ev.set()
+        if pool.pair_count and not self.follower:
+            self._log_pairs(pool)
 
-    async def _wait_for_quorum(self, rk: ResolvedKey, d: Decision, timeout_s: float):
-        self.counters["quorum_waits"] += 1
+    def _log_pairs(self, pool: Pool) -> None:
+        """Log each pair's changes once: failing over (after it was served), served again,
+        split brain (ERROR). A pair not served yet since the start is not "failing over"."""
+        states: dict[str, tuple] = {}
+        for p in pool.pairs():
+            name, state, serving = p["name"], p["state"], p["serving"]
+            before = self._pair_states.get(name)
+            if before is None and state == "failing_over":
+                continue  # starting: its members have not answered yet
+            cur = states[name] = (state, serving)
+            if before == cur:
+                continue
+            if state == "split_brain":
+                log.error("router %s: pair %s (node id %s): %s are active at once (split "
+                          "brain); connections go to %s only", self.name, name, p["node_id"],
+                          ", ".join(p["active"]), serving)
+            elif state == "failing_over":
+                log.warning("router %s: pair %s (node id %s) is failing over: no member is "
+                            "active; its cached keys wait up to quorum-timeout", self.name, name,
+                            p["node_id"])
+            elif before is not None:
+                log.warning("router %s: pair %s (node id %s) is served by %s", self.name, name,
+                            p["node_id"], serving)
+        self._pair_states = states
+
+    async def _wait(self, rk: ResolvedKey, d: Decision, timeout_s: float):
+        """Park this connection until a pool change lifts its refusal (``_must_wait``) or
+        ``timeout_s`` passes; a failover wait that expires is decided once more with
+        ``hold=False`` (the key is re-placed)."""
+        failover = d.explanation.failover is not None
+        self.counters["failover_waits" if failover else "quorum_waits"] += 1
         start = trio.current_time()
         deadline = start + timeout_s
         while True:
             ev = self._pool_changed
             with trio.move_on_at(deadline):
                 await ev.wait()
-            if self._remote is None:
-                d = self.core.decide_resolved(rk, self.clock())
-            else:
-                d = await self._decide_with_remote(rk)
-            if d.outcome is not Outcome.REFUSED_UNAVAILABLE or self._holder.quorum_met:
+            expired = trio.current_time() >= deadline
+            d = await self._decide(rk, hold=not expired)
+            if expired:
+                if failover:
+                    self.counters["failover_wait_timeouts"] += 1
+                elif self._must_wait(d):
+                    self.counters["quorum_wait_timeouts"] += 1
                 break
-            if trio.current_time() >= deadline:
-                self.counters["quorum_wait_timeouts"] += 1
+            if not self._must_wait(d):
                 break
+            failover = failover or d.explanation.failover is not None
         waited = trio.current_time() - start
         return dataclasses.replace(d, explanation=dataclasses.replace(d.explanation,
                                                                       waited_s=waited))
@@ -473,7 +560,8 @@ class RouterService:
                                 password=pc.password if pc else None, clock=self.clock,
                                 on_round=on_round,
                                 credentials={t.name: (t.username, t.password) for t in own},
-                                probe_local=not self.local_managed, task_status=task_status)
+                                probe_local=not self.local_managed, kicks=self._kicks,
+                                task_status=task_status)
 
     # -- internals: embedded persistence --------------------------------------------------------
     def _load_embedded(self, cache: StickyCache) -> None:
@@ -567,14 +655,14 @@ class RouterService:
         self.degraded_reason = str(exc)
         self._last_redis_try = trio.current_time()
 
-    async def _decide_with_remote(self, rk: ResolvedKey) -> Decision:
+    async def _decide_with_remote(self, rk: ResolvedKey, hold: bool = True) -> Decision:
         core = self.core
-        d, key = core.lookup_resolved(rk, self.clock())
+        d, key = core.lookup_resolved(rk, self.clock(), hold=hold)
         if d is not None:
             if self._claiming and key in self._claiming:
                 # a hit on a decision another connection is still claiming: wait for the owner
                 await self._claiming[key].wait()
-                return core.decide_resolved(rk, self.clock())
+                return core.decide_resolved(rk, self.clock(), hold=hold)
             return d
         from_remote = False
         remote = self._remote
@@ -606,15 +694,17 @@ class RouterService:
                     self.counters[f"{tier}_hits"] += 1
                     self._redis_seen[key] = value
                     if (self._holder.ready_target(value) is not None
-                            or self.config.cache.fail_back == "return"):
+                            or self.config.cache.fail_back == "return"
+                            or self._holder.failing_over(value) is not None):
                         # fail-back = return: a not-ready entry is restored too, so the core
-                        # sees it stale and keeps it instead of replacing it
+                        # sees it stale and keeps it instead of replacing it; an entry on a
+                        # pair that fails over too, so the key waits for the pair
                         now = self.clock()
                         core.cache.restore(key, value, now, now)
                         from_remote = True
         if self._claiming and key in self._claiming:
             await self._claiming[key].wait()
-        d = core.decide_resolved(rk, self.clock())
+        d = core.decide_resolved(rk, self.clock(), hold=hold)
         if from_remote and d.explanation.cache == "hit":
             d = dataclasses.replace(d, explanation=dataclasses.replace(d.explanation,
                                                                        cache_tier=tier))

@@ -24,7 +24,8 @@ accepts no client connections) and N **workers** (``python -m router worker ...`
    miss asks here (``cache_get``), a new decision is claimed here (``cache_write``,
    compare-and-set) before the client gets it, so the same key lands on the same target
    whichever worker accepts it; the management counters and metrics are summed over the workers
-   (``stats``).
+   (``stats``); a worker whose proxy could not connect to a target says so (``upstream_failed``)
+   and this process's prober probes that target again at once (rate-limited).
 5. A worker that dies (crash, ``kill -9``) is restarted with the same index (its routing log is
    appended to; it gets the current state first); its open connections are lost, the others keep
    serving. More than ``MAX_RESTARTS`` restarts of one worker within ``RESTART_WINDOW_S`` (a crash
@@ -189,6 +190,11 @@ class Supervisor:
             conflicts = self.services[msg["router"]].shared_write(
                 [tuple(p) for p in msg["puts"]], msg["touches"], msg["deletes"])
             return {"conflicts": conflicts}
+        if op == "upstream_failed":  # a worker's proxy could not reach a target: probe it now
+            svc = self.services.get(msg["router"])
+            if svc is not None:
+                svc.upstream_failed(str(msg["slot"]), str(msg.get("error") or "upstream failed"))
+            return None
         if op == "ping":
             return {}
         if op == "ready":

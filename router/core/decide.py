@@ -12,6 +12,11 @@ Theory of operation
 5. pinned routes (exact key, then patterns) → that node, if ready.
 6. no policy or no pool → REFUSED_USE_ANOTHER.
 7. cache hit whose node is ready (quorum ignored, as Artemis) → it; the cache is not re-put.
+   A hit on an HA pair with no member ready (failing over, ``Pool.failing_over``) is
+   REFUSED_UNAVAILABLE with ``explanation.failover`` = the pair, so the shell lets the
+   connection wait (up to quorum-timeout) for a member to become active; ``hold=False`` (the
+   wait is over) or ``failover_wait = False`` (quorum-timeout 0) goes on to step 8 as for any
+   cached node that is not ready (Artemis).
 8. policy.select_target(pool.targets(), key) — ``()`` below quorum; a target is cached and OK,
    ``None`` is REFUSED_UNAVAILABLE.
 
@@ -81,6 +86,8 @@ class Explanation:
     quorum_met: bool
     reason: str
     waited_s: float = 0.0
+    #: the HA pair this decision waits for (a cached key whose pair is failing over), else None
+    failover: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -163,6 +170,9 @@ class Router:
         #: overwrites the entry), or ``return`` to the cached target
         self.fail_back = fail_back
         self.max_key_length = max_key_length
+        #: a cached key whose HA pair is failing over waits for it (the shell bounds the wait by
+        #: quorum-timeout; False when that is 0: the key is re-placed at once, as in Artemis)
+        self.failover_wait = True
         self.resolver = resolver
         self.policy = policy  # property: also picks the transform step (None = identity)
         self.pool = pool
@@ -253,11 +263,12 @@ class Router:
         """Route one connection: see the module docstring for the steps."""
         return self.decide_resolved(self.resolve(conn), now)
 
-    def decide_resolved(self, rk: ResolvedKey, now: float) -> Decision:
-        """Steps 3-8 for a key from :meth:`resolve`."""
+    def decide_resolved(self, rk: ResolvedKey, now: float, *, hold: bool = True) -> Decision:
+        """Steps 3-8 for a key from :meth:`resolve`. ``hold=False``: a cached key whose pair is
+        failing over is re-placed by the policy (its wait is over)."""
         special = rk.special
         if special is None:
-            return self._route(rk.raw, rk.filtered, now, True)  # type: ignore[return-value]
+            return self._route(rk.raw, rk.filtered, now, True, hold=hold)  # type: ignore[return-value]
         if special == _TOO_LONG:
             return self._too_long(rk.raw, self.key_too_long(rk.raw))
         return self._local(rk.raw, rk.raw, rk.raw, False, "artemis internal client id")
@@ -277,14 +288,15 @@ class Router:
         """
         return self.lookup_resolved(self.resolve(conn), now)
 
-    def lookup_resolved(self, rk: ResolvedKey, now: float) -> tuple[Decision | None, str]:
+    def lookup_resolved(self, rk: ResolvedKey, now: float, *,
+                        hold: bool = True) -> tuple[Decision | None, str]:
         """:meth:`lookup` for a key from :meth:`resolve`."""
         special = rk.special
         if special == _TOO_LONG:
             return self._too_long(rk.raw, self.key_too_long(rk.raw)), NULL_KEY
         if special == _INTERNAL:
             return self._local(rk.raw, rk.raw, rk.raw, False, "artemis internal client id"), rk.raw
-        d = self._route(rk.raw, rk.filtered, now, False)
+        d = self._route(rk.raw, rk.filtered, now, False, hold=hold)
         if isinstance(d, str):
             return None, d
         return d, d.explanation.key
@@ -298,7 +310,7 @@ class Router:
         if pool is not None:
             ready = len(pool._ready)
             qsize = pool.quorum_size
-            total, qmet = len(pool.members), ready >= qsize
+            total, qmet = pool._group_count, ready >= qsize
         else:
             ready, total, qsize, qmet = 0, 0, 0, False
         return {"router": self.name, "key_type": resolver.key_type_name, "raw_key": raw,
@@ -308,7 +320,7 @@ class Router:
                 "local_match": local_match, "pin": pin, "cache": cache, "cache_tier": tier,
                 "cache_age_s": age, "policy": policy.name if policy is not None else None,
                 "ready_targets": ready, "total_targets": total, "quorum_size": qsize,
-                "quorum_met": qmet, "reason": reason, "waited_s": 0.0}
+                "quorum_met": qmet, "reason": reason, "waited_s": 0.0, "failover": None}
 
     def _local(self, raw, filtered, key, local_match, reason) -> Decision:
         local = self.local
@@ -324,7 +336,8 @@ class Router:
                         self._expl(raw, filtered, key, local_match, None, "skipped", None, None,
                                    reason))
 
-    def _route(self, raw: str | None, filtered: str, now: float, commit: bool, count: bool = True):
+    def _route(self, raw: str | None, filtered: str, now: float, commit: bool, count: bool = True,
+               hold: bool = True):
         policy = self._policy
         key = filtered
         transform = self._transform
@@ -374,6 +387,15 @@ class Router:
                     return _decision(_OK, target, lc is not None and target is lc.target,
                                     self._expl(raw, filtered, key, False, pin_note, "hit", "local",
                                                now - e[2], "cache hit"))
+                if hold and self.failover_wait:
+                    pair = pool.failing_over(e[0])
+                    if pair is not None:
+                        # its pair is failing over: wait for a member rather than re-place it
+                        ex = self._expl(raw, filtered, key, False, pin_note, "stale", None,
+                                        now - e[2], f"pair {pair} is failing over (no member "
+                                                    f"active); the key waits for it")
+                        ex["failover"] = pair
+                        return _decision(_UNAVAIL, None, False, ex)
                 cache_state = "stale"
             else:
                 cache_state = "miss"

@@ -9,6 +9,17 @@ connected}]``). ``parse_cluster_view`` turns one answer into ``ViewMember``s: th
 (alive iff its bridge is ``connected``). A connector ``amqp://host:port`` (``amqps://`` = TLS)
 gives the target's host and port; the target's name is the node id.
 
+**HA pairs.** A primary and its backups serve one node id, each at its own address. The view
+lists a backup as a member with ``"role": "backup"`` and its own ``connector`` and
+``management_url`` (the answering node may itself say ``"role": "backup"``); within one view a
+node id appears once without that role and any number of times as a backup, at other
+connectors (anything else is skipped). The membership keys a node by **node id and connector
+address**, so members with one node id form a *pair* in the pool (``Target.pair`` = the node
+id) instead of replacing each other: the router hashes the node id once and sends its
+connections to whichever member is active (``router.core.pool``). The first member known for a
+node id is named by the node id, the others ``<node id>@<host>:<port>``. A member's role may
+change (a backup listed later as the primary) without it leaving the pool.
+
 ``ClusterMembership`` is the plain state the shell advances with every view it reads
 (``observe(view, now)`` → ``MembershipChange``):
 
@@ -18,8 +29,11 @@ gives the target's host and port; the target's name is the node id.
   listed with ``connected = false``, or no longer listed at all. A broker's view keeps a killed
   member listed (disconnected) for ever, so "left the cluster" has to be a time-out; until then
   the health probe already keeps it out of new connections;
-* a node whose connector or management URL changed (restarted elsewhere) is **updated**
-  (replaced in the pool: it is probed again before it gets connections);
+* a member whose management URL or TLS changed is **updated** (replaced in the pool: it is
+  probed again before it gets connections); a node id listed at a new connector (restarted
+  elsewhere, or a backup) is a new member of that node id's pair, and the old address leaves by
+  the rule above;
+* a member whose role changed keeps its place and state (``MembershipChange.updated``);
 * membership changes only when a view was read: if no node answers, the pool keeps what it had.
 
 ``candidates(seeds)`` is the order in which the shell asks: the node that answered last, the
@@ -56,10 +70,17 @@ class ViewMember:
     tls: bool
     management_url: str | None
     alive: bool
+    backup: bool = False
 
-    def to_target(self) -> Target:
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def to_target(self, name: str | None = None) -> Target:
+        """The pool target (``name``: its slot, default the node id); ``pair`` is the node id,
+        so members that share it form a pair."""
         return Target(self.node_id, self.host, self.port, self.tls, self.management_url,
-                      self.node_id)
+                      name or self.node_id, self.node_id, self.backup)
 
 
 def parse_connector(url: str) -> tuple[str, int, bool]:
@@ -88,16 +109,22 @@ def parse_cluster_view(body: Any, answered_url: str) -> list[ViewMember]:
         host, port, tls = parse_connector(body.get("connector"))
     except ValueError as exc:
         raise ClusterViewError(f"cluster view of {node_id}: {exc}") from None
-    out = [ViewMember(node_id, host, port, tls, answered_url.rstrip("/"), True)]
+    me = ViewMember(node_id, host, port, tls, answered_url.rstrip("/"), True,
+                    body.get("role") == "backup")
+    out = [me]
     members = body.get("members")
     if not isinstance(members, list):
         raise ClusterViewError(f"cluster view of {node_id} has no members list")
-    seen = {node_id}
+    primaries = set() if me.backup else {node_id}   # node ids listed without the backup role
+    addresses = {(node_id, me.address)}             # a member is a node id at a connector
     for m in members:
         if not isinstance(m, dict):
             continue
         mid = m.get("node_id")
-        if not isinstance(mid, str) or not mid or mid in seen:
+        if not isinstance(mid, str) or not mid:
+            continue
+        backup = m.get("role") == "backup"
+        if not backup and mid in primaries:
             continue
         try:
             host, port, tls = parse_connector(m.get("connector"))
@@ -105,64 +132,94 @@ def parse_cluster_view(body: Any, answered_url: str) -> list[ViewMember]:
             continue
         mgmt = m.get("management_url")
         mgmt = mgmt.rstrip("/") if isinstance(mgmt, str) and mgmt else None
-        seen.add(mid)
-        out.append(ViewMember(mid, host, port, tls, mgmt, m.get("connected") is True))
+        vm = ViewMember(mid, host, port, tls, mgmt, m.get("connected") is True, backup)
+        if (mid, vm.address) in addresses:
+            continue
+        addresses.add((mid, vm.address))
+        if not backup:
+            primaries.add(mid)
+        out.append(vm)
     return out
 
 
 @dataclass(frozen=True, slots=True)
 class MembershipChange:
-    """What one view changed: targets to add, slots to remove (an update is both)."""
+    """What one view changed: targets to add, slots to remove (an update of where a member is
+    or how it is probed is both), targets whose role changed (``updated``: same slot, address
+    and probe URL; the pool keeps their state)."""
 
     added: tuple[Target, ...] = ()
     removed: tuple[str, ...] = ()
+    updated: tuple[Target, ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.added or self.removed)
+        return bool(self.added or self.removed or self.updated)
 
 
 @dataclass(slots=True)
 class _Known:
     member: ViewMember
     last_alive: float
+    name: str
 
 
 @dataclass
 class ClusterMembership:
-    """The nodes a cluster pool holds, advanced by the views the shell reads (pure state)."""
+    """The nodes a cluster pool holds, advanced by the views the shell reads (pure state).
+    ``known`` maps each member's pool name (slot) to it; a member is a node id at a connector
+    address."""
 
     leave_after_s: float
     known: dict[str, _Known] = field(default_factory=dict)
     answered_by: str | None = None  # management URL of the node that answered last
 
+    def _find(self, m: ViewMember) -> _Known | None:
+        for k in self.known.values():
+            if k.member.node_id == m.node_id and k.member.address == m.address:
+                return k
+        return None
+
+    def _name(self, m: ViewMember) -> str:
+        """The node id for the first member of a node id, ``<node id>@<host>:<port>`` after."""
+        if m.node_id not in self.known:
+            return m.node_id
+        return f"{m.node_id}@{m.address}"
+
     def observe(self, view: Iterable[ViewMember], now: float) -> MembershipChange:
         added: list[Target] = []
         removed: list[str] = []
+        updated: list[Target] = []
         for m in view:
-            k = self.known.get(m.node_id)
+            k = self._find(m)
             if k is None:
-                self.known[m.node_id] = _Known(m, now)
-                added.append(m.to_target())
+                name = self._name(m)
+                self.known[name] = _Known(m, now, name)
+                added.append(m.to_target(name))
                 continue
             old = k.member
             if m.alive:
                 k.last_alive = now
-            # where it is: trust what an alive view says (the node itself, or a connected bridge)
-            moved = (m.host, m.port, m.tls) != (old.host, old.port, old.tls) or (
-                m.management_url is not None and m.management_url != old.management_url)
-            if moved and (m.alive or not old.alive):
-                if m.management_url is None:
-                    m = ViewMember(m.node_id, m.host, m.port, m.tls, old.management_url, m.alive)
+            if not (m.alive or not old.alive):
+                continue  # a stale view of a member known alive changes nothing about it
+            if m.management_url is None:
+                m = ViewMember(m.node_id, m.host, m.port, m.tls, old.management_url, m.alive,
+                               m.backup)
+            # how it is probed: trust what an alive view says (the node itself, or a bridge)
+            if m.tls != old.tls or m.management_url != old.management_url:
                 k.member = m
-                removed.append(m.node_id)
-                added.append(m.to_target())
-        for node_id, k in list(self.known.items()):
+                removed.append(k.name)
+                added.append(m.to_target(k.name))
+            elif m.backup != old.backup:
+                k.member = m
+                updated.append(m.to_target(k.name))
+        for name, k in list(self.known.items()):
             if now - k.last_alive > self.leave_after_s:
-                del self.known[node_id]
-                removed.append(node_id)
-        view_ids = set(self.known)
-        added = [t for t in added if t.name in view_ids]
-        return MembershipChange(tuple(added), tuple(dict.fromkeys(removed)))
+                del self.known[name]
+                removed.append(name)
+        names = set(self.known)
+        added = [t for t in added if t.name in names]
+        updated = [t for t in updated if t.name in names and t not in added]
+        return MembershipChange(tuple(added), tuple(dict.fromkeys(removed)), tuple(updated))
 
     def answered(self, url: str) -> None:
         self.answered_by = url.rstrip("/")
@@ -177,7 +234,7 @@ class ClusterMembership:
         return list(dict.fromkeys(urls))
 
     def targets(self) -> list[Target]:
-        return [k.member.to_target() for k in self.known.values()]
+        return [k.member.to_target(k.name) for k in self.known.values()]
 
 
 # -- source = "discovery": what a discovery group heard → pool targets ------------------------

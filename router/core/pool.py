@@ -14,6 +14,24 @@ every change, so the hot path reads one attribute. ``version`` increments on eve
 * ``ready_target(identity)`` — a cache hit's target if it is ready, **regardless of quorum**
   (Artemis ``getReadyTarget``).
 * Every probe result is also passed to the policy's ``observe`` (LEAST_CONNECTIONS counts).
+
+Pairs (HA)
+----------
+Members whose ``Target.pair`` is the same form one *pair*: a primary and its backups serving one
+node id, whichever of them is active (a passive backup's probe says ``active = false``, so it
+is not ready). Policies see **one target per group** (a pair, or a target on its own), in the
+order of each group's first member, so a pair is hashed, counted and ranked once — placement is
+the same as for the pool without its backups:
+
+* the group's target is its *serving* member: the ready one; when several are ready at once
+  (split brain) the first non-backup member in pool order, else the first backup — a function of
+  which members are ready, so every process of the router picks the same one and the choice
+  never alternates while the state holds (``split_brain`` lists such pairs);
+* ``ready_target(identity)`` maps the node id, name and slot of every member of a served pair
+  to its serving member, so a key cached on the pair's node id follows it across a failover;
+* ``failing_over(identity)`` names a pair with no member ready (it is failing over): the router
+  lets such a key wait (``router.core.decide``) instead of re-placing it;
+* quorum and ``ready_count`` / ``total_count`` count groups, not members.
 """
 
 from __future__ import annotations
@@ -44,6 +62,7 @@ class TargetState:
         t = self.target
         return {"name": t.name, "node_id": t.node_id, "host": t.host, "port": t.port,
                 "tls": t.tls, "management_url": t.management_url, "local": self.local,
+                "pair": t.pair, "backup": t.backup,
                 "ready": self.ready, "connection_count": self.connection_count,
                 "last_error": self.last_error, "last_probe_at": self.last_probe_at,
                 "probes": self.probes}
@@ -69,6 +88,13 @@ class Pool:
         self.observers: list[Callable[[Target, int | None], None]] = []
         self._ready: tuple[Target, ...] = ()
         self._by_identity: dict[str, Target] = {}
+        #: names (node ids, member names, pair name) of pairs with members but none ready → pair
+        self._failing_over: dict[str, str] = {}
+        #: pairs with more than one member ready at once → their ready slots, pool order
+        self.split_brain: dict[str, tuple[str, ...]] = {}
+        self._group_count = 0
+        #: groups of more than one member (HA pairs)
+        self.pair_count = 0
         for t in targets:
             self.add_target(t, _notify=False)
         self._rebuild()
@@ -103,7 +129,8 @@ class Pool:
     def sync_members(self, targets: Iterable[Target]) -> bool:
         """Make the members (the local target aside) exactly ``targets``, in that order: how a
         worker follows its supervisor's dynamic membership. A member whose name, address, TLS
-        and management URL are unchanged keeps its state. True if anything changed."""
+        and management URL are unchanged keeps its state (a changed pair or role is updated in
+        place). True if anything changed."""
         def key(t: Target) -> tuple:
             return (t.slot, t.host, t.port, t.tls, t.management_url)
 
@@ -124,9 +151,25 @@ class Pool:
         for t in want[i:]:
             self.members.append(TargetState(t))
             changed = True
+        for st, t in zip([st for st in self.members if not st.local], want):
+            if (st.target.pair, st.target.backup) != (t.pair, t.backup):  # a role changed
+                st.target = dataclasses.replace(st.target, pair=t.pair, backup=t.backup)
+                changed = True
         if changed:
             self._changed()
         return changed
+
+    def update_target(self, target: Target) -> bool:
+        """A member's pair or role changed (a backup now listed as the primary): the member in
+        ``target.slot`` keeps its state (readiness, learned node id). False if absent."""
+        st = self._find(target.slot)
+        if st is None or st.local:
+            return False
+        if (st.target.pair, st.target.backup) == (target.pair, target.backup):
+            return False
+        st.target = dataclasses.replace(st.target, pair=target.pair, backup=target.backup)
+        self._changed()
+        return True
 
     def all_states(self) -> list[TargetState]:
         """Every tracked target: pool members in order, then the local target if not a member."""
@@ -164,6 +207,11 @@ class Pool:
         else:
             st.connection_count = None
             st.last_error = error or "probe failed"
+            if node_id and node_id != st.target.node_id and st.target.pair is not None:
+                # a passive backup names the node id it will serve: the pair's id is known even
+                # while no member is active (a key cached on it waits for the failover)
+                st.target = dataclasses.replace(st.target, node_id=node_id)
+                changed = True
         if st.ready != ok:
             st.ready = ok
             changed = True
@@ -171,6 +219,19 @@ class Pool:
             obs(st.target, connection_count if ok else None)
         if changed:
             self._changed()
+
+    def mark_not_ready(self, target_name: str, error: str) -> bool:
+        """A connection to the target failed (the proxy's upstream connect): not ready at once,
+        until its next probe says otherwise (the shell probes it again at once). Not counted
+        as a probe. True if it was ready."""
+        st = self._find(target_name)
+        if st is None or not st.ready:
+            return False
+        st.ready = False
+        st.last_error = error
+        st.connection_count = None
+        self._changed()
+        return True
 
     def set_ready(self, target_name: str, ready: bool, node_id: str | None = None) -> None:
         """Shortcut for tests and embedders: mark a target ready/not ready."""
@@ -184,13 +245,57 @@ class Pool:
         for cb in list(self.listeners):
             cb(self)
 
+    def _groups(self) -> dict[str, list[TargetState]]:
+        groups: dict[str, list[TargetState]] = {}
+        for st in self.members:
+            groups.setdefault(st.target.group, []).append(st)
+        return groups
+
+    @staticmethod
+    def _serving(live: list[TargetState]) -> TargetState:
+        """The member of a pair that connections go to, among its ready ones: the first
+        non-backup in pool order, else the first backup (deterministic; see the docstring)."""
+        for st in live:
+            if not st.target.backup:
+                return st
+        return live[0]
+
     def _rebuild(self) -> None:
-        self._ready = tuple(st.target for st in self.members if st.ready)
+        groups = self._groups()
+        ready: list[Target] = []
+        served: list[tuple[str, list[TargetState], Target]] = []
+        failing: dict[str, str] = {}
+        split: dict[str, tuple[str, ...]] = {}
+        for g, sts in groups.items():
+            if len(sts) == 1:
+                if sts[0].ready:
+                    ready.append(sts[0].target)
+                continue
+            live = [st for st in sts if st.ready]
+            if not live:
+                for name in (g, *(n for st in sts for n in (st.target.identity, st.target.slot))):
+                    failing.setdefault(name, g)
+                continue
+            if len(live) > 1:
+                split[g] = tuple(st.target.slot for st in live)
+            t = self._serving(live).target
+            ready.append(t)
+            served.append((g, sts, t))
         by_id: dict[str, Target] = {}
-        for t in self._ready:
+        for t in ready:
             by_id.setdefault(t.identity, t)
             by_id.setdefault(t.slot, t)
+        for g, sts, t in served:  # every name of a served pair leads to its serving member
+            by_id.setdefault(g, t)
+            for st in sts:
+                by_id.setdefault(st.target.identity, t)
+                by_id.setdefault(st.target.slot, t)
+        self._ready = tuple(ready)
         self._by_identity = by_id
+        self._failing_over = {n: g for n, g in failing.items() if n not in by_id}
+        self.split_brain = split
+        self._group_count = len(groups)
+        self.pair_count = sum(1 for sts in groups.values() if len(sts) > 1)
 
     @property
     def ready_count(self) -> int:
@@ -198,7 +303,8 @@ class Pool:
 
     @property
     def total_count(self) -> int:
-        return len(self.members)
+        """Routing identities: a pair counts once."""
+        return self._group_count
 
     @property
     def quorum_met(self) -> bool:
@@ -217,15 +323,55 @@ class Pool:
         """The ready target whose node id (or name) is ``identity``; ignores the quorum."""
         return self._by_identity.get(identity)
 
+    def failing_over(self, identity: str) -> str | None:
+        """The pair ``identity`` (a member's node id or name, or the pair's name) belongs to when
+        that pair has members but none is ready — it is failing over —, else None."""
+        return self._failing_over.get(identity) if self._failing_over else None
+
+    def failing_over_slots(self) -> set[str]:
+        """Slots of the members of every pair that is failing over (the shell probes them more
+        often until one is ready)."""
+        if not self._failing_over:
+            return set()
+        pairs = set(self._failing_over.values())
+        return {st.target.slot for st in self.members if st.target.group in pairs}
+
+    def pairs(self) -> list[dict]:
+        """Every pair (a group of more than one member), for the management API: ``{name,
+        node_id, members, serving, state, node_ids}``; ``state`` is ``serving``,
+        ``failing_over`` (no member ready) or ``split_brain`` (several ready at once;
+        ``serving`` is the one connections go to)."""
+        out = []
+        for g, sts in self._groups().items():
+            if len(sts) == 1:
+                continue
+            live = [st for st in sts if st.ready]
+            serving = self._serving(live).target if live else None
+            ids = list(dict.fromkeys(st.target.node_id for st in sts if st.target.node_id))
+            state = ("failing_over" if not live else
+                     "split_brain" if len(live) > 1 else "serving")
+            out.append({"name": g, "node_id": serving.node_id if serving else
+                        (ids[0] if ids else None),
+                        "members": [st.target.slot for st in sts],
+                        "backups": [st.target.slot for st in sts if st.target.backup],
+                        "serving": serving.slot if serving else None,
+                        "active": [st.target.slot for st in live], "state": state,
+                        "node_ids": ids})
+        return out
+
     @property
     def local_ready(self) -> bool:
         return self.local is not None and self.local.ready
 
     def snapshot(self) -> dict:
         """JSON-friendly pool state for the management API."""
-        return {"quorum_size": self.quorum_size, "quorum_met": self.quorum_met,
+        snap = {"quorum_size": self.quorum_size, "quorum_met": self.quorum_met,
                 "ready": self.ready_count, "total": self.total_count,
                 "targets": [st.to_dict() for st in self.all_states()]}
+        pairs = self.pairs()
+        if pairs:
+            snap["pairs"] = pairs
+        return snap
 
 
 # -- membership sources ---------------------------------------------------------------------

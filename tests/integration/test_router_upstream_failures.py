@@ -6,7 +6,8 @@ closes or resets is a plain listening socket in this test (a peer stand-in: a re
 made to hang like that).
 
 * the chosen broker is down (connection refused) → ``amqp:connection:forced`` naming the broker
-  (``upstream_connect_failed``), and the target leaves rotation at the next probe;
+  (``upstream_connect_failed``), and the target leaves rotation at once: the failure marks it
+  not ready and has it probed again, without waiting for the next check-period;
 * the broker is killed while a proxied client is mid-stream → that client's connection ends
   (proton reports the disconnect), the router stays up, a client on another broker is unaffected;
 * the broker accepts TCP but never answers → ``amqp:connection:forced`` within
@@ -118,37 +119,45 @@ def _stop(router, *brokers) -> None:
 
 # -- the chosen broker is down -----------------------------------------------------------------
 
-def test_a_broker_that_went_down_gets_connection_forced_naming_it_then_leaves_rotation(tmp_path, pki):
-    down = start_broker(tmp_path, name="down", users_file=pki.users)
+def test_a_broker_that_went_down_gets_connection_forced_naming_it_and_leaves_rotation_at_once(tmp_path, pki):
+    # two brokers that go down, one per acceptor (FIRST_ELEMENT: each failing client takes one
+    # out of rotation, the next is tried by the next client), and one that stays up
+    downs = [start_broker(tmp_path, name=f"down{i}", users_file=pki.users) for i in (1, 2)]
     up = start_broker(tmp_path, name="up", users_file=pki.users)
-    period_ms = 3000
-    text = _router_text(pki, {"main": [_target("down", down), _target("up", up)]},
+    period_ms = 30000  # no probe during the test but the first round: only failures re-probe
+    text = _router_text(pki, {"main": [_target("down1", downs[0]), _target("down2", downs[1]),
+                                       _target("up", up)]},
                         [{"name": "plain", "router": "main"}, {"name": "tls", "router": "main", "tls": True}],
                         check_period_ms=period_ms)
     router = start_router(tmp_path / "router", text, expect=3, auth=("admin", "admin-pw"))
     try:
-        wait_for(lambda: _pool(router, "main")["ready"] == 2, 20)
-        down_port = down.port
-        # Kill right after a probe round, so the clients below connect before the next one
-        # (they need well under a second of the 3 s period) and FIRST_ELEMENT still picks "down".
-        seen = _target_state(router, "main", "down")["last_probe_at"]
-        wait_for(lambda: _target_state(router, "main", "down")["last_probe_at"] != seen, period_ms / 1000 + 10, 0.01)
-        down.kill()
-        for acceptor, tls in (("plain", False), ("tls", True)):
+        wait_for(lambda: _pool(router, "main")["ready"] == 3, 20)
+        ports = [d.port for d in downs]
+        probes = {n: _target_state(router, "main", n)["probes"] for n in ("down1", "down2")}
+        for d in downs:
+            d.kill()
+        killed = time.monotonic()
+        for (acceptor, tls), name, port in zip((("plain", False), ("tls", True)), ("down1", "down2"), ports):
             before = _acceptor(router, acceptor)[0]
             with pytest.raises(ConnectionClosed) as info:
                 _connect(pki, router, acceptor, tls=tls)
             assert info.value.condition == "amqp:connection:forced"
-            assert f"could not reach broker down:{down_port}" in str(info.value)
+            assert f"could not reach broker {name}:{port}" in str(info.value)
             after = wait_for(lambda a=acceptor: _acceptor(router, a)[1] == 0 and _acceptor(router, a)[0], 10)
             assert after["upstream_connect_failed"] == before["upstream_connect_failed"] + 1
             assert after["internal_error"] == before["internal_error"]
-        assert _target_state(router, "main", "down")["ready"] is True, "a probe ran already: the test lost its race"
-        # the next probe takes it out of rotation, and clients land on "up"
-        t0 = time.monotonic()
-        wait_for(lambda: not _target_state(router, "main", "down")["ready"], period_ms / 1000 + 5, 0.02)
-        assert time.monotonic() - t0 <= period_ms / 1000 + 2
-        assert _target_state(router, "main", "down")["last_error"]
+            # the failure took it out of rotation at once and had it probed again: not ready
+            # (the re-probe's error, or the upstream failure's), long before its next probe
+            state = _target_state(router, "main", name)
+            assert not state["ready"] and state["last_error"], state
+        counters = router.get("/api/v1/counters")[1]["routers"]["main"]
+        assert counters["upstream_marked_down"] == 2 and counters["upstream_reprobes"] == 2
+        # the re-probe confirms it (a probe each, within 2 s of a 30 s period), and clients land
+        # on "up"
+        wait_for(lambda: all(_target_state(router, "main", n)["probes"] == probes[n] + 1
+                             for n in ("down1", "down2")), 2, 0.02)
+        assert all(not _target_state(router, "main", n)["ready"] for n in ("down1", "down2"))
+        assert time.monotonic() - killed < 5
         for acceptor, tls in (("plain", False), ("tls", True)):
             conn = _connect(pki, router, acceptor, tls=tls)
             try:
@@ -157,7 +166,7 @@ def test_a_broker_that_went_down_gets_connection_forced_naming_it_then_leaves_ro
             finally:
                 conn.close()
     finally:
-        _stop(router, down, up)
+        _stop(router, *downs, up)
 
 
 # -- the broker dies mid-stream ----------------------------------------------------------------

@@ -108,16 +108,34 @@ def test_one_view_alive_keeps_a_node_whatever_the_others_say():
     assert set(m.known) == {"A", "B"}
 
 
-def test_a_node_that_moved_is_replaced_only_on_an_alive_report():
+def test_a_new_probe_url_replaces_a_member_only_on_an_alive_report():
     m = ClusterMembership(leave_after_s=10)
     m.observe([vm("A", 5001), vm("B", 5002)], now=0)
-    # a stale view of a disconnected B on another port does not move it
-    assert not m.observe([vm("A", 5001), vm("B", 7002, alive=False)], now=1)
-    ch = m.observe([vm("A", 5001), vm("B", 7002)], now=2)
-    assert ch.removed == ("B",) and [(t.name, t.port) for t in ch.added] == [("B", 7002)]
+    # a stale view of a disconnected B with another management URL does not change it
+    assert not m.observe([vm("A", 5001), vm("B", 5002, alive=False, mgmt="http://x:1")], now=1)
+    ch = m.observe([vm("A", 5001), vm("B", 5002, mgmt="http://x:1")], now=2)
+    assert ch.removed == ("B",) and [(t.name, t.management_url) for t in ch.added] == [
+        ("B", "http://x:1")]
     # a member listed without a management URL keeps the one it had
-    ch = m.observe([vm("A", 5001), ViewMember("B", "127.0.0.1", 7003, False, None, True)], now=3)
-    assert ch.added[0].management_url == "http://127.0.0.1:8002"
+    assert not m.observe([vm("A", 5001), ViewMember("B", "127.0.0.1", 5002, False, None, True)],
+                         now=3)
+    assert m.targets()[1].management_url == "http://x:1"
+
+
+def test_a_node_id_at_a_new_connector_is_a_new_member_of_its_pair_the_old_one_leaves():
+    # restarted elsewhere (or a backup): the two do not replace each other; the pool pairs
+    # them (one node id, hashed once) and the old address leaves after leave-after
+    m = ClusterMembership(leave_after_s=10)
+    m.observe([vm("A", 5001), vm("B", 5002)], now=0)
+    ch = m.observe([vm("A", 5001), vm("B", 7002)], now=2)
+    assert ch.removed == () and [(t.name, t.port, t.pair) for t in ch.added] == [
+        ("B@127.0.0.1:7002", 7002, "B")]
+    assert sorted(m.known) == ["A", "B", "B@127.0.0.1:7002"]
+    ch = m.observe([vm("A", 5001), vm("B", 7002)], now=10.5)
+    assert ch.removed == ("B",) and sorted(m.known) == ["A", "B@127.0.0.1:7002"]
+    # the node id's name is free again: a member joining later takes it
+    ch = m.observe([vm("A", 5001), vm("B", 7002), vm("B", 9002)], now=11)
+    assert [t.name for t in ch.added] == ["B"]
 
 
 def test_nodes_are_asked_last_answer_first_then_known_then_seeds():
@@ -186,7 +204,8 @@ def test_cluster_pool_config(tmp_path):
     assert st["members"] == [] and st["leave_after_ms"] == 30000
     assert svc.pool_states() == {"members": [], "states": []}
     # a worker adopts the supervisor's members, then the probe results
-    svc.apply_pool_states({"members": [["n1", "127.0.0.1", 5001, False, "http://127.0.0.1:6001", "n1"]],
+    svc.apply_pool_states({"members": [["n1", "127.0.0.1", 5001, False, "http://127.0.0.1:6001", "n1",
+                                        "n1", False]],
                            "states": [["n1", True, "n1", 0, None]]})
     assert svc.route_for_key("k").target.name == "n1"
 

@@ -24,6 +24,10 @@ class Target:
     ``name`` is the config name; ``node_id`` is the broker's node UUID, ``None`` until a probe
     learns it. ``identity`` (node id, else name, else host:port) is what the hash policies hash and
     what the sticky cache stores.
+
+    ``pair`` names the HA pair this target is a member of (a primary and its backups serve one
+    node id, whichever is active; ``router.core.pool``): ``None`` for a target on its own.
+    ``backup`` marks a backup member (the primary is preferred when both are active).
     """
 
     node_id: str | None
@@ -32,6 +36,8 @@ class Target:
     tls: bool = False
     management_url: str | None = None
     name: str = ""
+    pair: str | None = None
+    backup: bool = False
 
     @property
     def identity(self) -> str:
@@ -42,6 +48,12 @@ class Target:
     def slot(self) -> str:
         """The config slot this target fills (name, else host:port): survives learning the node id."""
         return self.name or f"{self.host}:{self.port}"
+
+    @property
+    def group(self) -> str:
+        """The routing identity group this target belongs to: its pair, else its own slot. The
+        pool offers policies one target per group."""
+        return self.pair or self.name or f"{self.host}:{self.port}"
 
 
 class Policy:

@@ -241,6 +241,11 @@ class Acceptor:
             self._inc(err.counter)
         if err.action is not None and c.decision is not None:
             self._log_decision(c, err.action)
+        if getattr(err, "target_down", False) and c.decision is not None \
+                and c.decision.target is not None:
+            # not ready at once, probed again now: the next clients (and a pair's waiting keys)
+            # do not wait a whole check-period to learn it
+            self.service.upstream_failed(c.decision.target.slot, err.description)
         await self._answer(c, reply_frames(err), scope)
 
     async def _send_quietly(self, client, data: bytes) -> None:

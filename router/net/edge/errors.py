@@ -69,6 +69,10 @@ class UpstreamError(EdgeError):
 
     counter = "upstream_connect_failed"
     action = "upstream_failed"
+    #: the broker looks down: the acceptor has it marked not ready and probed again at once
+    #: (``RouterService.upstream_failed``); not for a refusal of the client's own credentials
+    #: or the router's own lack of descriptors
+    target_down = True
 
 
 class UpstreamUnreachable(UpstreamError):
@@ -79,6 +83,7 @@ class UpstreamFdExhausted(UpstreamError):
     """No descriptor left to connect to the broker (established connections are unaffected)."""
 
     counter = "upstream_fd_exhausted"
+    target_down = False
 
 
 class UpstreamTimeout(UpstreamError):
@@ -98,6 +103,7 @@ class UpstreamAuthRefused(UpstreamError):
 
     condition = "amqp:unauthorized-access"
     counter = "upstream_auth_failed"
+    target_down = False
 
 
 def reply_frames(err: EdgeError) -> bytes:
