@@ -354,3 +354,27 @@ def test_a_backup_with_scale_down_moves_the_messages_instead_of_serving(tmp_path
     assert "this backup scaled down instead of serving" in backup.stderr_text()
     got = receive_all(p2, "sd") + receive_all(p3, "sd")
     assert sorted(got) == sorted(bodies)                               # every message, once
+
+
+def test_a_backup_killed_during_its_initial_sync_starts_over(tmp_path, members):
+    primary = start_replica(tmp_path, "primary", "primary")
+    members.append(primary)
+    wait_active(primary)
+    big = "x" * 4096
+    send(primary, "big", [f"{i}:{big}" for i in range(3000)])       # a 12 MB initial sync
+    backup = start_replica(tmp_path, "backup", "backup", static=[primary.amqp_url], ha=FAST_VOTES)
+    members.append(backup)
+    wait_phase(backup, "syncing")
+    backup.kill()                        # mid-copy
+    deadline = time.monotonic() + 20
+    while ha_view(primary)["replication"]["state"] != "no-backup":
+        assert time.monotonic() < deadline, ha_view(primary)
+        time.sleep(0.05)
+    assert ha_view(primary)["replication"]["synced_at"] is None       # it never got in sync: killed mid-copy
+    send(primary, "big", ["still serving"])                          # the primary never stopped
+    backup.start()
+    wait_phase(backup, "in-sync", 60)    # a fresh copy (the partial one kept aside or replaced)
+    primary.kill()
+    wait_active(backup)
+    got = receive_all(backup, "big")
+    assert len(got) == 3001 and got[-1] == "still serving"
