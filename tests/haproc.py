@@ -16,24 +16,12 @@ listens, and ``amqp_url`` follows the latest ``listening`` line.
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 from typing import Any
 
 from tests.brokerproc import ADMIN, BrokerProcess, write_config
-from tests.serverproc import http_json
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+from tests.serverproc import free_ports, http_json
 
 
 class HaMember(BrokerProcess):
@@ -87,6 +75,49 @@ def start_pair(tmp_path: Path, *, primary_ha: dict | None = None, backup_ha: dic
     backup = start_member(tmp_path, "backup", shared, "backup", ha=backup_ha, config=config)
     wait_phase(backup, "waiting-for-live-lock")
     return primary, backup
+
+
+CLIENT = {"user": "app", "password": "app", "allowed_mechs": "PLAIN", "timeout": 20}
+
+
+def send(member, address: str, bodies) -> None:
+    """Send durable messages with an unmodified proton client; returns once each is accepted."""
+    from proton import Message
+    from proton.utils import BlockingConnection
+
+    conn = BlockingConnection(member.amqp_url, **CLIENT)
+    try:
+        snd = conn.create_sender(address)
+        for b in bodies:
+            snd.send(Message(body=b, durable=True))
+    finally:
+        conn.close()
+
+
+def receive_all(member, address: str, *, quiet_s: float = 1.0) -> list:
+    """Receive and accept until nothing arrives for ``quiet_s``; the bodies, in order."""
+    from proton.utils import BlockingConnection
+
+    conn = BlockingConnection(member.amqp_url, **CLIENT)
+    got = []
+    try:
+        rcv = conn.create_receiver(address, credit=500)
+        while True:
+            try:
+                m = rcv.receive(timeout=quiet_s)
+            except Exception:   # proton's Timeout: nothing more within quiet_s
+                break
+            got.append(m.body)
+            rcv.accept()
+    finally:
+        conn.close()
+    return got
+
+
+def broker_info(member) -> dict:
+    status, body = http_json(member.management_url + "/api/v1/broker", auth=ADMIN, timeout_s=10)
+    assert status == 200, body
+    return body
 
 
 def ha_view(m: BrokerProcess) -> dict:

@@ -121,6 +121,20 @@ def http_json(url: str, method: str = "GET", body: Any = None, auth: tuple[str, 
     return status, (json.loads(raw) if raw and "json" in ctype else raw.decode())
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` TCP ports free on 127.0.0.1 right now (for configs that must name their ports up front)."""
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def toml_value(v: Any) -> str:
     """A TOML literal for a bool, number, string, path or list of those."""
     if isinstance(v, bool):

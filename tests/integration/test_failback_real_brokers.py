@@ -4,27 +4,15 @@ broker, connect again — where does the key land under ``stay`` (Artemis) and `
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 from proton.utils import BlockingConnection
 
 from tests.brokerproc import start_broker, wait_for
 from tests.routerproc import start_router
-from tests.serverproc import REPO
+from tests.serverproc import REPO, free_ports
 
 pytestmark = pytest.mark.slow
-
-
-def _free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _router_toml(brokers, fail_back: str | None) -> str:
@@ -73,7 +61,7 @@ def _ready(router) -> list[bool]:
 def test_sticky_keys_when_their_broker_returns(tmp_path, fail_back):
     brokers = []
     for i in range(2):
-        amqp, mgmt = _free_ports(2)
+        amqp, mgmt = free_ports(2)
         brokers.append(start_broker(tmp_path, name=f"b{i}",
                                     config={"acceptors.amqp": {"port": amqp}, "management": {"port": mgmt}}))
     router = start_router(tmp_path / "router", _router_toml(brokers, fail_back), expect=2)

@@ -10,7 +10,8 @@ import time
 import pytest
 
 from tests.haproc import ha_view, start_replica, wait_active
-from tests.integration.test_ha_replication import FAST_VOTES, receive_all, send, three_primaries
+from tests.haproc import receive_all, send
+from tests.integration.test_ha_replication import FAST_VOTES, three_primaries
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -12,12 +12,11 @@ from proton import Message
 from proton.utils import BlockingConnection
 
 from tests.brokerproc import ADMIN
-from tests.haproc import ha_view, start_replica, wait_active, wait_phase
+from tests.haproc import CLIENT, broker_info, receive_all, send, ha_view, start_replica, wait_active, wait_phase
 from tests.serverproc import http_json
 
 pytestmark = pytest.mark.timeout(240)
 
-CLIENT = {"user": "app", "password": "app", "allowed_mechs": "PLAIN", "timeout": 20}
 FAST_VOTES = {"vote-retries": 2, "vote-retry-wait-ms": 200, "quorum-vote-wait-s": 5}
 
 
@@ -28,39 +27,6 @@ def members():
     for m in made:
         if m.proc is not None and m.proc.poll() is None:
             m.kill()
-
-
-def send(member, address: str, bodies) -> None:
-    conn = BlockingConnection(member.amqp_url, **CLIENT)
-    try:
-        snd = conn.create_sender(address)
-        for b in bodies:
-            snd.send(Message(body=b, durable=True))   # returns once the broker accepted it
-    finally:
-        conn.close()
-
-
-def receive_all(member, address: str, *, quiet_s: float = 1.0) -> list:
-    conn = BlockingConnection(member.amqp_url, **CLIENT)
-    got = []
-    try:
-        rcv = conn.create_receiver(address, credit=500)
-        while True:
-            try:
-                m = rcv.receive(timeout=quiet_s)
-            except Exception:   # proton's Timeout: nothing more within quiet_s
-                break
-            got.append(m.body)
-            rcv.accept()
-    finally:
-        conn.close()
-    return got
-
-
-def broker_info(member) -> dict:
-    status, body = http_json(member.management_url + "/api/v1/broker", auth=ADMIN, timeout_s=10)
-    assert status == 200, body
-    return body
 
 
 def test_a_lone_pair_fails_over_with_every_acknowledged_message(tmp_path, members):
@@ -218,7 +184,7 @@ def test_an_isolated_primary_stops_with_vote_on_replication_failure(tmp_path, me
 def test_garbage_on_the_replication_link_closes_that_connection_only(tmp_path, members):
     from proton.utils import BlockingConnection as BC
 
-    from tests.haproc import CLUSTER_PASSWORD
+    from tests.haproc import CLIENT, broker_info, receive_all, send, CLUSTER_PASSWORD
 
     primary = start_replica(tmp_path, "primary", "primary")
     members.append(primary)

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import threading
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.serverproc import free_ports
 from proton import ConnectionException, Timeout
 from proton.utils import BlockingConnection
 
@@ -39,17 +40,6 @@ pytestmark = pytest.mark.slow
 CHECK_PERIOD_MS = 5000
 QUORUM_TIMEOUT_MS = 20000
 CLIENT = {"allowed_mechs": "PLAIN", "allow_insecure_mechs": True, "user": "app", "password": "app"}
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _router_toml(tmp: Path, a, b_port: int, b_mgmt: str, c, workers: int) -> str:
@@ -115,7 +105,7 @@ def test_keys_follow_their_pair_to_the_backup_without_moving_to_another_broker(t
     a = start_broker(tmp_path, name="a")
     c = start_broker(tmp_path, name="c")
     procs += [a, c]
-    b_amqp, b_mgmt_port = _free_ports(2)
+    b_amqp, b_mgmt_port = free_ports(2)
     b_mgmt = f"http://127.0.0.1:{b_mgmt_port}"
     b_path = write_config(tmp_path / "b", name="b", config={"acceptors.amqp": {"port": b_amqp},
                                                             "management": {"port": b_mgmt_port}})
