@@ -439,3 +439,45 @@ def test_a_large_message_that_cannot_be_walked_is_searched_whole():
     from broker.amqp.engine import may_carry_duplicate_id
     assert may_carry_duplicate_id(b"\x00\x53\x70\xc0\xff" + b"_AMQ_DUPL_ID" * 500)
     assert not may_carry_duplicate_id(b"\x00\x53\x70\xc0\xff" + b"z" * 6000)
+
+
+# -- with the real journal ------------------------------------------------------------------------------
+
+def test_a_message_and_its_id_are_one_journal_record_torn_at_every_byte_both_or_neither(tmp_path):
+    """``publish_once`` over the node's JournalStore: the message and its id are one GROUP record;
+    a crash while it is written (a torn tail, cut at every byte) keeps neither, a whole one both."""
+    from broker.node import JournalStore
+    from broker.store.journal import SEG_HEADER_BYTES, Journal, JournalConfig, RecordType, _parse_at
+
+    cfg = JournalConfig(compact_min_bytes=1 << 40)
+    src = tmp_path / "src"
+    j = Journal.open(src, cfg)
+    b = Broker(SettingsResolver(), JournalStore(j, lambda: None), duplicates=DuplicateIds(size=3))
+    b.declare_address("q", [ANYCAST])
+    b.publish_once("q", k(1), b"first", True)
+    b.publish_once("q", k(2), b"second", True)
+    j.flush()
+    j.close()
+    seg = sorted(src.glob("journal-*.log"))[-1]
+    data = seg.read_bytes()
+    pos, starts = SEG_HEADER_BYTES, []
+    while pos < len(data):
+        starts.append(pos)
+        pos = _parse_at(data, pos)[2]
+    start = starts[-1]
+    assert data[start + 4] == RecordType.GROUP
+
+    def recovered(d):
+        with Journal.open(d, cfg) as jj:
+            live = jj.live_messages()
+            return ([m.body for m in live.get("q", [])],
+                    [m.body for m in live.get(ADDRESS_RECORDS + "q", [])])
+    for cut in list(range(start, len(data), 7)) + [len(data)]:
+        d = tmp_path / f"cut{cut}"
+        d.mkdir()
+        (d / seg.name).write_bytes(data[:cut])
+        messages, ids = recovered(d)
+        if cut == len(data):
+            assert (messages, ids) == ([b"first", b"second"], [k(1), k(2)])
+        else:
+            assert (messages, ids) == ([b"first"], [k(1)]), cut
