@@ -21,6 +21,7 @@ from broker.cluster.settings import (HA_POLICIES, LOAD_BALANCING_MODES, Broadcas
 from broker.cluster.settings import HA_ROLES, ColocatedConfig
 from broker.core.filters import SelectorError, compile_queue_filter
 from broker.core.addresses import ANYCAST, MULTICAST, AddressSettings, SettingsResolver, WildcardSettings
+from broker.core.duplicates import DEFAULT_ID_CACHE_SIZE, DEFAULT_MAX_IDS
 from broker.core.limits import SourceLimits, source_limits_from
 from broker.core.wildcards import check_pattern
 from broker.store.journal import JournalConfig
@@ -154,6 +155,10 @@ class BrokerConfig:
     limits: ResourceLimitSettings = field(default_factory=ResourceLimitSettings)
     link_stealing: bool = True  # [amqp]: a durable subscription attached elsewhere moves to the new link
     expiry_scan_period_ms: int = 30000  # [node] message-expiry-scan-period-ms (Artemis's default)
+    # [node] duplicate detection (Artemis id-cache-size, persist-id-cache; broker.core.duplicates)
+    id_cache_size: int = DEFAULT_ID_CACHE_SIZE
+    persist_id_cache: bool = True
+    id_cache_max_ids: int = DEFAULT_MAX_IDS   # ids remembered over all addresses
     wildcards: WildcardSettings = field(default_factory=WildcardSettings)
     extra: dict = field(default_factory=dict)
     cluster: ClusterConfig | None = None  # [cluster]; None: a single node
@@ -171,8 +176,10 @@ def _address_settings(t: Table, base: AddressSettings) -> AddressSettings:
     dla = t.str("dead-letter-address", base.dead_letter_address if base.dead_letter_address else "")
     ea = t.str("expiry-address", base.expiry_address if base.expiry_address else "")
     redistribution = t.int("redistribution-delay-ms", base.redistribution_delay_ms, min=-1)
+    id_cache = t.int("id-cache-size", base.id_cache_size, min=1)
     t.done()
-    return AddressSettings(rt, auto, mdc, dla or None, ea or None, redistribution_delay_ms=redistribution)
+    return AddressSettings(rt, auto, mdc, dla or None, ea or None, redistribution_delay_ms=redistribution,
+                           id_cache_size=id_cache)
 
 
 def _limits(t: Table, base: ResourceLimits) -> ResourceLimits:
@@ -233,9 +240,12 @@ def _not_empty(t: Table, key: str, value: str | None) -> str | None:
     return value
 
 
-def _cluster(t: Table, discovery_groups: dict) -> ClusterConfig:
-    """``[cluster]`` (Artemis ``cluster-connection``; docs/cluster.md maps the names)."""
+def _cluster(t: Table, discovery_groups: dict, ids: tuple[int, bool] | None = None) -> ClusterConfig:
+    """``[cluster]`` (Artemis ``cluster-connection``; docs/cluster.md maps the names). ``ids``: the
+    ``[node]`` id-cache-size and persist-id-cache, the defaults of the cluster's (one setting in Artemis)."""
     d = ClusterConfig()
+    if ids is not None:
+        d = replace(d, id_cache_size=ids[0], persist_id_cache=ids[1])
     name = _not_empty(t, "name", t.str("name", d.name))
     connector = _connector(t, "connector", t.str("connector"), own=True)
     static = _connectors(t, "static-connectors")
@@ -429,6 +439,9 @@ def load_config(file: str | Path) -> BrokerConfig:
     data_dir = node.path_value("data-dir", "data")
     persistent = node.bool("persistent", True)
     expiry_scan = node.int("message-expiry-scan-period-ms", 30000, min=0)
+    id_cache_size = node.int("id-cache-size", DEFAULT_ID_CACHE_SIZE, min=1)
+    persist_id_cache = node.bool("persist-id-cache", True)
+    id_cache_max_ids = node.int("id-cache-max-ids", DEFAULT_MAX_IDS, min=1)
     node.done()
 
     acceptors = []
@@ -532,7 +545,8 @@ def load_config(file: str | Path) -> BrokerConfig:
 
     broadcast_groups = tuple(_broadcast_group(name, t) for name, t in root.tables("broadcast-groups").items())
     discovery_groups = {name: _discovery_group(name, t) for name, t in root.tables("discovery-groups").items()}
-    cluster = _cluster(root.table("cluster"), discovery_groups) if root.has("cluster") else None
+    cluster = _cluster(root.table("cluster"), discovery_groups, (id_cache_size, persist_id_cache)) \
+        if root.has("cluster") else None
     ha = _ha(root.table("ha"), cluster)
     routers, routing_log = _routers(root, acceptors, cluster, data_dir)
     if ha.colocated is not None:
@@ -551,6 +565,8 @@ def load_config(file: str | Path) -> BrokerConfig:
                         max_frame, idle, window, journal, activity, settings, tuple(decls),
                         level, json_lines, handshake, max_sessions, max_links, limits,
                         link_stealing=link_stealing, expiry_scan_period_ms=expiry_scan, wildcards=wildcards,
+                        id_cache_size=id_cache_size, persist_id_cache=persist_id_cache,
+                        id_cache_max_ids=id_cache_max_ids,
                         cluster=cluster, ha=ha, broadcast_groups=broadcast_groups,
                         discovery_groups=tuple(discovery_groups.values()), routers=routers,
                         routing_log=routing_log)

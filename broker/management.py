@@ -98,7 +98,9 @@ def _version() -> str:
 
 
 def addresses_view(node: "Node") -> list[dict]:
-    return [{"name": a.name, "routing_types": sorted(a.routing_types), "queues": sorted(a.queues)}
+    dups = node.core.duplicates
+    return [{"name": a.name, "routing_types": sorted(a.routing_types), "queues": sorted(a.queues),
+             "duplicate_ids": dups.remembered(a.name), "duplicates_dropped": dups.dropped.get(a.name, 0)}
             for a in sorted(node.core.addresses.values(), key=lambda a: a.name)]
 
 
@@ -149,6 +151,8 @@ def metrics(node: "Node", exporter: "MetricsExporter | None" = None) -> list[Met
         Metric("lodestone_broker_messages_in_total", "counter", "messages received from producers",
                (({}, node.messages_in),)),
         Metric("lodestone_broker_queues", "gauge", "queues on the node", (({}, len(node.core.queues)),)),
+        Metric("lodestone_broker_duplicate_ids", "gauge", "_AMQ_DUPL_ID ids remembered over all addresses",
+               (({}, node.core.duplicates.address_ids),)),
         Metric("lodestone_broker_resource_limit_exceeded_total", "counter",
                "requests refused by a resource limit (amqp:resource-limit-exceeded)",
                tuple(({"limit": lim}, c.get(f"resource_limit_{lim.replace('-', '_')}", 0)) for lim in LIMITS)),
@@ -436,7 +440,7 @@ def openapi_document() -> dict:
         "connection_count": s_int, "uptime_s": {"type": "number"}}}
     address = {"type": "object", "properties": {
         "name": s_str, "routing_types": {"type": "array", "items": {"enum": ["anycast", "multicast"]}},
-        "queues": {"type": "array", "items": s_str}}}
+        "queues": {"type": "array", "items": s_str}, "duplicate_ids": s_int, "duplicates_dropped": s_int}}
     queue = {"type": "object", "properties": {
         "name": s_str, "address": s_str, "routing_type": {"enum": ["anycast", "multicast"]},
         "durable": s_bool, "depth": s_int, "consumers": s_int, "enqueued": s_int, "acked": s_int,

@@ -32,6 +32,7 @@ from broker.amqp.host import EngineSettings
 from broker.auth import LoginGate
 from broker.core.addresses import Broker
 from broker.core.deliveries import DEFAULT_PRIORITY, Message
+from broker.core.duplicates import DuplicateIds
 from broker.core.filters import compile_queue_filter
 from broker.core.limits import OncePer, SourceLimiter
 from broker.store.journal import GroupOp
@@ -98,8 +99,9 @@ class JournalStore:
         self.on_write()
 
     def add_record(self, queue: str, message_id: int, body: bytes) -> None:
-        """A broker-internal record kept as a message of a pseudo-queue (the cluster's duplicate
-        ids); inside a group it joins the group (atomic with the messages it vouches for)."""
+        """A broker-internal record kept as a message of a pseudo-queue (the duplicate ids of
+        ``broker.core.duplicates``); inside a group it joins the group (atomic with the messages
+        it vouches for)."""
         group = self.__dict__.get("_group")
         if group is not None:
             group.append(GroupOp.add(queue, message_id, body))
@@ -156,7 +158,13 @@ class Node:
         #: broker.ha.replication.ReplicationSource of an active replication member
         self.replication = None
         store = JournalStore(journal, self._dirty.set) if journal is not None else None
-        self.core = Broker(cfg.settings, store, clock=_wall_ms, wildcards=cfg.wildcards)
+        cl = cfg.cluster
+        dups = DuplicateIds(size=cfg.id_cache_size, persist=cfg.persist_id_cache and journal is not None,
+                            max_ids=cfg.id_cache_max_ids, origin_size=cl.id_cache_size if cl else None,
+                            origin_persist=(cl.persist_id_cache and journal is not None) if cl else None)
+        dups.on_duplicate = self._duplicate_detected
+        dups.on_cap_evicted = self._duplicate_id_cap_evicted
+        self.core = Broker(cfg.settings, store, clock=_wall_ms, wildcards=cfg.wildcards, duplicates=dups)
         self.core.compile_filter = compile_queue_filter
         self.engines: dict[str, "AmqpEngine"] = {}
         self.opened_at: dict[str, float] = {}
@@ -197,7 +205,7 @@ class Node:
         restored = orphans = 0
         self.internal_records = {}
         for qname, msgs in j.live_messages().items():
-            if qname.startswith(INTERNAL_RECORDS_PREFIX):  # the cluster's, read when it starts
+            if qname.startswith(INTERNAL_RECORDS_PREFIX):  # broker-internal records, read below
                 self.internal_records[qname] = [(m.message_id, m.body) for m in msgs]
                 for m in msgs:
                     core.bump_mid(m.message_id)
@@ -215,14 +223,16 @@ class Node:
                 else:
                     orphans += 1
                     j.ack(qname, m.message_id)
+        duplicate_ids = core.duplicates.restore(self.internal_records)  # ids with their messages
         rep = j.report
         self.recovery = {"messages": restored, "orphans_dropped": orphans, "queues": len(core.queues),
+                         "duplicate_ids": duplicate_ids,
                          "torn_bytes_truncated": rep.torn_bytes_truncated, "problems": list(rep.problems)}
         for p in rep.problems:
             log.warning("journal recovery: %s", p)
         log.info("recovered from journal", extra={"fields": {
-            "messages": restored, "queues": len(core.queues), "torn_bytes": rep.torn_bytes_truncated,
-            "records": rep.records_read}})
+            "messages": restored, "queues": len(core.queues), "duplicate_ids": duplicate_ids,
+            "torn_bytes": rep.torn_bytes_truncated, "records": rep.records_read}})
         return self.recovery
 
     def declare_configured_addresses(self) -> None:
@@ -286,11 +296,33 @@ class Node:
                 props = {**props, "failover-server-list": fsl}
         return props
 
+    def _duplicate_detected(self, address: str, transactional: bool) -> None:
+        """A message whose ``_AMQ_DUPL_ID`` its address remembers (``broker.core.duplicates``).
+        Artemis logs AMQ222059 at WARN for every one; a producer that resends a batch would fill
+        the log, so we log once per address per interval and count them all."""
+        self.counters["duplicate_id_in_transaction" if transactional else "duplicate_id_dropped"] += 1
+        if self.log_once(f"duplicate-id {address}", time.monotonic()):
+            log.warning("duplicate message detected, not routed (Artemis AMQ222059); logged once per address "
+                        "per interval, all counted in GET /api/v1/addresses duplicates_dropped",
+                        extra={"fields": {"address": address, "transactional": transactional,
+                                          "duplicates_dropped": self.core.duplicates.dropped[address]}})
+
+    def _duplicate_id_cap_evicted(self, address: str) -> None:
+        """``[node] id-cache-max-ids`` took an id of ``address`` before its ring would have."""
+        self.counters["duplicate_id_cap_evicted"] += 1
+        if self.log_once("duplicate-id cap", time.monotonic()):
+            log.warning("duplicate ids: the node remembers id-cache-max-ids ids; the least recently used "
+                        "addresses forget their oldest ids early", extra={"fields": {
+                            "id_cache_max_ids": self.cfg.id_cache_max_ids, "address": address}})
+
     def address_created(self, address: str) -> None:
         self.counters["addresses_auto_created"] += 1
 
     def await_sync(self, engine: "AmqpEngine", delivery) -> None:
         """Accept ``delivery`` once the journal records written so far are durable."""
+        if self.journal is None:  # [node] persistent = false: nothing to wait for
+            engine.synced([delivery])
+            return
         lst = self.sync_waiters.get(engine)
         if lst is None:
             self.sync_waiters[engine] = [delivery]

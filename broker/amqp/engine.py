@@ -16,7 +16,10 @@ pushes them into the transport and then handles every collector event:
   then open the link; refuse with ``amqp:unauthorized-access`` / ``amqp:not-found`` otherwise;
 * a complete incoming transfer on a producer link → ``Broker.publish``; the transfer is accepted
   and settled at once, or — if the message went to the journal — after the group-commit fsync
-  that covers it (``host.await_sync``);
+  that covers it (``host.await_sync``). A message carrying ``_AMQ_DUPL_ID`` (found by
+  :func:`message_duplicate_id`, only in messages that contain those bytes) goes to
+  ``Broker.publish_once`` instead: a duplicate is not routed and is still accepted (Artemis);
+  an id neither string nor binary is rejected with ``amqp:invalid-field``;
 * flow on a consumer link → the core's :class:`~broker.core.queues.Subscription` gets the credit
   and the queue dispatches; each handed-out message becomes an outgoing transfer (``_sink``);
 * a disposition from a consumer → ``Queue.settle`` with the mapped outcome (§3.4);
@@ -72,6 +75,7 @@ from broker.amqp.txn import TXN_STATE as _TXN_STATE, TxnCoordinator, is_coordina
 from broker.errors import DecodeError
 from broker.core.addresses import ANYCAST, MULTICAST, AddressNotFound
 from broker.core.deliveries import DEFAULT_PRIORITY, Outcome
+from broker.core.duplicates import DUPLICATE_ID_PROPERTY, InvalidDuplicateId, duplicate_key
 from broker.core.filters import SelectorError, consumer_filter
 from broker.core.queues import Subscription
 
@@ -80,7 +84,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("lodestone.broker.amqp")
 
-__all__ = ["AmqpEngine", "message_header", "message_meta", "with_delivery_count"]
+__all__ = ["AmqpEngine", "message_header", "message_meta", "with_delivery_count", "message_duplicate_id",
+           "may_carry_duplicate_id"]
 
 UNAUTHORIZED = "amqp:unauthorized-access"
 FRAMING_ERROR = "amqp:connection:framing-error"
@@ -345,6 +350,131 @@ def message_to(data: bytes) -> str | None:
                 pos = _skip_value(data, vstart)
                 continue
             return None  # application-properties, body or footer: no properties section
+    except (IndexError, struct.error):
+        raise DecodeError("message sections are truncated") from None
+    return None
+
+
+#: the key of Artemis's duplicate-id application property, as it is encoded (a str8 key's bytes);
+#: a message without these bytes anywhere cannot carry the property, so only the others are parsed
+DUPLICATE_ID_NEEDLE = DUPLICATE_ID_PROPERTY.encode()
+
+# AMQP 1.0 §1.6: the size of an encoded value follows from its constructor's subcategory
+_FIXED_WIDTH = {0x4: 0, 0x5: 1, 0x6: 2, 0x7: 4, 0x8: 8, 0x9: 16}
+_TYPE_NAMES = {0x40: "null", 0x41: "boolean", 0x42: "boolean", 0x56: "boolean", 0x50: "ubyte", 0x51: "byte",
+               0x60: "ushort", 0x61: "short", 0x70: "uint", 0x52: "uint", 0x43: "uint", 0x71: "int", 0x54: "int",
+               0x80: "ulong", 0x53: "ulong", 0x44: "ulong", 0x81: "long", 0x55: "long", 0x72: "float",
+               0x82: "double", 0x74: "decimal32", 0x84: "decimal64", 0x94: "decimal128", 0x73: "char",
+               0x83: "timestamp", 0x98: "uuid", 0xA3: "symbol", 0xB3: "symbol", 0x45: "list", 0xC0: "list",
+               0xD0: "list", 0xC1: "map", 0xD1: "map", 0xE0: "array", 0xF0: "array", 0x00: "described value"}
+
+
+def _value_end(data: bytes, pos: int) -> int:
+    """Where the encoded value at ``pos`` ends, from its constructor alone (nothing inside is
+    decoded, so a string that is not valid UTF-8 is skipped like any other)."""
+    left = 1  # values still to skip: a described value is two (its descriptor, then itself)
+    n = len(data)
+    while left:
+        c = data[pos]
+        if c == 0x00:
+            pos += 1
+            left += 1
+            continue
+        sub = c >> 4
+        width = _FIXED_WIDTH.get(sub)
+        if width is not None:
+            pos += 1 + width
+        elif sub in (0xA, 0xC, 0xE):
+            pos += 2 + data[pos + 1]
+        elif sub in (0xB, 0xD, 0xF):
+            pos += 5 + struct.unpack_from(">I", data, pos + 1)[0]
+        else:
+            raise DecodeError(f"unknown constructor 0x{c:02x}")
+        if pos > n:
+            raise DecodeError("a value runs past the end of the message")
+        left -= 1
+    return pos
+
+
+_SEARCH_WHOLE_UP_TO = 4096  # bytes: up to this, one search of the whole message costs less than a walk
+
+
+def may_carry_duplicate_id(data: bytes) -> bool:
+    """Whether the message may carry ``_AMQ_DUPL_ID``: its key's bytes appear in it — for a large
+    message, in its application properties (found by skipping the sections before them by their
+    size), so the body is not searched. Only these messages pay for :func:`message_duplicate_id`."""
+    n = len(data)
+    if n <= _SEARCH_WHOLE_UP_TO:
+        return DUPLICATE_ID_NEEDLE in data
+    pos = 0
+    try:
+        while pos < n:
+            code, vstart = _section_code(data, pos)
+            end = _value_end(data, vstart)
+            if code == 0x74:
+                return data.find(DUPLICATE_ID_NEEDLE, vstart, end) >= 0
+            if code not in (0x70, 0x71, 0x72, 0x73):
+                return False  # the body: no application properties
+            pos = end
+    except (IndexError, struct.error, DecodeError):
+        return DUPLICATE_ID_NEEDLE in data  # not walkable: as a small one (the reader says why)
+    return False
+
+
+def message_duplicate_id(data: bytes) -> tuple[bytes, bool] | None:
+    """The application property ``_AMQ_DUPL_ID`` (§3.2.5) of a message: ``(raw bytes, is_string)``,
+    or None when the message has none (or it is null). Artemis reads a string or binary id;
+    any other type raises :class:`~broker.core.duplicates.InvalidDuplicateId` (Artemis's cast of
+    it fails, and so does the send); sections that cannot be walked raise ``DecodeError``.
+
+    The sections before the application properties are skipped by their size; in the map, only
+    the keys are compared (as bytes) and only the value of ``_AMQ_DUPL_ID`` is read."""
+    pos = 0
+    n = len(data)
+    try:
+        while pos < n:
+            code, vstart = _section_code(data, pos)
+            if code in (0x70, 0x71, 0x72, 0x73):
+                pos = _value_end(data, vstart)
+                continue
+            if code != 0x74:
+                return None  # body or footer: no application properties
+            c = data[vstart]
+            if c == 0xC1:
+                count, p, end = data[vstart + 2], vstart + 3, vstart + 2 + data[vstart + 1]
+            elif c == 0xD1:
+                size, count = struct.unpack_from(">II", data, vstart + 1)
+                p, end = vstart + 9, vstart + 5 + size
+            elif c == 0x40:
+                return None
+            else:
+                raise DecodeError("application-properties is not a map")
+            if end > n:
+                raise DecodeError("application-properties runs past the end of the message")
+            klen = len(DUPLICATE_ID_NEEDLE)
+            for _ in range(count // 2):
+                kc = data[p]
+                if kc == 0xA1:
+                    kl, ks = data[p + 1], p + 2
+                elif kc == 0xB1:
+                    kl, ks = struct.unpack_from(">I", data, p + 1)[0], p + 5
+                else:  # §3.2.5: the keys are strings; Artemis's decoder would fail on it too
+                    raise DecodeError("an application-properties key is not a string")
+                vpos = ks + kl
+                p = _value_end(data, vpos)
+                if p > end:
+                    raise DecodeError("application-properties is truncated")
+                if kl == klen and data.startswith(DUPLICATE_ID_NEEDLE, ks):
+                    vc = data[vpos]
+                    if vc in (0xA1, 0xA0):    # str8-utf8, vbin8
+                        return data[vpos + 2:p], vc == 0xA1
+                    if vc in (0xB1, 0xB0):    # str32-utf8, vbin32
+                        return data[vpos + 5:p], vc == 0xB1
+                    if vc == 0x40:
+                        return None
+                    raise InvalidDuplicateId(f"{DUPLICATE_ID_PROPERTY} must be a string or binary, "
+                                             f"not {_TYPE_NAMES.get(vc, f'type 0x{vc:02x}')}")
+            return None
     except (IndexError, struct.error):
         raise DecodeError("message sections are truncated") from None
     return None
@@ -1402,7 +1532,19 @@ class AmqpEngine:
             pl.messages += 1
             pl.bytes += len(data)
         durable, priority, expires = message_meta(data)
-        stored = self.core.publish(address, data, durable, priority, expires, self.conn_id)
+        key = None
+        if may_carry_duplicate_id(data):  # _AMQ_DUPL_ID (Artemis duplicate detection)
+            key, err = self.duplicate_key(data)
+            if err is not None:
+                self._reject(d, *err)
+                return
+        if key is None:
+            stored = self.core.publish(address, data, durable, priority, expires, self.conn_id)
+        else:
+            # a duplicate is not routed but answered as if it were: accepted (after the fsync
+            # when its first copy was journaled), as Artemis answers it
+            _duplicate, stored = self.core.publish_once(address, key, data, durable, priority, expires,
+                                                        self.conn_id)
         self._count("messages_in")
         if _pn_delivery_settled(d):  # pre-settled by the producer (at-most-once): nothing to answer
             _pn_delivery_settle(d)
@@ -1412,6 +1554,26 @@ class AmqpEngine:
         else:
             _pn_delivery_update(d, _ACCEPTED)
             _pn_delivery_settle(d)
+
+    def duplicate_key(self, data: bytes) -> tuple[bytes | None, tuple[str, str] | None]:
+        """The cache key of the message's ``_AMQ_DUPL_ID`` (None: it has none), or the
+        ``(condition, description)`` to reject the transfer with: an id neither string nor binary
+        (``amqp:invalid-field``, as Artemis fails it), application properties that cannot be
+        walked (``amqp:decode-error``)."""
+        try:
+            found = message_duplicate_id(data)
+        except InvalidDuplicateId as exc:
+            self._count("duplicate_id_invalid")
+            return None, (exc.condition, exc.description)
+        except DecodeError as exc:
+            self._count("message_decode_error")
+            log.info("message rejected: cannot read its application properties", extra={"fields": {
+                "conn": self.conn_id, "user": self.user, "source": self.source, "error": exc.description}})
+            return None, (DECODE_ERROR, f"application-properties cannot be read for "
+                                        f"{DUPLICATE_ID_PROPERTY}: {exc.description}")
+        if found is None:
+            return None, None
+        return duplicate_key(found[0], string=found[1]), None
 
     def _reject(self, d, condition: str, description: str) -> None:
         if _pn_delivery_settled(d):

@@ -24,8 +24,10 @@ without transactions never carry it.
 * **Transactional send** (a transfer whose state is ``TransactionalState``, 0x34, §4.4.1): held
   by the transaction and answered at once with ``TransactionalState(txn-id, accepted)``, as
   Artemis does. An unknown txn-id → the transfer is rejected ``amqp:transaction:unknown-id``; a
-  send the producer may not make (anonymous relay to a forbidden address) is rejected and marks
-  the transaction rollback-only.
+  send the producer may not make (anonymous relay to a forbidden address, an ``_AMQ_DUPL_ID`` of
+  another type than string or binary) is rejected and marks the transaction rollback-only. A send
+  whose ``_AMQ_DUPL_ID`` its address already remembers is answered as usual but marks the
+  transaction rollback-only (Artemis); the commit checks the ids again (``broker.core.transactions``).
 * **Transactional acknowledgement** (a consumer's disposition with ``TransactionalState(txn-id,
   outcome)``, §4.4.2): the message is held by the transaction (``Transaction.acknowledge``).
   An unsettled delivery is answered ``TransactionalState(txn-id, accepted)`` (Artemis) and
@@ -49,6 +51,7 @@ from cproton_ffi import lib
 from proton import Condition, Delivery, Described, Link, Message, Terminus, symbol, ulong
 
 from broker.core.deliveries import Outcome
+from broker.core.duplicates import DUPLICATE_ID_PROPERTY, MISSING
 from broker.core.transactions import (DEFAULT_MAX_TRANSACTIONS, TransactionError, TransactionTable,
                                       UnknownTransaction)
 
@@ -226,7 +229,7 @@ class TxnCoordinator:
     # -- transactional sends ------------------------------------------------------------------
     def on_transfer(self, pl: "ProducerLink", d, data: bytes) -> None:
         """A transfer carrying TransactionalState: hold it in its transaction (§4.4.1)."""
-        from broker.amqp.engine import message_meta
+        from broker.amqp.engine import may_carry_duplicate_id, message_meta
         engine = self.engine
         dw = Delivery.wrap(d)
         state = dw.remote.data or []
@@ -248,7 +251,20 @@ class TxnCoordinator:
             pl.messages += 1
             pl.bytes += len(data)
         durable, priority, expires = message_meta(data)
-        txn.publish(address, data, durable, priority, expires, engine.conn_id)
+        key = None
+        if may_carry_duplicate_id(data):
+            key, err = engine.duplicate_key(data)
+            if err is not None:  # Artemis: a failed send marks the transaction rollback-only
+                txn.mark_rollback_only(f"a send was refused ({err[0]}: {err[1]})")
+                engine._reject(d, *err)
+                return
+            if key is not None and engine.core.duplicates.lookup(address, key) is not MISSING:
+                # Artemis routes nothing, marks the transaction rollback-only and answers the
+                # send as usual; the discharge fails
+                engine.core.duplicates.duplicate(address, transactional=True)
+                txn.mark_rollback_only(f"duplicate message detected: {DUPLICATE_ID_PROPERTY} already seen "
+                                       f"on address {address!r}")
+        txn.publish(address, data, durable, priority, expires, engine.conn_id, key)
         if dw.settled:
             dw.settle()
             return

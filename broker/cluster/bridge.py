@@ -22,9 +22,15 @@ journal before the producer is answered, and survives a restart of this node. Th
 queue's consumer: a message leaves it only when the neighbour accepted it, which the neighbour
 does only after *its* journal holds it (the same group commit as producers). A bridge that
 reconnects sends again what was not accepted; the receiving node's duplicate cache
-(:mod:`broker.cluster.dupcache`, ``id-cache-size`` per origin node, kept in the journal with the
+(:mod:`broker.core.duplicates`, ``id-cache-size`` per origin node, kept in the journal with the
 message it vouches for when ``persist-id-cache``) drops what it already stored. So a message is
 forwarded exactly once across kills of either side.
+
+**A producer's duplicate id** (``_AMQ_DUPL_ID``, Artemis duplicate detection) is checked by the
+node a producer sent the message to, and again by each node that stores a forwarded copy, in its
+own cache of the address (a producer that resends through another node is caught where the first
+copy went). A message moved by redistribution or scale-down (the envelope's ``moved``) is not
+checked — its id is the one it came with, already remembered somewhere — only remembered here.
 
 **Serving other nodes** (:meth:`ClusterNode.internal_link`, the node's ``EngineHost`` hook): an
 inbound cluster connection (logged in as the cluster user, with the cluster key if one is set)
@@ -61,13 +67,12 @@ from urllib.parse import urlsplit
 import trio
 
 from broker.amqp.engine import (_pn_delivery_link, _pn_delivery_partial, _pn_delivery_readable, _pn_link_credit,
-                                _pn_link_flow, read_transfer)
+                                _pn_link_flow, may_carry_duplicate_id, message_duplicate_id, read_transfer)
 from broker.amqp.frames import CLUSTER_MEMBERS, MAX_CLUSTER_MEMBERS
 from broker.amqp.host import INTERNAL_PREFIX
 from broker.amqp.peer import (PeerConnected, PeerConnectFailed, PeerConnection, PeerDisconnected, PeerGaveUp,
                               PeerLoginRefused, RetrySettings)
 from broker.cluster.discovery import DiscoveryGroup
-from broker.cluster.dupcache import DuplicateCache
 from broker.cluster.protocol import (FORWARD_ADDRESS, NOTIFY_ADDRESS, AddressNote, BindingNote, Forwarded, Hello,
                                      ProtocolError, Reset, Unbinding, decode_forwards, decode_note, encode_forward,
                                      encode_note)
@@ -77,7 +82,9 @@ from broker.core.addresses import ANYCAST, MULTICAST
 from broker.core.balancing import LoadBalancing
 from broker.core.bindings import RemoteBinding
 from broker.core.deliveries import DEFAULT_PRIORITY, Message, Outcome
+from broker.core.duplicates import MISSING, ORIGIN_RECORDS, DuplicateCache, InvalidDuplicateId, duplicate_key
 from broker.core.queues import Subscription
+from broker.errors import DecodeError
 from broker.trioutil import Wakeup
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -90,7 +97,7 @@ log = logging.getLogger("lodestone.broker.cluster")
 __all__ = ["ClusterNode", "Bridge", "SF_PREFIX", "DUP_PREFIX", "CLUSTER_ROLE"]
 
 SF_PREFIX = "$lodestone.sf."
-DUP_PREFIX = "$lodestone.records.dupids."   # broker.node.INTERNAL_RECORDS_PREFIX + "dupids."
+DUP_PREFIX = ORIGIN_RECORDS   # "$lodestone.records.dupids.<origin>": the per-origin caches' journal records
 CLUSTER_ROLE = "$cluster"
 SF_WINDOW = 1000          # forwarded messages in flight per bridge (unaccepted)
 BATCH_MESSAGES = 256      # forwarded messages in one transfer at most
@@ -446,7 +453,6 @@ class ClusterNode:
         self.self_urls: set[str] = {connector}
         self.subscribers: set[_NotifyOut] = set()
         self.learned: dict[str, dict[tuple[str, str], RemoteBinding]] = {}  # via -> (node, queue) -> binding
-        self.caches: dict[str, DuplicateCache] = {}
         self.counters: collections.Counter = collections.Counter()
         self.activity: dict[str, dict[tuple[str, str], list[int]]] = {}  # peer -> (address, direction) -> [n, bytes]
         self.redistributed = 0
@@ -470,7 +476,8 @@ class ClusterNode:
         self.membership_listeners: list = []
         for decl in node.cfg.addresses:
             self.state.offer(AddressNote(decl.name, tuple(sorted(decl.routing_types)), decl.filter, 0, node.node_id))
-        self._restore_dup_ids()
+        # the per-origin duplicate caches live in the core (broker.core.duplicates), restored with
+        # the node's other records by Node.recover
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -838,15 +845,27 @@ class ClusterNode:
         acc[1] += size
 
     # -- forwarded messages in -------------------------------------------------------------------
-    def _cache(self, origin: str) -> DuplicateCache:
-        c = self.caches.get(origin)
-        if c is None:
-            c = self.caches[origin] = DuplicateCache(self.cfg.id_cache_size)
-        return c
+    @property
+    def caches(self) -> dict[str, DuplicateCache]:
+        """The duplicate caches of forwards, per origin node (kept by the core)."""
+        return self.core.duplicates.origins
 
     def duplicates_from(self, node_id: str | None) -> int:
-        c = self.caches.get(node_id) if node_id else None
-        return c.dropped if c is not None else 0
+        return self.core.duplicates.dropped_from(node_id)
+
+    def _duplicate_key(self, f: Forwarded) -> bytes | None:
+        """The cache key of a forwarded message's ``_AMQ_DUPL_ID`` when this node stores it (a
+        target here), else None. One the node it entered accepted is not refused here."""
+        if not may_carry_duplicate_id(f.message):
+            return None
+        me = self.node.node_id
+        if not any(node_id == me for node_id, _q in f.targets):
+            return None  # only passing through (max-hops): the node that stores it checks
+        try:
+            found = message_duplicate_id(f.message)
+        except (InvalidDuplicateId, DecodeError):
+            return None
+        return None if found is None else duplicate_key(found[0], string=found[1])
 
     def receive_forward(self, fin: _ForwardIn, d, data: bytes) -> None:
         """One transfer of a neighbour's forward link: its forwarded messages are stored (or sent
@@ -867,7 +886,7 @@ class ClusterNode:
             return
         dedup = self.cfg.duplicate_detection
         journal = self.node.journal is not None
-        persist = dedup and self.cfg.persist_id_cache and journal
+        dups = self.core.duplicates
         store = self.core.store
         grouped = journal and any(f.durable for f in fs)
         peer = fin.peer_node
@@ -875,24 +894,26 @@ class ClusterNode:
         if grouped:
             store.begin_group()
         try:
-            evicted = []
             for f in fs:
-                cache = self._cache(f.origin) if dedup else None
-                if cache is not None and cache.seen(f.dup_id):
+                if dedup and dups.seen_from(f.origin, f.dup_id):
                     self.counters["duplicates_dropped"] += 1
                     sync = sync or (f.durable and journal)  # the first copy may still wait for its fsync
                     continue
-                if self._deliver(f, peer or f.origin):
+                key = self._duplicate_key(f)
+                duplicate = False
+                if key is not None and not f.moved:
+                    token = dups.lookup(f.address, key)
+                    if token is not MISSING:  # the producer's resend, through another node
+                        dups.duplicate(f.address)
+                        duplicate = True
+                        sync = sync or token is not None
+                stored, local, local_stored = self._deliver(f, peer or f.origin, skip_local=duplicate)
+                if stored:
                     sync = True
-                token = None
-                if persist and f.durable:
-                    token = self.core.next_mid()
-                    store.add_record(DUP_PREFIX + f.origin, token, f.dup_id)
-                if cache is not None:
-                    evicted.extend((f.origin, t) for _id, t in cache.add(f.dup_id, token) if t is not None)
-            if journal:
-                for origin, t in evicted:
-                    store.remove_record(DUP_PREFIX + origin, t)
+                if key is not None and local:
+                    dups.remember(f.address, key, persist=local_stored)
+                if dedup:
+                    dups.remember_from(f.origin, f.dup_id, persist=f.durable and journal)
         finally:
             if grouped and store.end_group():
                 sync = True
@@ -901,15 +922,19 @@ class ClusterNode:
         else:
             engine.accept(d)
 
-    def _deliver(self, f: Forwarded, peer: str) -> bool:
-        """Enqueue a forwarded message in its target queues here, or send it on (max-hops)."""
+    def _deliver(self, f: Forwarded, peer: str, *, skip_local: bool = False) -> tuple[bool, int, bool]:
+        """Enqueue a forwarded message in its target queues here, or send it on (max-hops):
+        ``(store written, copies enqueued here, a copy here written)``. ``skip_local``: the
+        targets here are dropped (a duplicate ``_AMQ_DUPL_ID``), the others still go on."""
         core = self.core
         me = self.node.node_id
-        stored = False
+        stored = local_stored = False
         onward: dict[str, list[tuple[str, str]]] = {}
         delivered = 0
         for node_id, qname in f.targets:
             if node_id == me:
+                if skip_local:
+                    continue
                 q = core.queues.get(qname)
                 if q is None and f.create is not None and not qname.startswith(INTERNAL_PREFIX):
                     q = self._create_for_scale_down(f, qname)
@@ -918,7 +943,7 @@ class ClusterNode:
                     continue
                 msg = Message(core.next_mid(), f.message, f.durable, f.address, 0, f.priority, f.expires)
                 if q.enqueue(msg):
-                    stored = True
+                    stored = local_stored = True
                 delivered += 1
                 continue
             b = core.cluster.get(node_id, qname)
@@ -933,7 +958,7 @@ class ClusterNode:
             acc = self.activity.setdefault(peer, {}).setdefault((f.address, "forward-in"), [0, 0])
             acc[0] += delivered
             acc[1] += len(f.message) * delivered
-        return stored
+        return stored, delivered, local_stored
 
     def _create_for_scale_down(self, f: Forwarded, qname: str):
         """A node scaling down moves a queue this node lacks: create it as it was there."""
@@ -955,18 +980,6 @@ class ClusterNode:
             return None
         self.counters["scale_down_queues_created"] += 1
         return q
-
-    def _restore_dup_ids(self) -> None:
-        recs = self.node.internal_records
-        for qname in list(recs):
-            if not qname.startswith(DUP_PREFIX):
-                continue
-            origin = qname[len(DUP_PREFIX):]
-            entries = sorted(recs.pop(qname))
-            cache = self._cache(origin)
-            for _dup, token in cache.restore((body, mid) for mid, body in entries):
-                if self.node.journal is not None:
-                    self.node.core.store.remove_record(qname, token)
 
     # -- the cluster user ---------------------------------------------------------------------
     def check_login(self, user: str, password: str, source_ip: str | None = None) -> bool | None:
@@ -1107,7 +1120,7 @@ class ClusterNode:
             picked = self.core.take_for_redistribution(q, now_ms, REDISTRIBUTE_BATCH)
             for msg, b in picked:
                 env = Forwarded(self._dup_id(), self.node.node_id, msg.address, ((b.node_id, b.queue),), 0,
-                                msg.durable, msg.priority, msg.expires, msg.body)
+                                msg.durable, msg.priority, msg.expires, msg.body, moved=True)
                 sf = self._sf_queue(b.next_hop)
                 sf.enqueue(Message(self.core.next_mid(), encode_forward(env), msg.durable, msg.address,
                                    origin=("redistribute", len(msg.body))))
@@ -1179,7 +1192,7 @@ class ClusterNode:
                         q.take(msg)
                         env = Forwarded(self._dup_id(), self.node.node_id, msg.address, ((target.node_id, q.name),), 0,
                                         msg.durable, msg.priority, msg.expires, msg.body,
-                                        (q.routing_type, q.filter_text))
+                                        (q.routing_type, q.filter_text), moved=True)
                         self._sf_queue(target.node_id).enqueue(
                             Message(core.next_mid(), encode_forward(env), msg.durable, msg.address,
                                     origin=("scale-down", len(msg.body))))

@@ -19,11 +19,14 @@ them all). A forwarded message is one AMQP value, a described list:
 ``lodestone:forward:v1`` [dup-id (binary), origin node id (string), address (string),
 targets (list of [node id, queue] pairs), hops (uint), durable (bool), priority (ubyte),
 expires (timestamp, 0: never), message (binary: the producer's encoded message, byte for byte)
-[, create]]
+[, create [, moved]]]
 
-where the optional tenth field ``create`` (scale-down only) is [routing type, filter (string or
-null)]: the receiving node creates a missing target queue with that routing type and filter
-(Artemis's scale-down creates the queues it moves messages to).
+where the optional tenth field ``create`` (scale-down only; else null when ``moved`` follows) is
+[routing type, filter (string or null)]: the receiving node creates a missing target queue with
+that routing type and filter (Artemis's scale-down creates the queues it moves messages to); the
+optional eleventh, ``moved`` (boolean), says the message was stored on the sending node already
+and is moving (redistribution, scale-down): its ``_AMQ_DUPL_ID`` is not checked again (Artemis
+skips the producer's duplicate id for a bridged message, ``PostOfficeImpl.checkDuplicateID``).
 
 so the message itself crosses untouched (its header, annotations, properties and body), and what
 the sending node decided rides beside it (Artemis's ``_AMQ_ROUTE_TO`` queue ids and
@@ -127,6 +130,7 @@ class Forwarded:
     expires: float
     message: bytes
     create: tuple[str, str | None] | None = None   # scale-down: (routing type, filter) of a missing queue
+    moved: bool = False   # redistribution, scale-down: not checked for _AMQ_DUPL_ID again
 
 
 def encode_forward(f: Forwarded) -> bytes:
@@ -153,6 +157,12 @@ def encode_forward(f: Forwarded) -> bytes:
         rtype, ftext = f.create
         parts.append(_list([_str(rtype), _str(ftext) if ftext is not None else b"\x40"], 2))
         count = 10
+    elif f.moved:
+        parts.append(b"\x40")
+        count = 10
+    if f.moved:
+        parts.append(b"\x41")
+        count = 11
     return _FORWARD_HEAD + _list(parts, count)
 
 
@@ -160,8 +170,10 @@ def encode_forward_generic(f: Forwarded) -> bytes:
     """:func:`encode_forward` through the generic codec (the reference the fast path must equal)."""
     fields = [f.dup_id, f.origin, f.address, [[n, q] for n, q in f.targets], UInt(f.hops), f.durable,
               UByte(f.priority), Timestamp(int(f.expires)), f.message]
-    if f.create is not None:
-        fields.append([f.create[0], f.create[1]])
+    if f.create is not None or f.moved:
+        fields.append([f.create[0], f.create[1]] if f.create is not None else None)
+    if f.moved:
+        fields.append(True)
     return encode(Described(FORWARD_DESCRIPTOR, fields))
 
 
@@ -271,7 +283,7 @@ def _fast_forward_fields(data: bytes) -> list:
             raise _NotFast
     else:
         raise _NotFast
-    if count not in (9, 10):
+    if count not in (9, 10, 11):
         raise _NotFast
 
     dup, pos = _fvar(data, mv, end, pos, 0xA0, 0xB0)
@@ -311,16 +323,25 @@ def _fast_forward_fields(data: bytes) -> list:
     pos += 12
     message, pos = _fvar(data, mv, end, pos, 0xA0, 0xB0)
     fields = [bytes(dup), origin, address, targets, hops, durable, priority, expires, bytes(message)]
-    if count == 10:
-        two, pos = _flst(data, end, pos)
-        if two != 2:
-            raise _NotFast
-        rtype, pos = _ftext(data, mv, end, pos)
+    if count >= 10:
         if pos < end and data[pos] == 0x40:
-            ftext, pos = None, pos + 1
+            fields.append(None)
+            pos += 1
         else:
-            ftext, pos = _ftext(data, mv, end, pos)
-        fields.append([rtype, ftext])
+            two, pos = _flst(data, end, pos)
+            if two != 2:
+                raise _NotFast
+            rtype, pos = _ftext(data, mv, end, pos)
+            if pos < end and data[pos] == 0x40:
+                ftext, pos = None, pos + 1
+            else:
+                ftext, pos = _ftext(data, mv, end, pos)
+            fields.append([rtype, ftext])
+    if count == 11:
+        if pos >= end or data[pos] not in (0x41, 0x42):
+            raise _NotFast
+        fields.append(data[pos] == 0x41)
+        pos += 1
     if pos != end:
         raise _NotFast
     return fields
@@ -394,11 +415,16 @@ def decode_forwards(data: bytes) -> list[Forwarded]:
 
 def _forward_from_fields(v: list) -> Forwarded:
     """Check a forwarded message's fields (fast or generic decoding) and build it."""
-    if len(v) not in (9, 10):
-        raise _invalid(f"forwarded message has {len(v)} fields, expected 9 or 10")
+    if len(v) not in (9, 10, 11):
+        raise _invalid(f"forwarded message has {len(v)} fields, expected 9 to 11")
     dup, origin, address, targets, hops, durable, priority, expires, message = v[:9]
     create = None
-    if len(v) == 10:
+    moved = False
+    if len(v) == 11:
+        moved = v[10]
+        if not isinstance(moved, bool):
+            raise _invalid("moved must be a boolean")
+    if len(v) >= 10 and v[9] is not None:
         c = v[9]
         if not isinstance(c, list) or len(c) != 2 or c[0] not in ROUTING_TYPES:
             raise _invalid("create must be [routing type, filter]")
@@ -422,7 +448,7 @@ def _forward_from_fields(v: list) -> Forwarded:
         raise _invalid("expires must be a timestamp")
     return Forwarded(bytes(dup), _name(origin, "origin"), _name(address, "address"), tuple(pairs),
                      _uint(hops, "hops", 255), durable, _uint(priority, "priority", 9), int(expires), bytes(message),
-                     create)
+                     create, moved)
 
 
 # -- notifications -----------------------------------------------------------------------------

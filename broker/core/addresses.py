@@ -28,6 +28,12 @@ recovery from the store. It is pure (no clock, no I/O); durability goes through 
 replication of the journal replays to exactly this state. ``begin_group()`` … ``end_group()``
 brackets a transaction's commit (``broker.core.transactions``): the message adds, removes and
 count changes in between are written atomically; ``end_group`` says whether anything was.
+``add_record(queue, id, body)`` / ``remove_record(queue, id)`` keep broker-internal records (the
+duplicate ids of ``broker.core.duplicates``), inside the group when one is open.
+
+Duplicate detection (Artemis): :meth:`Broker.publish_once` routes a message carrying an
+``_AMQ_DUPL_ID`` only if its address has not seen the id (``Broker.duplicates``), and writes the
+message and its id in one store group.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from broker.core.balancing import (
 )
 from broker.core.bindings import Bindings, ClusterBindings, ConsumersChanged, RemoteBinding
 from broker.core.deliveries import DEFAULT_PRIORITY, Message
+from broker.core.duplicates import MISSING, DuplicateIds
 from broker.core.queues import ANYCAST, MULTICAST, Queue, QueueHost, Subscription
 from broker.core.wildcards import match_specificity, wildcard_match
 from broker.errors import LodestoneError
@@ -75,6 +82,8 @@ class Store(Protocol):
     def queue_deleted(self, name: str) -> None: ...
     def begin_group(self) -> None: ...
     def end_group(self) -> bool: ...
+    def add_record(self, queue: str, message_id: int, body: bytes) -> None: ...
+    def remove_record(self, queue: str, message_id: int) -> None: ...
 
 
 class NullStore:
@@ -101,6 +110,12 @@ class NullStore:
     def end_group(self) -> bool:
         return False
 
+    def add_record(self, queue: str, message_id: int, body: bytes) -> None:
+        pass
+
+    def remove_record(self, queue: str, message_id: int) -> None:
+        pass
+
 
 @dataclass(frozen=True)
 class AddressSettings:
@@ -113,6 +128,9 @@ class AddressSettings:
     expiry_address: str | None = "ExpiryQueue"  # expired messages go here (None: dropped, counted)
     #: Artemis ``redistribution-delay``: -1 never redistribute, 0 at once (broker.core.balancing)
     redistribution_delay_ms: int = -1
+    #: Artemis ``id-cache-size`` address-setting (2.28): duplicate ids remembered for this address;
+    #: None: the node's ``id-cache-size`` (broker.core.duplicates)
+    id_cache_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -176,13 +194,20 @@ class Broker:
     """The message core of one node. See the module docstring."""
 
     def __init__(self, settings: SettingsResolver | None = None, store: Store | None = None, *,
-                 clock: Callable[[], float] | None = None, wildcards: WildcardSettings | None = None):
+                 clock: Callable[[], float] | None = None, wildcards: WildcardSettings | None = None,
+                 duplicates: DuplicateIds | None = None):
         self.settings = settings or SettingsResolver()
+        #: the duplicate-id caches (Artemis duplicate detection; the cluster bridge's too)
+        self.duplicates = duplicates or DuplicateIds()
+        if self.duplicates.size_for is None:
+            self.duplicates.size_for = lambda address: self.settings.for_address(address).id_cache_size
+        self.duplicates.next_mid = self.next_mid
         self.queues: dict[str, Queue] = {}
         #: what every queue of this broker is given instead of a back-pointer (see QueueHost);
         #: ``store`` and ``clock`` below read and replace it
         self.host = QueueHost(store or NullStore(), clock or (lambda: 0.0), self.dead_letter, self.expire,
                               self.delete_queue, self._consumers_changed)
+        self.duplicates.store = self.host.store
         #: the cluster (broker.core.bindings, broker.core.balancing): remote bindings the bridge
         #: maintains, the load-balancing mode, the rotation, redistribution deadlines. With no
         #: remote binding ``publish`` takes the single-node path.
@@ -236,6 +261,7 @@ class Broker:
 
     def _set_host(self, host: QueueHost) -> None:
         self.host = host
+        self.duplicates.store = host.store
         for q in self.queues.values():
             q.host = host
 
@@ -362,6 +388,10 @@ class Broker:
         addr = self.addresses.get(q.address)
         if addr is not None:
             addr.queues.pop(name, None)
+        if addr is None or not addr.queues:
+            # Artemis PostOfficeImpl.removeBinding: the address's last binding takes its
+            # duplicate-id cache with it
+            self.duplicates.forget_address(q.address)
         if q.durable:
             self.store.queue_deleted(name)
         for fn in self._queue_listeners:
@@ -445,6 +475,31 @@ class Broker:
         if not routed:
             self.dropped_unrouted += 1
         return stored
+
+    def publish_once(self, address: str, key: bytes, body: bytes, durable: bool, priority: int = DEFAULT_PRIORITY,
+                     expires: float = 0, origin: object = None) -> tuple[bool, bool]:
+        """``publish`` for a message carrying the duplicate id ``key`` (``broker.core.duplicates``):
+        ``(duplicate, sync)``.
+
+        A duplicate is not routed (Artemis ``PostOfficeImpl.checkDuplicateID``); ``sync`` then
+        says whether the first copy's id was journaled — it may still wait for its fsync, so the
+        resend is answered after the journal catches up too. Otherwise the message is routed and
+        its id remembered, both in one store group (a crash keeps both or neither); ``sync`` is
+        whether that group was written (answer after the fsync).
+        """
+        dups = self.duplicates
+        token = dups.lookup(address, key)
+        if token is not MISSING:
+            dups.duplicate(address)
+            return True, token is not None
+        store = self.store
+        store.begin_group()
+        try:
+            stored = self.publish(address, body, durable, priority, expires, origin)
+            dups.remember(address, key, persist=stored)
+        finally:
+            wrote = store.end_group()
+        return False, wrote
 
     def _targets(self, address: str) -> tuple[Address, ...]:
         """The address and the wildcard addresses matching it (cached), as ``publish`` routes."""

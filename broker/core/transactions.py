@@ -25,6 +25,12 @@ module only decides.
   to answer the discharge only once that record is durable.
 * A transaction marked *rollback-only* (one of its sends was refused) rolls back when asked to
   commit; the discharge then fails with ``amqp:transaction:rollback``.
+* **Duplicate ids** (``_AMQ_DUPL_ID``, :mod:`broker.core.duplicates`): a send whose id its
+  address already remembers marks the transaction rollback-only (Artemis
+  ``PostOfficeImpl.checkDuplicateID`` does, for a send inside a transaction). The commit looks
+  again before it applies anything — another connection may have committed the id since, or the
+  transaction may carry one id twice — and rolls back if any id is a duplicate. Otherwise each
+  send's id is remembered in the commit's store group, with its message.
 
 Every acknowledgement carries an opaque ``token`` (the shell's handle of the delivery); a
 discharge hands the tokens back so the shell can settle the deliveries. Nothing here reads a
@@ -37,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from broker.core.deliveries import DEFAULT_PRIORITY, Message, Outcome
+from broker.core.duplicates import MISSING
 from broker.errors import LodestoneError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -81,6 +88,7 @@ class _Publish:
     priority: int = DEFAULT_PRIORITY
     expires: float = 0
     origin: object = None
+    dup_key: bytes | None = None   # the send's duplicate id (broker.core.duplicates.duplicate_key)
 
 
 @dataclass(slots=True)
@@ -119,9 +127,10 @@ class Transaction:
         self.rollback_only: str | None = None
 
     def publish(self, address: str, body: bytes, durable: bool, priority: int = DEFAULT_PRIORITY,
-                expires: float = 0, origin: object = None) -> None:
-        """Hold a message for ``address`` until commit (its expiry counts from its arrival)."""
-        self.publishes.append(_Publish(address, body, durable, priority, expires, origin))
+                expires: float = 0, origin: object = None, dup_key: bytes | None = None) -> None:
+        """Hold a message for ``address`` until commit (its expiry counts from its arrival);
+        ``dup_key``: its duplicate id, checked again and remembered at commit."""
+        self.publishes.append(_Publish(address, body, durable, priority, expires, origin, dup_key))
 
     def acknowledge(self, queue: "Queue", sub: "Subscription", mid: int, outcome: Outcome, *,
                     delivery_failed: bool = False, undeliverable_here: bool = False,
@@ -138,12 +147,28 @@ class Transaction:
         if self.rollback_only is None:
             self.rollback_only = reason
 
+    def _duplicate(self, broker: "Broker") -> str | None:
+        """Why the commit must not happen: a send whose duplicate id its address remembers, or
+        that an earlier send of this transaction carries (counted as a duplicate); else None."""
+        ours: set[tuple[str, bytes]] = set()
+        dups = broker.duplicates
+        for p in self.publishes:
+            if p.dup_key is None:
+                continue
+            if (p.address, p.dup_key) in ours or dups.lookup(p.address, p.dup_key) is not MISSING:
+                dups.duplicate(p.address, transactional=True)
+                return f"duplicate message detected: _AMQ_DUPL_ID already seen on address {p.address!r}"
+            ours.add((p.address, p.dup_key))
+        return None
+
     def _commit(self, broker: "Broker") -> Discharged:
         store = broker.store
         store.begin_group()
         try:
             for p in self.publishes:
-                broker.publish(p.address, p.body, p.durable, p.priority, p.expires, p.origin)
+                stored = broker.publish(p.address, p.body, p.durable, p.priority, p.expires, p.origin)
+                if p.dup_key is not None:
+                    broker.duplicates.remember(p.address, p.dup_key, persist=stored)
             for a in self.acks:
                 a.queue.settle_held(a.msg, a.outcome, delivery_failed=a.delivery_failed,
                                     undeliverable_here=a.undeliverable_here)
@@ -202,6 +227,8 @@ class TransactionTable:
         if fail:
             self.rolled_back += 1
             return txn._rollback()
+        if txn.rollback_only is None:
+            txn.rollback_only = txn._duplicate(broker)
         if txn.rollback_only is not None:
             self.rolled_back += 1
             return txn._rollback(TransactionRollback(f"transaction rolled back: {txn.rollback_only}"))

@@ -32,6 +32,7 @@ forwards = st.builds(
     expires=st.integers(0, 2**63 - 1),
     message=st.binary(min_size=1, max_size=300),
     create=st.none() | st.tuples(st.sampled_from(["anycast", "multicast"]), st.none() | filters),
+    moved=st.booleans(),
 )
 
 

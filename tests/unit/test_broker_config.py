@@ -131,3 +131,54 @@ def test_address_settings_and_permissions_rank_patterns_alike():
     assert sorted(patterns, key=match_specificity, reverse=True) == ["orders.eu", "orders.*", "orders.#", "*.eu", "#"]
     assert resolver.for_address("x.eu").max_delivery_count == 3
     assert resolver.for_address("orders.us").max_delivery_count == 4
+
+
+def test_duplicate_detection_keys(tmp_path):
+    """[node] id-cache-size / persist-id-cache / id-cache-max-ids, the per-address id-cache-size
+    (inherited from [address-defaults]), and [cluster]'s keys defaulting to [node]'s."""
+    cfg = load_config(write(tmp_path, BASE))
+    assert (cfg.id_cache_size, cfg.persist_id_cache, cfg.id_cache_max_ids) == (20000, True, 1_000_000)
+    assert cfg.settings.for_address("x").id_cache_size is None       # the node's
+    cfg = load_config(write(tmp_path, """
+[node]
+id-cache-size = 7
+persist-id-cache = false
+id-cache-max-ids = 100
+[acceptors.amqp]
+port = 0
+[address-defaults]
+id-cache-size = 50
+[address-settings."small.#"]
+id-cache-size = 2
+[address-settings."other.#"]
+max-delivery-count = 3
+[cluster]
+connector = "amqp://127.0.0.1:0"
+"""))
+    assert (cfg.id_cache_size, cfg.persist_id_cache, cfg.id_cache_max_ids) == (7, False, 100)
+    assert cfg.settings.for_address("small.a").id_cache_size == 2
+    assert cfg.settings.for_address("other.a").id_cache_size == 50   # inherits [address-defaults]
+    assert (cfg.cluster.id_cache_size, cfg.cluster.persist_id_cache) == (7, False)
+    cfg = load_config(write(tmp_path, """
+[node]
+id-cache-size = 7
+[acceptors.amqp]
+port = 0
+[cluster]
+connector = "amqp://127.0.0.1:0"
+id-cache-size = 9
+"""))
+    assert cfg.cluster.id_cache_size == 9 and cfg.id_cache_size == 7
+
+
+@pytest.mark.parametrize("body, path, fragment", [
+    ("[node]\nid-cache-size = 0\n", "node.id-cache-size", "0 must be > 0"),
+    ("[node]\nid-cache-max-ids = -1\n", "node.id-cache-max-ids", "-1 must be > 0"),
+    ("[node]\npersist-id-cache = 1\n", "node.persist-id-cache", "1"),
+    ("[address-settings.\"a.#\"]\nid-cache-size = 0\n", "address-settings.a.#.id-cache-size", "0 must be > 0"),
+])
+def test_duplicate_detection_errors_name_file_key_and_value(tmp_path, body, path, fragment):
+    p = write(tmp_path, BASE + body)
+    with pytest.raises(ConfigError) as ei:
+        load_config(p)
+    assert ei.value.path == path and fragment in str(ei.value)

@@ -1,4 +1,5 @@
-"""The duplicate-id cache of forwarded messages (broker/cluster/dupcache.py): a bound of ``size``
+"""The duplicate-id ring (broker/core/duplicates.py, used per origin node by the cluster bridge and
+per address for ``_AMQ_DUPL_ID``): a bound of ``size``
 ids, the oldest leaving first and handed back with its token (so the journal can forget its
 record); ``seen`` counts duplicates; ``restore`` rebuilds from the journal and hands back what no
 longer fits."""
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from broker.cluster.dupcache import DuplicateCache
+from broker.core.duplicates import DuplicateCache
 
 
 def _id(i: int) -> bytes:

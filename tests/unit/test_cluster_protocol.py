@@ -35,9 +35,22 @@ BINDING = BindingNote("node-b", "orders", "orders", "anycast", None, 2, ("color 
     Forwarded(b"\xff", "a", "b", (("n1", "q1"), ("n2", "q2"), ("n1", "q3")), 255, False, 0, 0, b"\x00"),
     Forwarded(b"d" * 256, "\u00e9\u2603", "x" * MAX_NAME, (("n" * MAX_NAME, "q" * MAX_NAME),), 1, True, 9,
               (1 << 63) - 1, b"\x00" * 70000),
-], ids=["typical", "many-targets", "limits"])
+    Forwarded(b"r", "a", "b", (("n1", "q1"),), 0, True, 4, 0, b"\x00", moved=True),
+    Forwarded(b"s", "a", "b", (("n1", "q1"),), 0, True, 4, 0, b"\x00", ("multicast", "a = 1"), moved=True),
+    Forwarded(b"s", "a", "b", (("n1", "q1"),), 0, True, 4, 0, b"\x00", ("anycast", None)),
+], ids=["typical", "many-targets", "limits", "moved", "moved-with-create", "create"])
 def test_forwarded_round_trips(f):
     assert decode_forward(encode_forward(f)) == f
+
+
+def test_moved_is_an_eleventh_field_after_create_or_null():
+    """Redistribution and scale-down mark their forwards ``moved`` (the receiving node does not
+    check their ``_AMQ_DUPL_ID`` again); an older ten-field forward with a null create is plain."""
+    plain = encode(Described(FORWARD_DESCRIPTOR, _fwd_fields() + [None]))
+    assert decode_forward(plain) == decode_forward(_fwd())
+    moved = encode(Described(FORWARD_DESCRIPTOR, _fwd_fields() + [None, True]))
+    assert decode_forward(moved).moved is True and decode_forward(moved).create is None
+    assert decode_forward(encode(Described(FORWARD_DESCRIPTOR, _fwd_fields() + [None, False]))).moved is False
 
 
 @pytest.mark.parametrize("note", [
@@ -108,8 +121,10 @@ def test_the_valid_base_of_the_rule_tables_decodes():
 FORWARD_BREAKS = {
     # field count
     "8 fields": (_fwd_fields()[:8], "9"),
-    "11 fields": (_fwd_fields() + [["anycast", None], None], "9 or 10"),
-    "create as null": (_fwd_fields() + [None], "create"),
+    "12 fields": (_fwd_fields() + [["anycast", None], True, None], "9 to 11"),
+    "moved as null": (_fwd_fields() + [None, None], "moved"),
+    "moved as a uint": (_fwd_fields() + [["anycast", None], UInt(1)], "moved"),
+    "moved as a string": (_fwd_fields() + [None, "true"], "moved"),
     "create with a bad routing type": (_fwd_fields() + [["topic", None]], "create"),
     "create with a symbol routing type": (_fwd_fields() + [[Symbol("anycast"), None]], "create"),
     "create of one field": (_fwd_fields() + [["anycast"]], "create"),
