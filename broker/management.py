@@ -176,7 +176,15 @@ def metrics(node: "Node", exporter: "MetricsExporter | None" = None) -> list[Met
                    (({}, ha.failovers),)),
             Metric("lodestone_broker_ha_failbacks_total", "counter",
                    "times this active backup handed over to its returning primary", (({}, ha.failbacks),)),
+            Metric("lodestone_broker_ha_votes_total", "counter", "quorum votes this member asked for, by outcome",
+                   tuple(({"outcome": k}, v) for k, v in sorted(ha.votes.items()))),
         ]
+        repl = getattr(node, "replication", None)
+        if repl is not None:
+            lag = repl.describe()["lag_records"]
+            out.append(Metric("lodestone_broker_ha_replication_lag_records", "gauge",
+                              "journal records appended and not yet confirmed by the backup (-1: no backup)",
+                              (({"state": repl.state}, -1 if lag is None else lag),)))
     if exporter is not None:
         out += [
             Metric("lodestone_broker_metrics_scrapes_total", "counter", "GET /metrics answered",

@@ -166,6 +166,9 @@ async def primary_quorum_check(node, cfg: "BrokerConfig") -> bool:
     creds = (ccfg.user, ccfg.password)
     result = await vote_with_retries(lambda: ask_primary_vote(node.node_id, all_voters or voters, n, creds),
                                      ha.vote_retries, ha.vote_retry_wait_ms / 1000.0, ha.quorum_vote_wait_s)
+    status = getattr(node, "ha", None)
+    if status is not None:
+        status.votes["won" if result.won else "lost"] += 1
     log.warning("ha: quorum check after losing the backup: %s (%d of %d needed votes; %s)",
                 "still in the majority" if result.won else "ISOLATED", result.votes, result.needed,
                 ", ".join(result.detail) or "no voter")
@@ -414,6 +417,7 @@ async def _follow_primaries(cfg: "BrokerConfig", datadir, status: HaStatus, slot
             result = await vote_with_retries(
                 lambda: ask_backup_vote(primary_id, voters, n, (ccfg.user, ccfg.password)),
                 ha.vote_retries, ha.vote_retry_wait_ms / 1000.0, ha.quorum_vote_wait_s)
+            status.votes["won" if result.won else "lost"] += 1
             log.warning("ha: vote to take over node %s: %s (%d of %d needed votes from %d primaries; %s)",
                         primary_id, "WON" if result.won else "lost", result.votes, result.needed, result.asked,
                         ", ".join(result.detail) or "no other primary")

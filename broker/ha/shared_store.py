@@ -132,6 +132,7 @@ class HaStatus:
     activations: int = 0      # times this process became active
     failovers: int = 0        # activations of a backup (the live node had failed)
     failbacks: int = 0        # times this active backup handed over to a returning primary
+    votes: dict = field(default_factory=lambda: {"won": 0, "lost": 0})   # quorum votes this member asked for
     since: float = field(default_factory=time.time)
     last_change: str | None = None
     #: replication: a callable giving ``{"state", "lag_records", ...}`` (broker.ha.replication)
@@ -156,7 +157,7 @@ class HaStatus:
                 "phase": self.phase, "since": self.since, "last_change": self.last_change,
                 "pair": {"store": self.store, "state": STATE_NAMES.get(state) if state else None,
                          "activations": self.activations, "failovers": self.failovers,
-                         "failbacks": self.failbacks},
+                         "failbacks": self.failbacks, "votes": dict(self.votes)},
                 "replication": self.replication_view() if callable(self.replication_view) else None,
                 "colocated": self.colocated.describe() if self.colocated is not None else None}
 

@@ -343,3 +343,25 @@ def test_a_backup_killed_during_its_initial_sync_starts_over(tmp_path, members):
     wait_active(backup)
     got = receive_all(backup, "big")
     assert len(got) == 3001 and got[-1] == "still serving"
+
+
+def test_ha_metrics(tmp_path, members):
+    primary = start_replica(tmp_path, "primary", "primary")
+    members.append(primary)
+    wait_active(primary)
+    backup = start_replica(tmp_path, "backup", "backup", static=[primary.amqp_url], ha=FAST_VOTES)
+    members.append(backup)
+    wait_phase(backup, "in-sync")
+    deadline = time.monotonic() + 20
+    while ha_view(primary)["replication"]["state"] != "in-sync":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    send(primary, "m", ["x"] * 10)
+    status, text = http_json(primary.management_url + "/metrics", auth=ADMIN)
+    assert 'lodestone_broker_ha_replication_lag_records{state="in-sync"}' in text
+    assert 'lodestone_broker_ha_active{role="primary"} 1' in text
+    primary.kill()
+    wait_active(backup)
+    status, text = http_json(backup.management_url + "/metrics", auth=ADMIN)
+    assert 'lodestone_broker_ha_votes_total{outcome="won"} 1' in text
+    assert "lodestone_broker_ha_failovers_total 1" in text
