@@ -18,7 +18,7 @@ DEFAULT_CLUSTER_PASSWORD = "CHANGE ME!!"
 #: the password of the sample configs in etc/ (published): warned about, accepted from loopback only
 SAMPLE_CLUSTER_PASSWORD = "lodestone-sample-cluster-password"
 LOAD_BALANCING_MODES = ("OFF", "STRICT", "ON_DEMAND", "OFF_WITH_REDISTRIBUTION")
-#: Artemis's ha-policy kinds; only ``live-only`` is built (replication and shared store: the HA issue)
+#: Artemis's ha-policy kinds (docs/ha.md)
 HA_POLICIES = ("live-only", "replication", "shared-store")
 
 
