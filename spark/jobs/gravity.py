@@ -2,7 +2,7 @@
 
     lodestone-gravity <log files or dirs>... --out DIR [--router-config etc/router.toml]
         [--router NAME] [--max-skew 0.10] [--master URL] [--bad-lines DIR]
-        [--since TIME] [--until TIME]
+        [--since TIME] [--until TIME] [--broker NODE_ID]...
     spark-submit --master spark://host:7077 spark/jobs/gravity.py <logs>... --out DIR
 
 Read → transform → write: the logs are read once (``spark.read.text``), parsed with the declared
@@ -32,9 +32,10 @@ if __package__ in (None, ""):  # run as a file (spark-submit spark/jobs/gravity.
 from spark.placement import KeyLoad, address_cross, recommend, skew  # noqa: E402
 
 PROG = "lodestone-gravity"
-#: file names read from a directory: routing logs (rotated .1, .2 …), activity logs (.jsonl),
-#: gzip-compressed rotations of either
-LOG_NAME = re.compile(r".*\.(log|jsonl)(\.\d+)?(\.gz)?$")
+#: file names read from a directory: routing logs (routing.log, rotated routing.log.1 …, a worker's
+#: routing-w1.log), activity logs (activity.jsonl), gzip-compressed copies of either; other files
+#: (a process's stderr log, the journal) are left alone — name a differently named log explicitly
+LOG_NAME = re.compile(r"^(routing|activity)[^/]*\.(log|jsonl)(\.\d+)?(\.gz)?$")
 
 
 class UsageError(Exception):
@@ -58,6 +59,7 @@ class Options:
     key_type: str | None = None                    # from --router-config
     target_node_ids: dict[str, str] = field(default_factory=dict)  # target name → node id (static pool)
     files: list[str] = field(default_factory=list)
+    extra_brokers: list[str] = field(default_factory=list)       # --broker
 
 
 # -- command line ------------------------------------------------------------------------------
@@ -108,6 +110,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     ap.add_argument("--until", help="only decisions / activity windows ending before this time (ISO 8601)")
     ap.add_argument("--shuffle-partitions", default="8", help="spark.sql.shuffle.partitions (default 8)")
     ap.add_argument("--driver-memory", default="2g", help="spark.driver.memory for a job started here (default 2g)")
+    ap.add_argument("--broker", action="append", default=[], metavar="NODE_ID",
+                    help="a broker the recommendation may use although the logs do not show it (repeatable)")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
     a = ap.parse_args(argv)
     try:
@@ -132,7 +136,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
                    bad_lines=Path(a.bad_lines) if a.bad_lines else None,
                    since=_time(a.since, "--since") if a.since else None,
                    until=_time(a.until, "--until") if a.until else None,
-                   shuffle_partitions=parts, driver_memory=a.driver_memory, quiet=a.quiet)
+                   shuffle_partitions=parts, driver_memory=a.driver_memory, quiet=a.quiet,
+                   extra_brokers=[b for b in a.broker if b])
     if opts.since and opts.until and opts.since >= opts.until:
         raise UsageError(f"--since {a.since} is not before --until {a.until}")
     if a.router_config:
@@ -165,6 +170,7 @@ def _read_router_config(opts: Options, path: Path) -> None:
     opts.key_type = rc.key_type.value if hasattr(rc.key_type, "value") else str(rc.key_type)
     if rc.pool is not None:
         opts.target_node_ids = {t.name: t.node_id for t in rc.pool.targets if t.node_id}
+        opts.extra_brokers += [t.node_id or t.name for t in rc.pool.targets]
 
 
 # -- progress ------------------------------------------------------------------------------------
@@ -270,7 +276,8 @@ def _run(spark, opts: Options, prog: Progress, parsed, T, report) -> dict[str, A
         matrix = [r.asDict() for r in T.moved_matrix(act).collect()]
         conns = {r["node"]: r["connections"] for r in T.broker_connections(routes_df).collect()}
         nbytes = {r["node"]: r["bytes"] for r in T.broker_bytes(act).collect()}
-        brokers = sorted(r["node"] for r in T.brokers(routes_df, act).collect() if r["node"] is not None)
+        brokers = sorted({r["node"] for r in T.brokers(routes_df, act).collect() if r["node"] is not None}
+                         | set(opts.extra_brokers))
         names = {r["node_id"]: r["node"] for r in parsed.where((F.col("kind") == "activity") & F.col("reason").isNull())
                  .select("node_id", "node").distinct().collect() if r["node"]}
         usage_df.unpersist()
