@@ -51,7 +51,7 @@ __all__ = ["KeyLoad", "Placement", "recommend", "exhaustive", "evaluate", "skew"
 
 EPS = 1e-9
 RESTART_KEYS = 200   # inputs this small also get random starts
-RESTARTS = 8
+RESTARTS = 32
 
 
 @dataclass(frozen=True)
