@@ -12,7 +12,8 @@ The steps, in the order the job applies them::
       → attribute        each client activity record gets the key of the latest decision for
                          the same key field value (container-id for CLIENT_ID, user for
                          USER_NAME / ROLE_NAME, client address for SOURCE_IP) at or before its
-                         window start (else the first one after: clocks of two hosts differ)
+                         window start (else the first one after: clocks of two hosts differ);
+                         a field value with one key in the whole log is an equi-join after summing
       → key_usage, key_routes, address_nodes, homes, gravity, moved_matrix, broker_load
 """
 
@@ -83,8 +84,9 @@ def parse_lines(raw: DataFrame) -> DataFrame:
            .withColumn("ws", _ts(F.col("window_start")))
            .withColumn("we", _ts(F.col("window_end")))
            .withColumn("reason", reason))
-    return (out.withColumn("unknown_version", F.coalesce(F.col("reason").startswith("unknown "), F.lit(False))
-                           & F.col("reason").contains("version"))
+    unknown = (F.col(CORRUPT).isNull() & (((F.col("kind") != "activity") & version_bad)
+                                         | ((F.col("kind") == "activity") & act_version_bad)))
+    return (out.withColumn("unknown_version", F.coalesce(unknown, F.lit(False)))
             .withColumn("value", F.when(F.col("reason").isNotNull(), F.col("value"))))
 
 
@@ -135,26 +137,43 @@ def activity(parsed: DataFrame, since=None, until=None) -> DataFrame:
 
 
 def attribute(routes_df: DataFrame, activity_df: DataFrame, key_type: str) -> DataFrame:
-    """Client activity records (produce, consume) with the ``key`` of their decision (null: no
-    decision for that field value, e.g. a client that connected to the broker directly).
+    """Client activity (produce, consume) with the ``key`` of its decision: (key, node, address,
+    direction, bytes, messages), summed; key null = no decision for that field value (a client
+    that connected to the broker directly).
 
-    An as-of join on (field value, time) done as one sort: decisions and records are unioned,
-    and each record takes the last decision's key at or before its window start, else the first
-    after it."""
+    Almost always a field value has one key for the whole log: those records are summed per
+    (field value, node, address, direction) first and then get that key by an equi-join, so the
+    cost is one aggregation. Only the values whose key changed (a key filter changed at run time)
+    take the as-of path: decisions and records unioned and sorted per field value, each record
+    taking the last decision's key at or before its window start, else the first after it."""
     afield, rfield = JOIN_FIELDS[key_type]
-    dec = routes_df.where(F.col("key").isNotNull()).select(
-        F.col(rfield).alias("jf"), F.col("t").alias("at"), F.lit(0).alias("ord"), "key")
+    dec = routes_df.where(F.col("key").isNotNull()).select(F.col(rfield).alias("jf"), F.col("t").alias("at"), "key")
     recs = (activity_df.where(F.col("direction").isin(*CLIENT_DIRECTIONS))
-            .select(F.col(afield).alias("jf"), F.col("ws").alias("at"), F.lit(1).alias("ord"),
-                    F.lit(None).cast("string").alias("key"), "node", "address", "direction", "bytes",
+            .select(F.col(afield).alias("jf"), F.col("ws").alias("at"), "node", "address", "direction", "bytes",
                     "messages"))
-    both = dec.unionByName(recs, allowMissingColumns=True)
+    per_field = dec.groupBy("jf").agg(F.countDistinct("key").alias("nkeys"), F.min("key").alias("only_key"))
+    multi = per_field.where(F.col("nkeys") > 1).select("jf")
+    single = per_field.where(F.col("nkeys") == 1).select("jf", F.col("only_key").alias("key"))
+    cols = ["key", "node", "address", "direction", "bytes", "messages"]
+    summed = (recs.join(F.broadcast(multi), "jf", "left_anti")
+              .groupBy("jf", "node", "address", "direction")
+              .agg(F.sum("bytes").alias("bytes"), F.sum("messages").alias("messages"))
+              .join(single, "jf", "left")
+              .select(*cols))
+    timed = _as_of(dec.join(F.broadcast(multi), "jf", "left_semi"), recs.join(F.broadcast(multi), "jf", "left_semi"))
+    return summed.unionByName(timed.select(*cols))
+
+
+def _as_of(dec: DataFrame, recs: DataFrame) -> DataFrame:
+    """Each record (jf, at, …) with the key of the last decision (jf, at, key) at or before it,
+    else the first after it: one sort of the union per field value."""
+    both = (dec.select("jf", "at", F.lit(0).alias("ord"), "key")
+            .unionByName(recs.withColumn("ord", F.lit(1)).withColumn("key", F.lit(None).cast("string")),
+                         allowMissingColumns=True))
     w = Window.partitionBy("jf").orderBy("at", "ord")
     before = F.last("key", ignorenulls=True).over(w.rowsBetween(Window.unboundedPreceding, Window.currentRow))
     after = F.first("key", ignorenulls=True).over(w.rowsBetween(Window.currentRow, Window.unboundedFollowing))
-    return (both.withColumn("key", F.when(F.col("jf").isNotNull(), F.coalesce(before, after)))
-            .where(F.col("ord") == 1)
-            .select("key", "node", "address", "direction", "bytes", "messages"))
+    return both.withColumn("key", F.coalesce(before, after)).where(F.col("ord") == 1)
 
 
 def key_usage(attributed: DataFrame) -> DataFrame:

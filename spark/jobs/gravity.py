@@ -29,17 +29,17 @@ from typing import Any, Sequence
 if __package__ in (None, ""):  # run as a file (spark-submit spark/jobs/gravity.py): the repo on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from spark import report  # noqa: E402
+from spark.errors import UsageError  # noqa: E402
 from spark.placement import KeyLoad, address_cross, recommend, skew  # noqa: E402
+
+__all__ = ["main", "parse_args", "run", "spark_session", "Options", "UsageError"]
 
 PROG = "lodestone-gravity"
 #: file names read from a directory: routing logs (routing.log, rotated routing.log.1 …, a worker's
 #: routing-w1.log), activity logs (activity.jsonl), gzip-compressed copies of either; other files
 #: (a process's stderr log, the journal) are left alone — name a differently named log explicitly
 LOG_NAME = re.compile(r"^(routing|activity)[^/]*\.(log|jsonl)(\.\d+)?(\.gz)?$")
-
-
-class UsageError(Exception):
-    """Bad command-line input: the CLI prints it as one line and exits 2."""
 
 
 @dataclass
@@ -220,7 +220,7 @@ def run(spark, opts: Options) -> dict[str, Any]:
     from pyspark import StorageLevel
     from pyspark.sql import functions as F
 
-    from spark import report, transforms as T
+    from spark import transforms as T
 
     prog = Progress(8, opts.quiet)
     spark.conf.set("spark.sql.session.timeZone", "UTC")
@@ -453,9 +453,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         spark.stop()
     print(report.headline(summary))
     return 0
-
-
-from spark import report  # noqa: E402  (after main's helpers: report imports nothing from here)
 
 if __name__ == "__main__":
     sys.exit(main())
