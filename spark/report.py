@@ -96,8 +96,8 @@ def plot(out: Path, summary: dict[str, Any]) -> None:
     for i, row in enumerate(grid):
         for j, v in enumerate(row):
             ax.text(j, i, f"{v:,}", ha="center", va="center", fontsize=8)
-    ax.set_title(f"Bytes moved between brokers: {summary['cross_broker_bytes']:,}")
-    fig.colorbar(im, ax=ax)
+    fig.suptitle(f"Bytes moved between brokers: {summary['cross_broker_bytes']:,}")
+    fig.colorbar(im, ax=ax, label="bytes")
     fig.tight_layout()
     fig.savefig(out / PLOTS["matrix"], dpi=100)
     plt.close(fig)
