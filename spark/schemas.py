@@ -60,11 +60,3 @@ ACTIVITY_FIELDS = [
 LINE = StructType(ROUTING_FIELDS + [f for f in ACTIVITY_FIELDS
                                     if f.name not in {g.name for g in ROUTING_FIELDS}]
                   + [_f(CORRUPT, StringType())])
-
-#: bad lines set aside (--bad-lines DIR)
-BAD_LINE = StructType([_f("file", StringType(), False), _f("reason", StringType(), False),
-                       _f("line", StringType(), False)])
-
-#: per-file line counts (summary.json "files")
-FILE_COUNTS = StructType([_f("file", StringType(), False), _f("lines", LongType(), False),
-                          _f("malformed", LongType(), False), _f("unknown_version", LongType(), False)])

@@ -39,11 +39,15 @@ def _ts(c: Column) -> Column:
     return F.try_to_timestamp(c)
 
 
+#: the parsed-time columns, by the field they come from (for the reasons a line is set aside)
+_FIELD_OF = {"time_t": "time", "ws": "window_start", "we": "window_end"}
+
+
 def _missing(*names: str) -> Column:
     """The first of ``names`` that is null, as a reason text (null when none is)."""
     out = F.lit(None).cast("string")
     for n in reversed(names):
-        out = F.when(F.col(n).isNull(), F.lit(f"missing or mistyped {n}")).otherwise(out)
+        out = F.when(F.col(n).isNull(), F.lit(f"missing or mistyped {_FIELD_OF.get(n, n)}")).otherwise(out)
     return out
 
 

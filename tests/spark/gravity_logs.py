@@ -14,7 +14,7 @@ The scenario (router ``main``, key type CLIENT_ID, brokers n1, n2, n3; times are
 * a refused decision for a key that never reached a broker (``ghost``).
 
 Files: ``router/routing.log.1`` (the rotated, older file: t=1…6), ``router/routing.log``
-(t=50, 60, ghost), ``n1/activity.jsonl``, ``n2/…``, ``n3/…``; malformed lines in four of them.
+(t=50, 60, ghost), ``n1/activity.jsonl``, ``n2/…``, ``n3/…``; malformed lines in each of them.
 """
 
 from __future__ import annotations
@@ -121,17 +121,18 @@ def write_hand_case(root: Path) -> Path:
         act(N3, "yc", "y", "consume", 100, 10, 20),
         act(N3, "zp", "z", "produce", 100, 10, 20, conn="c-2"),
         act(N3, "zc", "z", "consume", 100, 10, 20, conn="c-3"),
+        act(N3, "zc", "z", "consume", 5, 20, 30, conn="c-3").replace(ts(20, micro=False), "yesterday"),  # bad time
     ])
     return root
 
 
 #: the answers, worked out by hand in the module docstring's scenario (see tests/spark/README)
 HAND = {
-    "lines_read": 27,        # routing.log.1 8, routing.log 5 (blank not counted), n1 3, n2 7, n3 4
-    "lines_malformed": 5,    # invalid JSON, v=2, missing key_transformed, bytes "lots", "teleport"
+    "lines_read": 28,        # routing.log.1 8, routing.log 5 (blank not counted), n1 3, n2 7, n3 5
+    "lines_malformed": 6,    # invalid JSON, v=2, missing key_transformed, bytes "lots", "teleport", a bad time
     "lines_unknown_version": 1,
     "per_file": {"routing.log.1": (8, 2), "routing.log": (5, 1), "n1/activity.jsonl": (3, 1),
-                 "n2/activity.jsonl": (7, 1), "n3/activity.jsonl": (4, 0)},
+                 "n2/activity.jsonl": (7, 1), "n3/activity.jsonl": (5, 1)},
     "homes": {"x": N1, "y": N2, "z": N3},
     "gravity": {"xp": 1.0, "xc": 0.0, "yp": 1.0, "yc": 200 / 300, "zp": 1.0, "zc": 1.0},
     "bytes": {"xp": 700, "xc": 500, "yp": 300, "yc": 300, "zp": 100, "zc": 100},

@@ -48,7 +48,7 @@ def test_lines_counted_per_file_and_set_aside(tight):
     reasons = sorted(b["reason"] for b in bad)
     assert reasons == sorted(["invalid JSON or a mistyped field", "invalid JSON or a mistyped field",
                               "unknown routing-log version v=2", "missing or mistyped key_transformed",
-                              "unknown direction teleport"])
+                              "unknown direction teleport", "missing or mistyped window_start"])
     assert {b["line"] for b in bad} >= {"{this is not json"}
     assert all(b["file"].startswith(str(tmp)) for b in bad)
 
