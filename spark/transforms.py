@@ -75,7 +75,10 @@ def parse_lines(raw: DataFrame) -> DataFrame:
               F.concat(F.lit("unknown routing-log version v="), F.col("v").cast("string")))
         .when((F.col("kind") == "activity") & act_version_bad,
               F.concat(F.lit("unknown activity-log version v="), F.col("v").cast("string")))
-        .when(F.col("kind") == "route", route_missing)
+        .when((F.col("kind") == "route") & route_missing.isNotNull(), route_missing)
+        .when((F.col("kind") == "route") & ~F.col("key_type").isin(*JOIN_FIELDS),
+              F.concat(F.lit("unknown key_type "), F.col("key_type")))
+        .when(F.col("kind") == "route", F.lit(None).cast("string"))
         .when(F.col("kind") == "close", close_missing)
         .when(~F.col("direction").isin(*DIRECTIONS), F.concat(F.lit("unknown direction "), F.col("direction")))
         .when(act_missing.isNotNull(), act_missing)

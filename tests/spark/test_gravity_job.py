@@ -14,7 +14,7 @@ from router.core.filters import Filter
 from router.core.pins import load_pins
 from spark import transforms as T
 from spark.jobs.gravity import UsageError, parse_args, run
-from tests.spark.gravity_logs import HAND, N1, N2, N3, act, route, write, write_hand_case
+from tests.spark.gravity_logs import HAND, N1, N2, N3, act, close, route, write, write_hand_case
 
 pytestmark = pytest.mark.spark
 
@@ -177,3 +177,43 @@ def test_several_routers_in_the_logs_need_a_choice(spark, tmp_path):
     opts = parse_args([str(tmp_path / "routing.log"), "--out", str(tmp_path / "out"), "--quiet", "--router", "b"])
     s = run(spark, opts)
     assert [(r["key"], r["current_node_id"]) for r in s["per_key"]] == [("k", N2)]
+
+
+def test_mangled_lines_are_set_aside_never_fatal(spark):
+    """600 seeded mutations of good lines of both kinds (cut short, a byte changed, a field's type
+    changed, fields dropped): every one is either read as a good line or set aside with a reason,
+    and the measures still run over the good ones."""
+    import random
+
+    rng = random.Random(13)
+    good = [route(1, "k1", N1), route(2, "k2", N2), close(3, "k1", N1, "c"),
+            act(N1, "k1", "a", "produce", 10, 0, 10), act(N1, None, "a", "forward", 10, 0, 10, peer=N2)]
+    lines = []
+    for i in range(600):
+        line = rng.choice(good)
+        how = i % 4
+        if how == 0:
+            line = line[:rng.randrange(len(line))]
+        elif how == 1:
+            j = rng.randrange(len(line))
+            line = line[:j] + rng.choice('{}[]":,x0 \\') + line[j + 1:]
+        elif how == 2:
+            rec = json.loads(line)
+            k = rng.choice(sorted(rec))
+            rec[k] = rng.choice([None, "text", 12, 1.5, [], {}, True])
+            line = json.dumps(rec)
+        else:
+            rec = json.loads(line)
+            for k in rng.sample(sorted(rec), rng.randint(1, 4)):
+                rec.pop(k)
+            line = json.dumps(rec)
+        lines.append(line)
+    p = _parsed(spark, lines)
+    rows = p.select("reason").collect()
+    assert len(rows) == sum(1 for line in lines if line.strip())
+    bad = sum(1 for r in rows if r["reason"] is not None)
+    assert 0 < bad < len(rows)
+    assert all(r["reason"] for r in rows if r["reason"] is not None)
+    assert {r["key_type"] for r in T.routes(p).select("key_type").distinct().collect()} <= {"CLIENT_ID"}
+    T.key_usage(T.attribute(T.routes(p), T.activity(p), "CLIENT_ID")).collect()
+    T.moved_matrix(T.activity(p)).collect()
