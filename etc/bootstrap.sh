@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Make ./.venv with Lodestone and its Python dependencies (idempotent; quick when already done).
-# Sourced by etc/run-local.sh and etc/run-tests.sh; `extras` selects optional dependency groups.
+# Sourced by etc/run-local.sh and etc/run-tests.sh; `extras` selects optional dependency groups
+# (`test`; `gravity`: PySpark and matplotlib for lodestone-gravity, docs/gravity.md — `test` has them too).
 # With `test` it also installs the Node client tests' npm packages (rhea and minimist, pinned by
 # clients/node/package-lock.json) with `npm ci`, when npm is on PATH (etc/run-tests.sh puts it there).
 set -euo pipefail

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone on a bare machine. Installs what the tests need:
-# the Python dependencies (into ./.venv), a Redis server (Debian's redis-server, when missing), iproute2,
+# the Python dependencies (into ./.venv, PySpark and matplotlib included), a Redis server (Debian's
+# redis-server, when missing), Java (Debian's default-jre-headless, when missing) for the Spark job's tests, iproute2,
 # Node.js and npm (Debian's nodejs and npm, when missing) and rhea (+ minimist) for the Node client tests
 # (`npm ci` in clients/node, from its package-lock.json; see etc/bootstrap.sh).
 # Extra arguments go to pytest (e.g. `bash etc/run-tests.sh tests/unit -x`).
@@ -11,6 +12,7 @@ command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 command -v node >/dev/null 2>&1 || need+=(nodejs)
 command -v npm >/dev/null 2>&1 || need+=(npm)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)   # network namespaces for the multicast discovery tests
+command -v java >/dev/null 2>&1 || need+=(default-jre-headless)   # PySpark's JVM (Debian 12: OpenJDK 17) for tests/spark
 if [ ${#need[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ]; then
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
