@@ -52,6 +52,7 @@ class Deployment:
     pins: Path
     check_period_s: float
     brokers: list[tuple[str, Path, Path, float]]   # name, data dir, activity log, flush interval
+    serving: int = 0       # node ids the router should see ready: the brokers that are not HA backups
 
 
 def read_deployment(etc: Path) -> Deployment:
@@ -65,8 +66,11 @@ def read_deployment(etc: Path) -> Deployment:
         raise SystemExit(f"{etc / 'router.toml'}: the loop needs [routing-log] path and [routers.{name}.pins] file")
     m = cfg.management
     brokers = []
+    serving = 0
     for f in sorted(etc.glob("broker-*.toml")):
         t = tomllib.loads(f.read_text())
+        if t.get("ha", {}).get("role") != "backup":   # a backup serves its primary's node id, if ever
+            serving += 1
         data = (f.parent / t["node"]["data-dir"]).resolve()
         act = t.get("activity-log", {})
         path = (f.parent / act["path"]).resolve() if "path" in act else data / "activity.jsonl"
@@ -74,7 +78,7 @@ def read_deployment(etc: Path) -> Deployment:
     return Deployment(f"amqp://{acc.host}:{acc.port}", f"http://{m.host}:{m.port}",
                       (m.user, m.password) if m.user else ("admin", "admin"), name,
                       Path(cfg.routing_log.path).resolve().parent, Path(rc.pins.file).resolve(),
-                      rc.pool.check_period_ms / 1000 if rc.pool else 5.0, brokers)
+                      rc.pool.check_period_ms / 1000 if rc.pool else 5.0, brokers, serving)
 
 
 def _get(dep: Deployment, path: str):
@@ -91,9 +95,9 @@ def wait_ready(dep: Deployment, timeout_s: float = 120) -> None:
     while time.monotonic() < deadline:
         try:
             pool = _get(dep, f"/api/v1/routers/{dep.router}/pool")
-            if pool["ready"] >= len(dep.brokers):
+            if pool["ready"] >= dep.serving:
                 return
-            last = f"{pool['ready']} of {len(dep.brokers)} brokers ready"
+            last = f"{pool['ready']} of {dep.serving} brokers ready"
         except OSError as exc:
             last = exc
         time.sleep(0.5)

@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from tests.integration.test_local_deployment import FIXED_PORTS, _free_ports
-from tests.serverproc import REPO
+from tests.integration.test_local_deployment import FIXED_PORTS
+from tests.serverproc import REPO, free_ports
 
 pytestmark = [pytest.mark.slow, pytest.mark.spark]
 
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.spark]
 def test_loop_on_the_local_deployment(tmp_path):
     etc = tmp_path / "etc"
     etc.mkdir()
-    mapping = dict(zip(FIXED_PORTS, _free_ports(len(FIXED_PORTS))))
+    mapping = dict(zip(FIXED_PORTS, free_ports(len(FIXED_PORTS))))
     for f in (REPO / "etc").glob("*.toml"):
         text = f.read_text()
         for old, new in mapping.items():
