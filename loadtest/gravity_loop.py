@@ -53,6 +53,7 @@ class Deployment:
     check_period_s: float
     brokers: list[tuple[str, Path, Path, float]]   # name, data dir, activity log, flush interval
     serving: int = 0       # node ids the router should see ready: the brokers that are not HA backups
+    backups: frozenset = frozenset()   # names of HA backups: they serve their primary's node id, if ever
 
 
 def read_deployment(etc: Path) -> Deployment:
@@ -67,10 +68,13 @@ def read_deployment(etc: Path) -> Deployment:
     m = cfg.management
     brokers = []
     serving = 0
+    backups = set()
     for f in sorted(etc.glob("broker-*.toml")):
         t = tomllib.loads(f.read_text())
         if t.get("ha", {}).get("role") != "backup":   # a backup serves its primary's node id, if ever
             serving += 1
+        else:
+            backups.add(t["node"]["name"])
         data = (f.parent / t["node"]["data-dir"]).resolve()
         act = t.get("activity-log", {})
         path = (f.parent / act["path"]).resolve() if "path" in act else data / "activity.jsonl"
@@ -78,7 +82,7 @@ def read_deployment(etc: Path) -> Deployment:
     return Deployment(f"amqp://{acc.host}:{acc.port}", f"http://{m.host}:{m.port}",
                       (m.user, m.password) if m.user else ("admin", "admin"), name,
                       Path(cfg.routing_log.path).resolve().parent, Path(rc.pins.file).resolve(),
-                      rc.pool.check_period_ms / 1000 if rc.pool else 5.0, brokers, serving)
+                      rc.pool.check_period_ms / 1000 if rc.pool else 5.0, brokers, serving, frozenset(backups))
 
 
 def _get(dep: Deployment, path: str):
@@ -174,7 +178,10 @@ def main(argv=None) -> int:
                                  start_new_session=True, cwd=str(REPO))
     try:
         wait_ready(dep)
-        node_ids = [(b[1] / "node.id").read_text().strip() for b in dep.brokers if (b[1] / "node.id").exists()]
+        # the brokers to place keys on: not an HA backup (its own node id, before its first sync, is
+        # no target the router knows; once it serves, it serves its primary's id)
+        node_ids = [(b[1] / "node.id").read_text().strip() for b in dep.brokers
+                    if (b[1] / "node.id").exists() and b[0] not in dep.backups]
         if out.exists():
             for d in ("before", "after"):
                 shutil.rmtree(out / d, ignore_errors=True)
