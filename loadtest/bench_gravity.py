@@ -1,6 +1,6 @@
 """Scale benchmark of the data-gravity job (docs/gravity.md): seconds and lines/s on local[2].
 
-    .venv/bin/python loadtest/bench_gravity.py [--lines 1000000,10000000] [--dir var/bench-gravity]
+    .venv/bin/python loadtest/bench_gravity.py [--lines 1000000,3000000,10000000] [--dir var/bench-gravity]
         [--master local[2]] [--driver-memory 4g] [--keep]
 
 For each size it writes a synthetic log set in the real formats (routing logs rotated every
@@ -10,7 +10,9 @@ sharing an address, 3 brokers, each connection a route line, a close line and ~8
 address's other keys, 2 % of the keys moving broker mid-log, 0.01 % malformed lines — then runs
 ``python -m spark.jobs.gravity DIR --out … --master local[2]`` and prints its wall time (with the
 JVM start) and the job's own time (``elapsed_s``: read → recommendation → outputs), each with lines/s,
-and the ratio of the per-line cost between sizes (1.0 = linear). Generated logs are reused when
+the ratio of the per-line cost between the smallest and largest size, the marginal cost between
+consecutive sizes, and with three sizes or more a least-squares fit ``fixed + per-line · lines``
+with its largest residual (small = linear). Generated logs are reused when
 present (``DIR/<lines>/``), and removed at the end unless ``--keep``.
 """
 
@@ -155,9 +157,21 @@ def run_job(root: Path, out: Path, master: str, driver_memory: str) -> tuple[flo
     return wall, json.loads((out / "summary.json").read_text()), "\n".join(progress)
 
 
+def linear_fit(points: list[tuple[int, float]]) -> tuple[float, float, float]:
+    """``t = fixed + per_line · n`` by least squares over (lines, seconds) points, and the largest
+    residual relative to its measured time."""
+    k = len(points)
+    mn = sum(n for n, _ in points) / k
+    mt = sum(t for _, t in points) / k
+    per_line = sum((n - mn) * (t - mt) for n, t in points) / sum((n - mn) ** 2 for n, _ in points)
+    fixed = mt - per_line * mn
+    worst = max(abs(t - (fixed + per_line * n)) / t for n, t in points)
+    return fixed, per_line, worst
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--lines", default="1000000,10000000")
+    ap.add_argument("--lines", default="1000000,3000000,10000000")
     ap.add_argument("--dir", default=str(REPO / "var" / "bench-gravity"))
     ap.add_argument("--master", default="local[2]")
     ap.add_argument("--driver-memory", default="4g")
@@ -190,6 +204,15 @@ def main(argv=None) -> int:
         (s0, n0, w0, j0, _), (s1, n1, w1, j1, _) = rows[0], rows[-1]
         print(f"per-line cost {n1:,} vs {n0:,} lines: wall {(w1 / n1) / (w0 / n0):.2f}x, "
               f"job {(j1 / n1) / (j0 / n0):.2f}x (1.00 = linear)")
+        for i in range(1, len(rows)):  # the marginal cost: what the lines added between two sizes cost
+            (_, na, _, ja, _), (_, nb, _, jb, _) = rows[i - 1], rows[i]
+            print(f"marginal {na:,} → {nb:,} lines: job +{jb - ja:.1f} s for +{nb - na:,} lines "
+                  f"({(nb - na) / max(jb - ja, 1e-9):,.0f} lines/s)")
+    if len(rows) > 2:
+        fixed, per_line, worst = linear_fit([(r[1], r[3]) for r in rows])
+        print(f"least-squares fit of the job time: {fixed:.1f} s + {per_line * 1e6:.2f} s per million lines "
+              f"({1 / per_line:,.0f} lines/s); largest residual {worst:.1%} of a measured time "
+              f"(small = linear in lines)")
     goal = [r for r in rows if r[0] >= 10_000_000]
     for r in goal:
         print(f"goal (10 M lines in under 5 minutes): {r[2]:.0f} s wall — {'met' if r[2] < 300 else 'NOT met'}")

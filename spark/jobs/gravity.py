@@ -74,15 +74,19 @@ def _time(text: str, flag: str) -> dt.datetime:
 
 
 def expand_inputs(inputs: Sequence[str]) -> list[str]:
-    """Files as given; directories walked for routing and activity logs (``LOG_NAME``)."""
+    """Files as given; directories walked for routing and activity logs (``LOG_NAME``).
+
+    A directory without logs is skipped with a warning when another input has some (an HA backup's
+    data directory before it ever served has no ``activity.jsonl``); with none at all it is an error.
+    """
     files: list[str] = []
+    empty: list[str] = []
     for i in inputs:
         p = Path(i)
         if p.is_dir():
             found = sorted(str(f) for f in p.rglob("*") if f.is_file() and LOG_NAME.match(f.name))
             if not found:
-                raise UsageError(f"{i}: no log files in this directory (names like routing.log, routing.log.1, "
-                                 f"activity.jsonl)")
+                empty.append(i)
             files.extend(found)
         elif p.is_file():
             files.append(str(p))
@@ -90,6 +94,11 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
             raise UsageError(f"{i}: not a file or directory")
         else:
             raise UsageError(f"{i}: no such file or directory")
+    if empty and not files:
+        raise UsageError(f"{empty[0]}: no log files in this directory (names like routing.log, routing.log.1, "
+                         f"activity.jsonl)")
+    for i in empty:
+        print(f"lodestone-gravity: {i}: no log files in this directory, skipped", file=sys.stderr)
     return list(dict.fromkeys(os.path.abspath(f) for f in files))
 
 

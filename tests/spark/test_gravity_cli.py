@@ -58,3 +58,13 @@ def test_console_script_is_declared():
     assert meta["project"]["scripts"]["lodestone-gravity"] == "spark.jobs.gravity:main"
     deps = " ".join(meta["project"]["optional-dependencies"]["test"])
     assert "pyspark" in deps and "matplotlib" in deps
+
+
+def test_a_directory_without_logs_is_skipped_beside_one_with_logs(logs, capsys):
+    # an HA backup's data directory, before it ever served, has no activity.jsonl: naming it beside the
+    # others is not a mistake, so it is skipped with a warning; alone it is still an error (above)
+    from spark.jobs.gravity import expand_inputs
+
+    files = expand_inputs([str(logs), str(logs / "empty")])
+    assert files == [str(logs / "routing.log")]
+    assert capsys.readouterr().err == f"lodestone-gravity: {logs / 'empty'}: no log files in this directory, skipped\n"
