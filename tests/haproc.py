@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.brokerproc import ADMIN, BrokerProcess, write_config
+from tests.brokerproc import ADMIN, BrokerProcess, write_config, write_users_file
 from tests.serverproc import free_ports, http_json
 
 
@@ -28,9 +28,12 @@ class HaMember(BrokerProcess):
     """A pair member: started once its management API listens (a backup has no AMQP listener
     until it activates)."""
 
+    fixed_host = "127.0.0.1"
+    preexec = None          # a network namespace to run in (tests/netns.py, Network.enter)
+
     def start(self) -> "HaMember":
         self._spawn(["broker", "run", str(self.config_path)], lambda urls: "management" in urls,
-                    self.start_timeout_s, "HA member")
+                    self.start_timeout_s, "HA member", preexec_fn=self.preexec)
         return self
 
     @property
@@ -39,7 +42,7 @@ class HaMember(BrokerProcess):
 
     @property
     def amqp_url(self) -> str:
-        return f"amqp://127.0.0.1:{self.fixed_port}"
+        return f"amqp://{self.fixed_host}:{self.fixed_port}"
 
     @property
     def port(self) -> int:
@@ -151,25 +154,35 @@ CLUSTER_PASSWORD = "test-cluster-secret"
 
 
 def start_replica(tmp_path: Path, name: str, role: str, *, static: list[str] = (), ha: dict[str, Any] | None = None,
-                  config: dict[str, dict[str, Any]] | None = None, start: bool = True) -> HaMember:
+                  config: dict[str, dict[str, Any]] | None = None, start: bool = True, net=None) -> HaMember:
     """One member of a replicated pair (its own data dir), in a cluster named ``test-cluster``
     with ``static`` connectors; fixed free ports, so it listens where it said it would when it
-    activates."""
+    activates. ``net``: a :class:`tests.netns.Network` with a member of this name: the broker
+    runs in that member's namespace, on its address, with users that may log in from anywhere
+    (the sample users of etc/users.toml are for loopback only)."""
     amqp, mgmt = free_ports(2)
     workdir = Path(tmp_path) / name
-    tables = {"acceptors.amqp": {"port": amqp},
-              "management": {"port": mgmt},
+    host = net.host(name) if net is not None else "127.0.0.1"
+    tables = {"acceptors.amqp": {"host": host, "port": amqp},
+              "management": {"host": host, "port": mgmt},
               "journal": {"sync": "batch"},
-              "cluster": {"name": "test-cluster", "connector": f"amqp://127.0.0.1:{amqp}",
+              "cluster": {"name": "test-cluster", "connector": f"amqp://{host}:{amqp}",
                           "static-connectors": list(static), "user": "cluster-user",
                           "password": CLUSTER_PASSWORD, "retry-interval-ms": 100, "max-retry-interval-ms": 500},
               "ha": {"policy": "replication", "role": role, **(ha or {})}}
     for k, v in (config or {}).items():
         tables.setdefault(k, {}).update(v)
-    path = write_config(workdir, name=name, config=tables)
+    users = {}
+    if net is not None:
+        users["users_file"] = write_users_file(Path(tmp_path) / "users.toml",
+                                               {ADMIN[0]: (ADMIN[1], ["admin", "amq"]), "app": ("app", ["app"])})
+    path = write_config(workdir, name=name, config=tables, **users)
     m = HaMember(workdir, path)
     m.shared_dir = workdir / "data"
     m.fixed_port = amqp
+    m.fixed_host = host
+    if net is not None:
+        m.preexec = net.enter(name)
     if start:
         m.start()
     return m

@@ -286,6 +286,9 @@ class ReplicationSource:
         self.quorum_check = None
         self.on_isolated: Callable[[], None] | None = None
         self._check_due = False
+        #: the quorum check is under way: durable sends stay held (neither replicated nor known to
+        #: be on the majority side, they are not acknowledged; docs/ha.md)
+        self.checking = False
         self.max_cluster_size = 1
         #: the node id's original primary, as our backup, asks for it back: ``on_failback()``
         #: (set only where handing over is allowed: an activated backup with allow-failback)
@@ -331,7 +334,7 @@ class ReplicationSource:
     @property
     def gating(self) -> bool:
         """Are durable sends answered only once the backup holds them?"""
-        return self.state == "in-sync"
+        return self.state == "in-sync" or self.checking
 
     def kick(self) -> None:
         """Records were tapped (or credit came back): the pump task sends them."""
@@ -354,10 +357,14 @@ class ReplicationSource:
                 self._check_due = False
                 if self.quorum_check is not None and not await self.quorum_check():
                     log.error("ha: this primary lost its backup and the cluster's majority: it stops serving "
-                              "(vote-on-replication-failure)")
+                              "(vote-on-replication-failure); %d held sends are not acknowledged",
+                              self.held_count())
                     self.node.counters["ha_isolated"] += 1
                     if self.on_isolated is not None:
                         self.on_isolated()
+                    continue            # the held sends stay unanswered: the process stops
+                self.checking = False
+                self.release_unreplicated()
 
     def hold(self, seq: int, waiters: dict) -> None:
         """The committer's batch, durable here through ``seq``: answer it once the backup has it."""
@@ -366,6 +373,15 @@ class ReplicationSource:
             _release(waiters)
             return
         self.held.append((seq, waiters, time.monotonic()))
+
+    def held_count(self) -> int:
+        return sum(len(ds) for _s, waiters, _t in self.held for ds in waiters.values())
+
+    def release_unreplicated(self) -> None:
+        """The quorum check was won: this primary is on the majority side (no backup can win a
+        vote for its node id), so the held sends are answered and it goes on alone."""
+        while self.held:
+            _release(self.held.popleft()[1])
 
     def confirmed(self, session: _Session, seq: int) -> None:
         if self.state == "syncing" and seq >= session.through_seq:
@@ -421,13 +437,19 @@ class ReplicationSource:
         self.state = "no-backup"
         self.lost_count += 1
         self.node.counters["replication_lost"] += 1
+        name = session.hello.name if session.hello else "?"
+        if (was == "in-sync" or self.checking) and self.quorum_check is not None:
+            # vote-on-replication-failure: the sends the backup did not confirm wait for the quorum
+            # check; answered if this primary is still in the majority, never if it is isolated
+            self.checking = True
+            self._check_due = True
+            log.warning("ha: replication to backup %s lost (%s); %d held sends wait for the quorum check",
+                        name, why, self.held_count())
+            self.kick()
+            return
         while self.held:
             _release(self.held.popleft()[1])
-        log.warning("ha: replication to backup %s lost (%s); serving alone", session.hello.name if session.hello
-                    else "?", why)
-        if was == "in-sync" and self.quorum_check is not None:
-            self._check_due = True
-            self.kick()
+        log.warning("ha: replication to backup %s lost (%s); serving alone", name, why)
 
     def check_timeouts(self, timeout_s: float) -> None:
         """A held batch older than ``timeout_s``: the backup is not answering, drop it. An
@@ -476,7 +498,8 @@ class ReplicationSource:
                     "management_url": self.backup_management_url, "confirmed_seq": s.confirmed_seq,
                     "sent_seq": s.sent_seq, "since": s.connected_at},
                 "lag_records": (j.last_seq - s.confirmed_seq) if (s is not None and j is not None) else None,
-                "held_batches": len(self.held), "lost": self.lost_count, "synced_at": self.synced_at}
+                "held_batches": len(self.held), "quorum_check_pending": self.checking, "lost": self.lost_count,
+                "synced_at": self.synced_at}
 
 
 def _release(waiters: dict) -> None:
