@@ -46,12 +46,13 @@ class BrokerProcess(ServerProcessMixin):
     urls: dict[str, str] = field(default_factory=dict)
     lines: list[str] = field(default_factory=list)
     start_timeout_s: float = 30.0
+    preexec: Any = None     # a network namespace to run in (tests/netns.py, Network.enter)
 
     # -- lifecycle (kill, terminate, stderr_text, pid: ServerProcessMixin) ---------------------
     def start(self) -> "BrokerProcess":
         want = {"amqp", "management"} | ({"amqps"} if "[acceptors.amqps" in self.config_path.read_text() else set())
         self._spawn(["broker", "run", str(self.config_path)], lambda urls: want <= set(urls),
-                    self.start_timeout_s, "broker")
+                    self.start_timeout_s, "broker", preexec_fn=self.preexec)
         return self
 
     def restart(self) -> "BrokerProcess":

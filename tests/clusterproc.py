@@ -22,7 +22,7 @@ from typing import Any
 from proton import Message
 from proton.utils import BlockingConnection
 
-from tests.brokerproc import ADMIN, BrokerProcess, write_config
+from tests.brokerproc import ADMIN, BrokerProcess, write_config, write_users_file
 from tests.serverproc import http_json
 
 CLUSTER_PASSWORD = "test-cluster-secret"
@@ -41,15 +41,27 @@ def cluster_config(*, mode: str = "ON_DEMAND", static: list[str] = (), extra: di
 
 def start_node(tmp_path: Path, name: str, *, static: list[str] = (), mode: str = "ON_DEMAND",
                extra: dict[str, Any] | None = None, config: dict[str, dict[str, Any]] | None = None,
-               tls=None) -> BrokerProcess:
+               tls=None, net=None) -> BrokerProcess:
     """One cluster node. ``tls`` (a trustme CA): an amqps acceptor too, and the cluster runs over
-    it (connector ``amqps://…``, ``ca-file`` the CA)."""
+    it (connector ``amqps://…``, ``ca-file`` the CA). ``net``: a :class:`tests.netns.Network`
+    with a member of this name: the node runs in that member's namespace, on its address, with
+    users that may log in from anywhere (etc/users.toml's samples are for loopback only)."""
     workdir = Path(tmp_path) / name
     if tls is not None:
         extra = {"connector": "amqps://127.0.0.1:0", "ca-file": str(workdir / "ca.pem"), **(extra or {})}
+    kw: dict[str, Any] = {}
+    if net is not None:
+        host = net.host(name)
+        extra = {"connector": f"amqp://{host}:0", **(extra or {})}
+        config = {"acceptors.amqp": {"host": host}, "management": {"host": host}, **(config or {})}
+        kw["users_file"] = write_users_file(Path(tmp_path) / "users.toml",
+                                            {ADMIN[0]: (ADMIN[1], ["admin", "amq"]), "app": ("app", ["app"])})
     path = write_config(workdir, name=name, tls=tls,
-                        config=cluster_config(mode=mode, static=static, extra=extra, config=config))
-    return BrokerProcess(workdir, path).start()
+                        config=cluster_config(mode=mode, static=static, extra=extra, config=config), **kw)
+    node = BrokerProcess(workdir, path)
+    if net is not None:
+        node.preexec = net.enter(name)
+    return node.start()
 
 
 def start_cluster(tmp_path: Path, n: int, *, mode: str = "ON_DEMAND", extra: dict[str, Any] | None = None,

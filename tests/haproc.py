@@ -29,7 +29,6 @@ class HaMember(BrokerProcess):
     until it activates)."""
 
     fixed_host = "127.0.0.1"
-    preexec = None          # a network namespace to run in (tests/netns.py, Network.enter)
 
     def start(self) -> "HaMember":
         self._spawn(["broker", "run", str(self.config_path)], lambda urls: "management" in urls,

@@ -773,6 +773,15 @@ class AmqpEngine:
             self._wrote_any = True
         return b"".join(out) if len(out) != 1 else out[0]
 
+    @property
+    def closing(self) -> bool:
+        """This side is ending the connection: a Close of ours (an error, shutdown, the idle
+        timeout), a transport error, or done. What is left to write must go out within a grace
+        period: a peer that reads nothing (a silent partition) must not hold the connection."""
+        if self.closed or self._fail_open is not None or self.transport.condition is not None:
+            return True
+        return bool(self.connection.state & Endpoint.LOCAL_CLOSED)
+
     def tick(self, now: float) -> float:
         """Run proton's timers (idle timeout, heartbeats); returns the next deadline or 0."""
         deadline = self.transport.tick(now)

@@ -10,7 +10,11 @@ Theory of operation
 * a writer task sends whatever proton wants to write whenever the engine (or another
   connection delivering to one of its consumers) wakes it; it ends the pump once the engine
   reports closed and its last frames (a Close with an error, say) are written;
-* a ticker runs proton's timers (:meth:`AmqpEngine.tick`: idle timeout, heartbeats);
+* a ticker runs proton's timers (:meth:`AmqpEngine.tick`: idle timeout, heartbeats), and once
+  this side is closing (:attr:`AmqpEngine.closing`: our Close, the idle timeout, a transport
+  error) gives the whole pump ``close_grace_s`` to end: a peer across a silent partition reads
+  nothing, so a writer blocked on a full send buffer would otherwise wait for TCP's own
+  retransmission timeout (15 minutes and more);
 * optionally an open deadline: no Open from the peer within ``open_timeout_s`` → the engine
   fails the connection with ``amqp:connection:forced`` (``on_open_timeout`` is told).
 
@@ -57,6 +61,10 @@ async def pump_engine(engine: "AmqpEngine", stream, wakeup: Wakeup, *, leftover:
                 deadline = engine.tick(trio.current_time())
                 wakeup.set()
                 now = trio.current_time()
+                if engine.closing:
+                    # the last frames get close_grace_s to leave: across a silent partition the
+                    # writer would wait forever on a full send buffer, the reader on no data
+                    nursery.cancel_scope.deadline = min(nursery.cancel_scope.deadline, now + close_grace_s)
                 await trio.sleep(max(deadline - now, 0.05) if deadline else 1.0)
 
         async def open_deadline() -> None:
