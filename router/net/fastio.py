@@ -41,11 +41,15 @@ _RECEIVE_DEFAULT = 65536
 _CLOSED_ERRNOS = {errno.EBADF, errno.ENOTSOCK}
 
 
-def prepare_socket(sock: _socket.socket) -> None:
+def prepare_socket(sock: _socket.socket, user_timeout_ms: int = 0) -> None:
     """Non-blocking and ``TCP_NODELAY`` (AMQP frames are written whole; Nagle would only delay
-    the next small frame behind a delayed ACK)."""
+    the next small frame behind a delayed ACK). ``user_timeout_ms`` > 0: ``TCP_USER_TIMEOUT``,
+    the kernel ends the connection once bytes it sent stay unacknowledged that long (a peer
+    across a silent partition), where it would otherwise retransmit for 15 minutes or more."""
     sock.setblocking(False)
     sock.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY, 1)
+    if user_timeout_ms > 0 and hasattr(_socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_USER_TIMEOUT, user_timeout_ms)
 
 
 class FastSocketStream(trio.abc.HalfCloseableStream):

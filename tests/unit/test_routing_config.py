@@ -59,8 +59,8 @@ def test_artemis_defaults(tmp_path):
         router = "r"
     """)).acceptors[0]
     assert (a.mode, a.handshake_timeout_ms, a.connect_timeout_ms, a.idle_timeout_s,
-            a.tls_handshake_timeout_ms, a.sasl_mechanisms, a.anonymous, a.host) == \
-        ("redirect", 10000, 5000, 0, 5000, ("PLAIN", "EXTERNAL"), False, "127.0.0.1")
+            a.tls_handshake_timeout_ms, a.sasl_mechanisms, a.anonymous, a.host, a.tcp_user_timeout_ms) == \
+        ("redirect", 10000, 5000, 0, 5000, ("PLAIN", "EXTERNAL"), False, "127.0.0.1", 30000)
 
 
 def test_persisted_defaults_to_embedded(tmp_path):
@@ -97,6 +97,8 @@ def test_persisted_defaults_to_embedded(tmp_path):
      "acceptors[0].sasl-mechanisms[0]", "'CRAM'"),
     ("[[acceptors]]\nname = 'a'\nport = 1\nrouter = 'r'\ntls-cert = 'c.pem'",
      "acceptors[0].tls-key", "go together"),
+    ("[[acceptors]]\nname = 'a'\nport = 1\nrouter = 'r'\ntcp-user-timeout-ms = -1",
+     "acceptors[0].tcp-user-timeout-ms", "-1 must be >= 0"),
 ])
 def test_errors_name_file_key_value(tmp_path, extra, path, msg):
     base = MINIMAL

@@ -166,7 +166,7 @@ class Acceptor:
         to be pumped (``c.client``/``c.upstream`` set); every refusal ends here (``_answer``)."""
         s = self.settings
         try:
-            fastio.prepare_socket(sock)
+            fastio.prepare_socket(sock, s.tcp_user_timeout_ms)
         except OSError:
             self._inc("handshake_eof")  # the client is already gone
             return False

@@ -114,6 +114,8 @@ class Upstream:
         usock = None
         try:
             usock = await connect_tcp(target.host, target.port)
+            if s.tcp_user_timeout_ms > 0 and hasattr(socket, "TCP_USER_TIMEOUT"):
+                usock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, s.tcp_user_timeout_ms)
             if s.upstream_proxy_protocol:
                 # before TLS and SASL: the broker trusts this header from the router's address only
                 # (its acceptor's proxy-protocol-from) and uses the client's address from then on
