@@ -120,16 +120,23 @@ def _between(c: Column, since, until) -> Column:
     return cond
 
 
+#: route lines whose broker never served the client: the proxy could not reach it (the client was
+#: refused, or routed again: a line of its own follows)
+FAILED_ACTIONS = ("upstream_failed", "upstream_retried")
+
+
 def routes(parsed: DataFrame, since=None, until=None) -> DataFrame:
     """Good ``route`` lines: t, router, key_type, key (the transformed key, what pins match),
-    the join fields, node (target node id, else the target's name) and ok (routed somewhere)."""
+    the join fields, node (target node id, else the target's name) and ok (a connection the
+    broker served: routed there, and not an attempt the proxy could not complete)."""
     node = F.coalesce(F.col("target_node_id"), F.col("target_name"))
+    served = F.col("action").isNull() | ~F.col("action").isin(*FAILED_ACTIONS)
     return (parsed.where((F.col("kind") == "route") & F.col("reason").isNull()
                          & _between(F.col("time_t"), since, until))
             .select(F.col("time_t").alias("t"), "connection_id", "router", "key_type",
                     F.col("key_transformed").alias("key"), "container_id", "user", "client_address",
                     node.alias("node"),
-                    ((F.col("outcome") == "OK") & node.isNotNull()).alias("ok")))
+                    ((F.col("outcome") == "OK") & node.isNotNull() & served).alias("ok")))
 
 
 def activity(parsed: DataFrame, since=None, until=None) -> DataFrame:

@@ -35,6 +35,7 @@ COUNTER_NAMES: dict[str, str] = {
     "proxy_external_refused": "proxy-mode clients using SASL EXTERNAL (cannot be replayed upstream)",
     "upstream_connect_failed": "proxy-mode upstream connections refused/unreachable",
     "upstream_connect_timeout": "proxy-mode upstream connections that missed upstream-connect-timeout",
+    "upstream_retried": "proxy-mode clients routed again after their broker failed before answering (connect-retries)",
     "upstream_fd_exhausted": "proxy-mode clients refused because no descriptor was left to connect to the broker",
     "upstream_auth_failed": "brokers that refused the replayed SASL credentials",
     "upstream_protocol_error": "brokers that answered the replay with something unexpected",

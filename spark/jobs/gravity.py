@@ -239,7 +239,7 @@ def run(spark, opts: Options) -> dict[str, Any]:
     raw = spark.read.text(opts.files).select(path.alias("file"), "value")
     slim = ["file", "kind", "reason", "unknown_version", "value", "time_t", "connection_id", "router",
             "key_type", "key_transformed", "container_id", "user", "client_address", "target_node_id",
-            "target_name", "outcome", "node_id", "node", "source", "address", "direction", "messages", "bytes",
+            "target_name", "outcome", "action", "node_id", "node", "source", "address", "direction", "messages", "bytes",
             "ws", "we", "peer_node_id"]
     parsed = T.parse_lines(raw).select(*slim).persist(StorageLevel.MEMORY_AND_DISK)
     try:

@@ -18,6 +18,7 @@ made to hang like that).
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -67,6 +68,8 @@ def _router_text(pki, routers: dict[str, list[dict]], acceptors: list[dict], *, 
             lines += [f"tls-cert = {toml_str(pki.pem)}", f"tls-key = {toml_str(pki.pem)}"]
         if a.get("upstream-tls"):
             lines += ["upstream-tls = true"]
+        if "connect-retries" in a:
+            lines += [f"connect-retries = {a['connect-retries']}"]
     return "\n".join(lines) + "\n"
 
 
@@ -125,9 +128,11 @@ def test_a_broker_that_went_down_gets_connection_forced_naming_it_and_leaves_rot
     downs = [start_broker(tmp_path, name=f"down{i}", users_file=pki.users) for i in (1, 2)]
     up = start_broker(tmp_path, name="up", users_file=pki.users)
     period_ms = 30000  # no probe during the test but the first round: only failures re-probe
+    # connect-retries = 0: the client meets the failure (the default routes it again: below)
     text = _router_text(pki, {"main": [_target("down1", downs[0]), _target("down2", downs[1]),
                                        _target("up", up)]},
-                        [{"name": "plain", "router": "main"}, {"name": "tls", "router": "main", "tls": True}],
+                        [{"name": "plain", "router": "main", "connect-retries": 0},
+                         {"name": "tls", "router": "main", "tls": True, "connect-retries": 0}],
                         check_period_ms=period_ms)
     router = start_router(tmp_path / "router", text, expect=3, auth=("admin", "admin-pw"))
     try:
@@ -165,6 +170,64 @@ def test_a_broker_that_went_down_gets_connection_forced_naming_it_and_leaves_rot
                 _round_trip(conn, f"after-down.{acceptor}", "served by up")
             finally:
                 conn.close()
+    finally:
+        _stop(router, *downs, up)
+
+
+def test_a_client_whose_broker_went_down_is_routed_again_before_it_sees_anything(tmp_path, pki):
+    """connect-retries: four brokers of five are killed before any probe notices (FIRST_ELEMENT
+    tries them in order). A client of an acceptor with one retry is tried on down1, then down2,
+    and gets down2's failure. A client of the default acceptor (two retries) is tried on down3,
+    then down4, then served by up, and never sees the failures. Each failure took its broker out
+    of rotation; the routing log has one line per attempt."""
+    downs = [start_broker(tmp_path, name=f"down{i}", users_file=pki.users) for i in (1, 2, 3, 4)]
+    up = start_broker(tmp_path, name="up", users_file=pki.users)
+    routing_log = tmp_path / "routing.log"
+    text = _router_text(pki, {"main": [*(_target(f"down{i + 1}", d) for i, d in enumerate(downs)), _target("up", up)]},
+                        [{"name": "once", "router": "main", "connect-retries": 1},
+                         {"name": "retry", "router": "main"}],
+                        check_period_ms=30000)
+    text = text.replace("[routing-log]\nenabled = false", f"[routing-log]\npath = {toml_str(routing_log)}")
+    router = start_router(tmp_path / "router", text, expect=3, auth=("admin", "admin-pw"))
+    try:
+        wait_for(lambda: _pool(router, "main")["ready"] == 5, 20)
+        ports = [d.port for d in downs]
+        for d in downs:
+            d.kill()
+        keys = ("upstream_connect_failed", "upstream_retried", "proxied", "route_ok", "refused")
+
+        before = _acceptor(router, "once")[0]
+        with pytest.raises(ConnectionClosed) as info:
+            _connect(pki, router, "once", tls=False)
+        assert info.value.condition == "amqp:connection:forced"
+        assert f"could not reach broker down2:{ports[1]}" in str(info.value)
+        after = wait_for(lambda: _acceptor(router, "once")[1] == 0 and _acceptor(router, "once")[0], 10)
+        assert {k: after[k] - before[k] for k in keys} == \
+            {"upstream_connect_failed": 2, "upstream_retried": 1, "proxied": 0, "route_ok": 2, "refused": 0}
+
+        before = _acceptor(router, "retry")[0]
+        conn = _connect(pki, router, "retry", tls=False)
+        try:
+            assert conn.conn.remote_properties["node-id"] == up.node_id
+            _round_trip(conn, "routed.again", "served by up")
+        finally:
+            conn.close()
+        after = wait_for(lambda: _acceptor(router, "retry")[1] == 0 and _acceptor(router, "retry")[0], 10)
+        assert {k: after[k] - before[k] for k in keys} == \
+            {"upstream_connect_failed": 2, "upstream_retried": 2, "proxied": 1, "route_ok": 3, "refused": 0}
+        assert [n for n in ("down1", "down2", "down3", "down4", "up") if _target_state(router, "main", n)["ready"]] \
+            == ["up"]
+
+        def route_lines():
+            if not routing_log.exists():
+                return None
+            lines = [json.loads(x) for x in routing_log.read_text().splitlines() if '"event":"route"' in x]
+            return lines if len(lines) == 5 else None
+        lines = wait_for(route_lines, 10)
+        assert [(x["acceptor"], x["target_name"], x["action"]) for x in lines] == [
+            ("once", "down1", "upstream_retried"), ("once", "down2", "upstream_failed"),
+            ("retry", "down3", "upstream_retried"), ("retry", "down4", "upstream_retried"), ("retry", "up", "proxied")]
+        assert len({x["connection_id"] for x in lines[:2]}) == 1 and len({x["connection_id"] for x in lines[2:]}) == 1
     finally:
         _stop(router, *downs, up)
 

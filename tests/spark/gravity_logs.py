@@ -5,7 +5,8 @@ out by hand in ``HAND``.
 The scenario (router ``main``, key type CLIENT_ID, brokers n1, n2, n3; times are seconds after
 2026-01-02T00:00:00Z):
 
-* address ``x``: producer key ``xp`` on n1 (700 bytes; a second connection at t=60, no traffic),
+* address ``x``: producer key ``xp`` on n1 (700 bytes; a second connection at t=60, no traffic,
+  which the proxy first tried on n3 — an ``upstream_retried`` line: no connection of n3's),
   consumer ``xc`` on n2 (500 bytes): n1 forwards 500 bytes to n2, 200 stay on n1 (backlog).
 * address ``y``: producer ``yp`` on n2 (300 bytes, two windows of 150), consumer ``yc`` first on
   n3 (t=4; 100 bytes, forwarded n2 → n3) and then — the key that moved broker mid-log — on n2
@@ -36,7 +37,7 @@ def ts(sec: float, micro: bool = True) -> str:
 
 def route(sec: float, key: str, node: str | None, *, cid: str | None = None, user: str = "app",
           host: str = "127.0.0.1", key_type: str = "CLIENT_ID", router: str = "main", v: int = 1,
-          outcome: str = "OK", conn: str | None = None, drop: tuple[str, ...] = ()) -> str:
+          outcome: str = "OK", conn: str | None = None, drop: tuple[str, ...] = (), action: str | None = None) -> str:
     """One ``event = "route"`` line, every field in the documented order."""
     rec = {"v": v, "event": "route", "time": ts(sec), "connection_id": conn or f"tok-0-{key}-{sec}", "worker": 0,
            "router": router, "acceptor": "proxy", "mode": "proxy", "key_type": key_type,
@@ -46,7 +47,7 @@ def route(sec: float, key: str, node: str | None, *, cid: str | None = None, use
            "target_name": node, "target_node_id": node,
            "target_address": "127.0.0.1:15672" if node else None, "local": False, "policy": "CONSISTENT_HASH",
            "cache": "miss", "cache_hit": False, "cache_tier": None, "pin": None, "quorum_met": True,
-           "ready_targets": 3, "outcome": outcome, "action": "proxied" if outcome == "OK" else "refused",
+           "ready_targets": 3, "outcome": outcome, "action": action or ("proxied" if outcome == "OK" else "refused"),
            "reason": "selected by CONSISTENT_HASH", "decision_us": 42}
     for d in drop:
         rec.pop(d)
@@ -98,6 +99,7 @@ def write_hand_case(root: Path) -> Path:
         route(50, "yc", N2),                                          # yc moved: n3 → n2
         close(55, "yc", N2, "tok-0-yc-50"),
         "",                                                           # blank: neither read nor bad
+        route(59.9, "xp", N3, conn="tok-0-xp-60", action="upstream_retried"),  # n3 failed it: not a connection
         route(60, "xp", N1),                                          # xp again, same broker
         route(61, "qq", N2, drop=("key_transformed",)),               # malformed: missing field
         route(62, "ghost", None, outcome="REFUSED_UNAVAILABLE"),      # refused: no broker
@@ -128,10 +130,10 @@ def write_hand_case(root: Path) -> Path:
 
 #: the answers, worked out by hand in the module docstring's scenario (see tests/spark/README)
 HAND = {
-    "lines_read": 28,        # routing.log.1 8, routing.log 5 (blank not counted), n1 3, n2 7, n3 5
+    "lines_read": 29,        # routing.log.1 8, routing.log 6 (blank not counted), n1 3, n2 7, n3 5
     "lines_malformed": 6,    # invalid JSON, v=2, missing key_transformed, bytes "lots", "teleport", a bad time
     "lines_unknown_version": 1,
-    "per_file": {"routing.log.1": (8, 2), "routing.log": (5, 1), "n1/activity.jsonl": (3, 1),
+    "per_file": {"routing.log.1": (8, 2), "routing.log": (6, 1), "n1/activity.jsonl": (3, 1),
                  "n2/activity.jsonl": (7, 1), "n3/activity.jsonl": (5, 1)},
     "homes": {"x": N1, "y": N2, "z": N3},
     "gravity": {"xp": 1.0, "xc": 0.0, "yp": 1.0, "yc": 200 / 300, "zp": 1.0, "zc": 1.0},

@@ -28,7 +28,8 @@ from router.net.edge.context import (
     close,
     close_now,
 )
-from router.net.edge.errors import EdgeError, reply_frames
+from router.core.decide import Outcome
+from router.net.edge.errors import EdgeError, UpstreamError, reply_frames
 from router.net.edge.pump import END_COUNTER, run_pump
 from router.net.edge.tls import accept_tls
 from router.net.edge.upstream import Upstream, timeout_error
@@ -206,18 +207,69 @@ class Acceptor:
                 await self._answer(c, redirect_mod.redirect_reply(s.router, decision.target), scope)
                 return False
 
-            # 4. Proxy: connect, then replay the handshake (a deadline each)
-            c.phase = PH_CONNECT
-            scope.deadline = trio.current_time() + s.upstream_connect_timeout_s
-            await self._upstream.connect(c, decision.target)
-            c.phase = PH_REPLAY
-            scope.deadline = trio.current_time() + s.upstream_connect_timeout_s
-            await self._upstream.replay(c, detected)
+            # 4. Proxy: connect, then replay the handshake (a deadline each). A broker that fails
+            # before the client has seen a byte of it is out of rotation at once and the key is
+            # routed again, up to connect-retries times (HAProxy's retries + redispatch)
+            retries = s.connect_retries
+            tried: set[str] = set()
+            while True:
+                try:
+                    await self._connect_and_replay(c, detected)
+                    break
+                except UpstreamError as err:
+                    if retries <= 0 or not err.target_down:
+                        raise
+                    retries -= 1
+                    tried.add(c.decision.target.slot)
+                    await self._route_again(c, err, tried)
         except EdgeError as err:
             await self._refuse(c, err, scope)
             return False
         c.phase = PH_PROXY  # the pump runs after this scope, with its own idle deadline
         return True
+
+    async def _connect_and_replay(self, c: ConnState, detected) -> None:
+        """Connect to ``c.decision.target`` and replay the handshake, each within
+        ``connect-timeout-ms``; raises an ``UpstreamError`` with nothing left open."""
+        s = self.settings
+        target = c.decision.target
+        for phase, step in ((PH_CONNECT, lambda: self._upstream.connect(c, target)),
+                            (PH_REPLAY, lambda: self._upstream.replay(c, detected))):
+            c.phase = phase
+            with trio.move_on_after(s.upstream_connect_timeout_s) as attempt:
+                await step()
+            if attempt.cancelled_caught:
+                if c.upstream is not None:
+                    c.upstream.close()
+                    c.upstream = None
+                raise timeout_error(s.router, target, phase == PH_REPLAY)
+
+    async def _route_again(self, c: ConnState, err: UpstreamError, tried: set[str]) -> None:
+        """``err`` ended an attempt before the client saw a byte of that broker: take the broker
+        out of rotation and route the key again (a pool below quorum, or a pair failing over,
+        waits up to quorum-timeout, as any new client would). A target not ``tried`` yet: the
+        failed attempt is counted and logged (action ``upstream_retried``) and ``c.decision`` is
+        the new one. None, or one that failed this client already (its probe may find it ready
+        again: a broker that accepts TCP and answers nothing): ``err`` itself is raised, about
+        the broker that failed (already out of rotation)."""
+        failed, failed_us = c.decision, c.decision_us
+        self.service.upstream_failed(failed.target.slot, err.description)
+        err.target_down = False          # reported: _refuse must not report it again
+        c.phase = PH_ROUTE
+        decision = await route_mod.decide(self.service, self.settings, c)
+        decision_us = c.decision_us
+        if decision.outcome is not Outcome.OK or decision.target is None or decision.target.slot in tried:
+            c.decision, c.decision_us = failed, failed_us
+            raise err
+        c.decision, c.decision_us = failed, failed_us
+        if err.counter is not None:
+            self._inc(err.counter)
+        self._inc("upstream_retried")
+        self._log_decision(c, "upstream_retried")
+        c.decision, c.decision_us = decision, decision_us
+        self._inc(route_mod.ROUTE_COUNTER[decision.outcome])
+        log.info("%s: %s; the client goes to %s instead", self.settings.name, err.description,
+                 decision.target.name)
 
     async def _timed_out(self, c: ConnState) -> None:
         """The connection's cancel scope fired: count the phase's timeout, answer the client."""

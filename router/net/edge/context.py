@@ -57,6 +57,7 @@ class AcceptorSettings:
     handshake_timeout_s: float = 10.0
     upstream_connect_timeout_s: float = 5.0
     tcp_user_timeout_ms: int = 0                # TCP_USER_TIMEOUT on the client's and the broker's socket
+    connect_retries: int = 0                    # brokers tried after the first fails (connect-retries)
     idle_timeout_s: float | None = 300.0
     close_linger_s: float = 1.0
     max_handshake_bytes: int = 65536
