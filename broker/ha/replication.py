@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import trio
 
 from broker.amqp.engine import _pn_delivery_link, _pn_delivery_partial, _pn_delivery_readable, read_transfer
+from broker.store.journal.replication import SnapshotOrderError, iter_snapshot
 from broker.trioutil import Wakeup
 from broker.ha.protocol import (ACKS_ADDRESS, FAILBACK, HANDOVER, HELLO, RECORDS, RECORDS_ADDRESS, SNAPSHOT,
                                 SNAPSHOT_END, START, SYNCED, TOPOLOGY, Hello, ProtocolError, Start, Topology,
@@ -63,6 +64,9 @@ __all__ = ["ReplicationSource", "ReplicationSink", "MAX_TAP_BYTES"]
 
 MAX_TAP_BYTES = 256 * 1024 * 1024   # records tapped and not yet sent: beyond, the backup is dropped
 ACK_CREDIT = 100
+#: the initial sync's SNAPSHOT batches: small, so that encoding one (about 1 ms) between the
+#: node's other work keeps its clients' latency low while a large journal is copied
+SNAPSHOT_BATCH_BYTES = 256 * 1024
 
 
 class _RecordsOut:
@@ -158,6 +162,12 @@ class _Session:
         self.closed = False
         self.connected_at = time.time()
         self.started_mono = time.monotonic()
+        #: the initial sync's snapshot: encoded and cut into SNAPSHOT batches as the link takes
+        #: them (``_cut_snapshot``), never the whole encoded journal at once
+        self.snap_batches = None
+        self.snap_records = self.snap_bytes = 0
+        self.snap_encode_s = 0.0
+        self.snap_done = False
 
     # -- lifecycle -------------------------------------------------------------------------------
     def attached(self) -> None:
@@ -198,18 +208,44 @@ class _Session:
         self.started = True
         self.started_mono = time.monotonic()
         j = self.source.node.journal
-        snap = j.snapshot(tap=self.tap)
-        self.through_seq = self.sent_seq = snap.through_seq
-        out = self.out.backlog
-        out.append(encode(START, Start(self.source.node.node_id, snap.through_seq, self.source.node.cfg.name)))
-        for batch in batches(snap.records):
-            out.append(encode(SNAPSHOT, batch))
-        out.append(encode(SNAPSHOT_END, snap.through_seq))
-        out.append(encode(TOPOLOGY, self.source.topology()))
+        # the capture (and the tap) under the journal's lock; the encoding, proportional to the
+        # live bytes, a few batches at a time as the link takes them: a large journal neither
+        # stalls the node's clients nor is held twice in memory
+        through, items = j.snapshot_items(tap=self.tap)
+        self.through_seq = self.sent_seq = through
+        self.snap_batches = batches(iter_snapshot(items), SNAPSHOT_BATCH_BYTES)
+        self.out.backlog.append(encode(START, Start(self.source.node.node_id, through, self.source.node.cfg.name)))
         self.source.node.counters["replication_syncs"] += 1
-        log.info("replication: initial sync to backup %s: %d records through seq %d",
-                 self.hello.name, len(snap.records), snap.through_seq)
         self.pump()
+
+    def _cut_snapshot(self) -> None:
+        """Encode and queue SNAPSHOT batches while the link's backlog is short (two batches of
+        ``SNAPSHOT_BATCH_BYTES`` per pump); then SNAPSHOT_END and the topology."""
+        out = self.out.backlog
+        t0 = time.perf_counter()
+        try:
+            while len(out) < 2:
+                batch = next(self.snap_batches, None)
+                if batch is None:
+                    out.append(encode(SNAPSHOT_END, self.through_seq))
+                    out.append(encode(TOPOLOGY, self.source.topology()))
+                    self.snap_batches = None
+                    self.snap_done = True
+                    break
+                self.snap_records += len(batch)
+                self.snap_bytes += sum(len(r) for r in batch)
+                out.append(encode(SNAPSHOT, batch))
+        except SnapshotOrderError as exc:   # an invariant broke: this copy is void, the backup starts over
+            log.error("replication: cannot snapshot the journal for backup %s: %s", self.hello.name, exc)
+            self.close("amqp:internal-error", f"snapshot failed: {exc}")
+            return
+        finally:
+            self.snap_encode_s += time.perf_counter() - t0
+        if self.snap_done:
+            self.source.last_snapshot = {"through_seq": self.through_seq, "records": self.snap_records,
+                                         "bytes": self.snap_bytes, "encode_ms": round(self.snap_encode_s * 1000, 1)}
+            log.info("replication: initial sync to backup %s: %d records (%d bytes) through seq %d",
+                     self.hello.name, self.snap_records, self.snap_bytes, self.through_seq)
 
     def tap(self, seq: int, rec: bytes) -> None:
         """The journal's tap (called under its lock by whoever appends: the trio thread). Only
@@ -225,6 +261,17 @@ class _Session:
             self.close("amqp:resource-limit-exceeded", f"the backup fell {self.tapped_bytes} bytes behind")
             return
         out = self.out
+        if not self.snap_done:
+            if self.snap_batches is not None:
+                self._cut_snapshot()
+                if self.closed:
+                    return
+            if not self.snap_done:      # still cutting: the tapped records wait
+                if out.send_some():
+                    self.engine.wake()
+                if self.snap_batches is not None and out.link is not None and out.link.credit > 0:
+                    self.source.kick()
+                return
         if self.tapped and len(out.backlog) < 4:
             batch, size = [], 0
             while self.tapped and size < 1024 * 1024:
@@ -240,7 +287,7 @@ class _Session:
             self.source.kick()   # more to cut: come back (bounded work per pump)
 
     def send_topology(self) -> None:
-        if self.started and not self.closed:
+        if self.started and not self.closed and self.snap_done:     # (the snapshot's end sends one)
             self.out.backlog.append(encode(TOPOLOGY, self.source.topology()))
             self.pump()
 
@@ -295,6 +342,7 @@ class ReplicationSource:
         self.on_failback: Callable[[], None] | None = None
         self.failback_session: _Session | None = None
         self._confirmed_ev = Wakeup()
+        self.last_snapshot: dict | None = None   # the latest initial sync's snapshot (GET /api/v1/ha)
 
     # -- links (node.internal_link) ----------------------------------------------------------------
     def internal_link(self, engine: "AmqpEngine", link, address: str):
@@ -346,25 +394,32 @@ class ReplicationSource:
             s.pump()
 
     async def run(self, call_timeout_s: float) -> None:
-        """The pump: send what the tap queued; drop a backup that stopped confirming; run the
-        quorum check after losing an in-sync backup (vote-on-replication-failure)."""
+        """The pump: send what the tap queued (and the initial sync's snapshot); drop a backup
+        that stopped confirming; run the quorum check after losing an in-sync backup
+        (vote-on-replication-failure)."""
         while True:
             with trio.move_on_after(1.0):
                 await self._kicked.wait()
-            self.wake()
-            self.check_timeouts(call_timeout_s)
-            if self._check_due:
-                self._check_due = False
-                if self.quorum_check is not None and not await self.quorum_check():
-                    log.error("ha: this primary lost its backup and the cluster's majority: it stops serving "
-                              "(vote-on-replication-failure); %d held sends are not acknowledged",
-                              self.held_count())
-                    self.node.counters["ha_isolated"] += 1
-                    if self.on_isolated is not None:
-                        self.on_isolated()
-                    continue            # the held sends stay unanswered: the process stops
-                self.checking = False
-                self.release_unreplicated()
+            # a kick that came during the last round makes wait() return at once, without
+            # yielding: let the node's other tasks run between rounds (each cuts ≤ 512 KiB)
+            await trio.lowlevel.checkpoint()
+            await self._round(call_timeout_s)
+
+    async def _round(self, call_timeout_s: float) -> None:
+        self.wake()
+        self.check_timeouts(call_timeout_s)
+        if not self._check_due:
+            return
+        self._check_due = False
+        if self.quorum_check is None or await self.quorum_check():
+            self.checking = False
+            self.release_unreplicated()
+            return
+        log.error("ha: this primary lost its backup and the cluster's majority: it stops serving "
+                  "(vote-on-replication-failure); %d held sends are not acknowledged", self.held_count())
+        self.node.counters["ha_isolated"] += 1
+        if self.on_isolated is not None:
+            self.on_isolated()          # the held sends stay unanswered: the process stops
 
     def hold(self, seq: int, waiters: dict) -> None:
         """The committer's batch, durable here through ``seq``: answer it once the backup has it."""
@@ -499,7 +554,7 @@ class ReplicationSource:
                     "sent_seq": s.sent_seq, "since": s.connected_at},
                 "lag_records": (j.last_seq - s.confirmed_seq) if (s is not None and j is not None) else None,
                 "held_batches": len(self.held), "quorum_check_pending": self.checking, "lost": self.lost_count,
-                "synced_at": self.synced_at}
+                "synced_at": self.synced_at, "last_snapshot": self.last_snapshot}
 
 
 def _release(waiters: dict) -> None:

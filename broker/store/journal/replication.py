@@ -46,14 +46,16 @@ appends would assign seqs of their own and the journals would diverge):
 
 from __future__ import annotations
 
+import heapq
 import os
 from dataclasses import dataclass
 from typing import Iterator
 
 from broker.store.errors import BadRecord, JournalGap
-from broker.store.journal.compaction import _encode_live
-from broker.store.journal.records import SEG_HEADER_BYTES, _parse_at, decode_record
+from broker.store.journal.records import (SEG_HEADER_BYTES, RecordType, _parse_at, _payload_add_message,
+                                          _payload_group, _payload_kv, decode_record, encode_record)
 from broker.store.journal.segments import _Segment, _segment_name
+from broker.store.journal.state import StoredMessage
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,53 @@ class Snapshot:
 
     through_seq: int
     records: list[bytes]
+
+
+class SnapshotOrderError(Exception):
+    """A queue's live messages were not in seq order (an invariant of ``LiveState``)."""
+
+
+def _first(x):
+    return x[0]
+
+
+def iter_snapshot(items: tuple) -> Iterator[bytes]:
+    """The records of :meth:`Replication.snapshot_items`' ``items``, in seq order, one at a time:
+    the same records as :func:`~broker.store.journal.compaction._encode_live`, but a generator,
+    so a caller that sends as it goes (a backup's initial sync) never holds the whole encoded
+    journal nor spends one long stretch encoding it. Each queue's messages are already in seq
+    order (``LiveState.add`` appends a new seq, ``count`` replaces in place), so a lazy merge
+    orders them without sorting the live set; the key-value entries (few) are sorted."""
+    queues, kv = items
+    kv = sorted(kv, key=_first)
+    merged = heapq.merge(*[((m.seq, m) for m in q) for q in queues], kv, key=_first)
+    cur_seq, cur = -1, []
+    for seq, item in merged:
+        if seq < cur_seq:
+            raise SnapshotOrderError(f"seq {seq} after {cur_seq}")
+        if isinstance(item, StoredMessage):
+            if seq == cur_seq:
+                cur.append(item)        # live messages of one GROUP share its seq
+                continue
+            if cur:
+                yield _message_record(cur_seq, cur)
+            cur_seq, cur = seq, [item]
+            continue
+        if cur:
+            yield _message_record(cur_seq, cur)
+            cur = []
+        cur_seq = seq
+        ns, k, e = item
+        yield encode_record(RecordType.ADD_KV, seq, _payload_kv(ns, k, e.value))
+    if cur:
+        yield _message_record(cur_seq, cur)
+
+
+def _message_record(seq: int, msgs: list) -> bytes:
+    payloads = [_payload_add_message(m.queue, m.message_id, m.delivery_count, m.properties, m.body) for m in msgs]
+    if len(payloads) == 1:
+        return encode_record(RecordType.ADD_MESSAGE, seq, payloads[0])
+    return encode_record(RecordType.GROUP, seq, _payload_group([(RecordType.ADD_MESSAGE, p) for p in payloads]))
 
 
 class Replication:
@@ -135,12 +184,22 @@ class Replication:
         initial sync). ``tap``: installed as ``self.tap`` under the same lock, so it sees every
         record appended after ``through_seq`` and none before (a replication stream that starts
         exactly where the snapshot ends); ``tap=None`` leaves the current tap alone."""
+        through, items = self.snapshot_items(tap)
+        return Snapshot(through, list(iter_snapshot(items)))
+
+    def snapshot_items(self, tap=None) -> tuple[int, tuple]:
+        """:meth:`snapshot` without the encoding: ``(through_seq, items)``, where
+        :func:`iter_snapshot` makes ``items`` the snapshot's records. Only the capture holds
+        the lock: a list of each queue's live messages and of the key-value entries (references;
+        the values are immutable, so the node goes on appending while they are encoded)."""
+        st = self._state
         with self._lock:
-            live_state, live_kv = self._state.live_items()
+            queues = [list(q.values()) for q in st.messages.values()]
+            kv = [(e.seq, (ns, k, e)) for ns, d in st.kv.items() for k, e in d.items()]
             through = self._last_seq
             if tap is not None:
                 self.tap = tap
-        return Snapshot(through, _encode_live(live_state, live_kv))
+        return through, (queues, kv)
 
     def install_snapshot(self, snap: Snapshot) -> None:
         """Replica side: replace this journal's whole state by ``snap`` (crash-safe: the
