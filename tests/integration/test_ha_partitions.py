@@ -16,6 +16,7 @@ from proton import Message
 from proton.utils import BlockingConnection
 
 from tests.brokerproc import ADMIN
+from tests.clusterproc import wait_until
 from tests.haproc import CLIENT, ha_view, receive_all, send, start_replica, wait_active, wait_phase
 from tests.netns import Network, available
 from tests.serverproc import http_json
@@ -53,16 +54,6 @@ def _connected(m) -> int:
     return sum(1 for x in body["members"] if x["connected"] and x.get("role") != "backup")
 
 
-def _wait(predicate, what: str, timeout_s: float = 60.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-
-
 def cluster_with_a_backup(tmp_path, net):
     """Three primaries p1..p3 (each in its own namespace), p1 with vote-on-replication-failure,
     and p1's replicated backup, in sync."""
@@ -73,10 +64,10 @@ def cluster_with_a_backup(tmp_path, net):
     for p in (p2, p3):
         wait_active(p)
     for p in (p1, p2, p3):
-        _wait(lambda p=p: _connected(p) >= 2, f"{p.workdir.name} never saw the two other primaries")
+        wait_until(lambda p=p: _connected(p) >= 2, 60, f"{p.workdir.name} never saw the two other primaries")
     backup = _start(tmp_path, net, "backup", "backup", static=[p1.amqp_url], ha={"group-name": "g1", **VOTES})
     wait_phase(backup, "in-sync", 60)
-    _wait(lambda: ha_view(p1)["replication"]["state"] == "in-sync", "p1 never saw its backup in sync")
+    wait_until(lambda: ha_view(p1)["replication"]["state"] == "in-sync", 60, "p1 never saw its backup in sync")
     return p1, p2, p3, backup
 
 
@@ -97,12 +88,12 @@ def test_a_silently_cut_replication_link_loses_no_acknowledged_send(tmp_path, ne
     p1_log = p1.stderr_text()
     assert "held sends wait for the quorum check" in p1_log
     assert "quorum check after losing the backup: still in the majority" in p1_log
-    _wait(lambda: "vote to take over node" in backup.stderr_text(), "the backup never voted")
+    wait_until(lambda: "vote to take over node" in backup.stderr_text(), 60, "the backup never voted")
     assert "WON" not in backup.stderr_text()
     assert ha_view(backup)["active"] is False and ha_view(p1)["active"] is True
     net.heal()
     wait_phase(backup, "in-sync", 90)
-    _wait(lambda: ha_view(p1)["replication"]["state"] == "in-sync", "p1 never saw its backup in sync again")
+    wait_until(lambda: ha_view(p1)["replication"]["state"] == "in-sync", 60, "p1 never saw its backup in sync again")
     send(p1, "q", ["after"])
     p1.kill()
     wait_active(backup, 60)

@@ -23,6 +23,7 @@ from proton import Message
 from proton.utils import BlockingConnection
 
 from tests.brokerproc import BrokerProcess, write_config, write_users_file
+from tests.clusterproc import wait_until
 from tests.netns import Network, available
 from tests.routerproc import start_router, toml_str
 from tests.serverproc import REPO
@@ -95,16 +96,6 @@ def _ready(router) -> set[str]:
     return {t["name"] for t in body["pool"]["targets"] if t["ready"]}
 
 
-def _wait(pred, what: str, timeout_s: float = 60.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = pred()
-        if v:
-            return v
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-
-
 def _round_trip(router, container_id: str) -> None:
     c = BlockingConnection(router.url("front"), timeout=20, user="app", password="app-pw", allowed_mechs="PLAIN",
                            container_id=container_id)
@@ -119,7 +110,7 @@ def _round_trip(router, container_id: str) -> None:
 
 def test_a_broker_cut_off_from_the_router_leaves_the_pool_and_its_stuck_connections_end(env):
     net, brokers, router = env
-    _wait(lambda: _ready(router) == {"b1", "b2"}, "both brokers ready")
+    wait_until(lambda: _ready(router) == {"b1", "b2"}, 60, "both brokers ready")
     assert router.target_for("main", "stuck-client")["target"]["name"] == "b1"   # FIRST_ELEMENT
     client = subprocess.Popen([sys.executable, "-c", CLIENT, router.url("front")], cwd=REPO, text=True,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -132,7 +123,7 @@ def test_a_broker_cut_off_from_the_router_leaves_the_pool_and_its_stuck_connecti
         assert client.stdout.readline().strip() == "sending"
         # b1's probes time out: it leaves the pool, and the same key now goes to b2; meanwhile the
         # router took what the sockets would hold of the 8 MiB and is stuck writing the rest to b1
-        _wait(lambda: _ready(router) == {"b2"}, "b1 leaving the pool", 30)
+        wait_until(lambda: _ready(router) == {"b2"}, 30, "b1 leaving the pool")
         assert _front(router)["active_connections"] == 1
         _round_trip(router, "stuck-client")
         client.send_signal(signal.SIGKILL)     # the client gives up
@@ -144,10 +135,10 @@ def test_a_broker_cut_off_from_the_router_leaves_the_pool_and_its_stuck_connecti
         client.stdin.close()
         client.stdout.close()
     t0 = time.monotonic()
-    _wait(lambda: _front(router)["active_connections"] == 0, "the stuck proxied connection ending", 60)
+    wait_until(lambda: _front(router)["active_connections"] == 0, 60, "the stuck proxied connection ending")
     ended_s = time.monotonic() - t0
     print(f"the stuck connection ended {ended_s:.1f} s after its client was killed")
     assert ended_s < 30
     net.heal()
-    _wait(lambda: _ready(router) == {"b1", "b2"}, "b1 ready again once the link healed", 30)
+    wait_until(lambda: _ready(router) == {"b1", "b2"}, 30, "b1 ready again once the link healed")
     _round_trip(router, "after-heal")
