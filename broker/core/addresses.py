@@ -234,6 +234,10 @@ class Broker:
         #: wildcard addresses (``events.stock.*``) whose queues also get matching addresses' messages
         self.wildcard_addresses: dict[str, Address] = {}
         self._routes: dict[str, tuple[Address, ...]] = {}  # address -> wildcard addresses matching it
+        self._wild_version = 0        # changes when a local wildcard address comes or goes
+        self._remote_wild_version: tuple[int, int] | None = None
+        self._remote_wild_names: tuple[str, ...] = ()
+        self._remote_wild_cache: dict[str, tuple[str, ...]] = {}
         #: text -> predicate, for queue filters recovered from the store (the shell injects the
         #: selector compiler); None: a recovered queue filter is kept as text only
         self.compile_filter: Callable[[str], Callable[[Message], bool]] | None = None
@@ -298,6 +302,7 @@ class Broker:
         self.addresses[name] = addr
         if self.wildcards.is_wildcard(name):
             self.wildcard_addresses[name] = addr
+            self._wild_version += 1
         if self.wildcard_addresses:
             self._routes.clear()
         return addr
@@ -340,6 +345,7 @@ class Broker:
             raise AddressNotFound(f"address {name!r} does not exist")
         if self.wildcard_addresses.pop(name, None) is not None or self.wildcard_addresses:
             self._routes.clear()
+            self._wild_version += 1
         for qname in list(addr.queues):
             self.delete_queue(qname)
 
@@ -378,6 +384,7 @@ class Broker:
             self.addresses.pop(name, None)
             if self.wildcard_addresses.pop(name, None) is not None or self.wildcard_addresses:
                 self._routes.clear()
+                self._wild_version += 1
         if q.owner is not None:
             left = self.owned[q.owner] - 1
             if left > 0:
@@ -458,8 +465,8 @@ class Broker:
         there is, as on a single node.
         """
         remote = self.cluster.by_address
-        if remote and (address in remote or (self.wildcard_addresses and
-                                             any(w.name in remote for w in self._targets(address)))):
+        if remote and (address in remote or self._remote_wild(address) or (
+                self.wildcard_addresses and any(w.name in remote for w in self._targets(address)))):
             return self._publish_clustered(address, body, durable, priority, expires, origin)
         targets = self._targets(address)
         stored = False
@@ -515,6 +522,31 @@ class Broker:
             self._routes[address] = wild
         return ((addr,) if addr is not None else ()) + wild
 
+    def _remote_wild(self, address: str) -> tuple[str, ...]:
+        """Wildcard addresses that only other nodes have (a wildcard subscription over there)
+        matching ``address``: their remote bindings take part in routing it, as Artemis's
+        wildcard address manager binds remote queue bindings too. Cached per address until an
+        address enters or leaves the remote table, or a local wildcard address comes or goes."""
+        cluster = self.cluster
+        version = (cluster.addresses_version, self._wild_version)
+        if self._remote_wild_version != version:
+            self._remote_wild_version = version
+            self._remote_wild_cache.clear()
+            ws = self.wildcards
+            self._remote_wild_names = tuple(n for n in cluster.by_address
+                                            if n not in self.wildcard_addresses and ws.is_wildcard(n))
+        names = self._remote_wild_names
+        if not names:
+            return ()
+        hit = self._remote_wild_cache.get(address)
+        if hit is None:
+            match = self.wildcards.match
+            hit = tuple(n for n in names if n != address and match(n, address))
+            if len(self._remote_wild_cache) > 10_000:
+                self._remote_wild_cache.clear()
+            self._remote_wild_cache[address] = hit
+        return hit
+
     def _publish_clustered(self, address: str, body: bytes, durable: bool, priority: int, expires: float,
                            origin: object) -> bool:
         """``publish`` with remote bindings: per target address, ``balancing.route`` decides; the
@@ -523,9 +555,11 @@ class Broker:
         views = [Bindings(a.name, a.queues, cluster.remote(a.name)) for a in self._targets(address)]
         if address not in self.addresses and address in cluster.by_address:
             views.insert(0, cluster.bindings(address))  # only other nodes have this address
+        views += [cluster.bindings(name) for name in self._remote_wild(address)]
         probe = Message(0, body, durable, address, 0, priority, expires, origin)  # filters decode it once
         stored = False
         routed = False
+        forwards = []
         for view in views:
             decision = route(view, probe, self.load_balancing, self.rotation, explain=False)
             for name in decision.local:
@@ -534,14 +568,22 @@ class Broker:
                 routed = True
                 if view.local[name].enqueue(msg):
                     stored = True
-            for fwd in decision.forwards:
-                routed = True
-                self.forwarded += 1
-                if self.on_forward is None:
-                    self.forwards_unsent += 1
-                elif self.on_forward(fwd, Message(self.next_mid(), body, durable, address, 0, priority, expires,
-                                                   origin)):
-                    stored = True
+            forwards += decision.forwards
+        if len(views) > 1 and len(forwards) > 1:
+            # several addresses (wildcard ones) chose queues on one neighbour: one copy crosses the
+            # bridge for all of them, as Artemis routes one message per store-and-forward queue
+            by_via: dict[str, list] = {}
+            for fwd in forwards:
+                by_via.setdefault(fwd.via, []).extend(fwd.targets)
+            forwards = [Forward(via, tuple(targets)) for via, targets in by_via.items()]
+        for fwd in forwards:
+            routed = True
+            self.forwarded += 1
+            if self.on_forward is None:
+                self.forwards_unsent += 1
+            elif self.on_forward(fwd, Message(self.next_mid(), body, durable, address, 0, priority, expires,
+                                               origin)):
+                stored = True
         if not routed:
             self.dropped_unrouted += 1
         return stored

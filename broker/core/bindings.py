@@ -179,6 +179,9 @@ class ClusterBindings:
         self.compile_filter = compile_filter
         self.by_address: dict[str, dict[str, dict[str, RemoteEntry]]] = {}
         self.count = 0  # remote bindings in the table; 0 keeps Broker.publish on its single-node path
+        #: changes whenever an address appears in or leaves the table (Broker caches which remote
+        #: wildcard addresses match an address against it)
+        self.addresses_version = 0
         #: called with the binding when a remote queue gains consumers (Broker: redistribution)
         self.on_consumer_added: Callable[[RemoteBinding], None] | None = None
         self.ignored_too_far = 0
@@ -190,7 +193,10 @@ class ClusterBindings:
         if binding.distance > self.max_hops:
             self.ignored_too_far += 1
             return False
-        groups = self.by_address.setdefault(binding.address, {})
+        groups = self.by_address.get(binding.address)
+        if groups is None:
+            groups = self.by_address[binding.address] = {}
+            self.addresses_version += 1
         group = groups.setdefault(binding.queue, {})
         old = group.get(binding.node_id)
         if old is None:
@@ -218,6 +224,7 @@ class ClusterBindings:
                     del groups[queue]
                 if not groups:
                     del self.by_address[address]
+                    self.addresses_version += 1
                 return entry.binding
         return None
 

@@ -207,3 +207,40 @@ def test_multicast_subscriptions_on_several_nodes_each_get_every_message_once(no
     assert sorted(b["forwarded"] for b in bridges) == [100, 100]
     for c in conns:
         c.close()
+
+
+def test_a_wildcard_subscription_on_another_node_gets_exactly_the_matching_messages(nodes_factory):
+    """Wildcard subscriptions on node b only (events.stock.* and events.#) and one exact
+    subscription on a: a producer on a sends to five addresses; each subscription gets exactly
+    the messages whose address its pattern matches (worked out by hand below), once, in order —
+    as on a single node (test_broker_amqp_features) and as Artemis binds remote wildcard queues."""
+    from proton import symbol
+    from proton.reactor import LinkOption
+
+    class Topic(LinkOption):
+        def apply(self, link):
+            link.source.capabilities.put_object(symbol("topic"))
+
+    a, b = nodes_factory(2)
+    wait_mesh([a, b])
+    cb, ca = connect(b), connect(a)
+    one = cb.create_receiver("events.stock.*", options=Topic(), credit=500)
+    many = cb.create_receiver("events.#", options=Topic(), credit=500)
+    exact = ca.create_receiver("events.stock.ibm", options=Topic(), credit=500)
+    wait_until(lambda: len(known_bindings(a, "events.stock.*")) == 1 and len(known_bindings(a, "events.#")) == 1,
+               20, "a knows b's two wildcard subscriptions")
+    sent = ["events.stock.ibm", "events.stock.ibm.nyse", "events.bond.x", "events.stock", "other.stock.ibm"]
+    for i in range(3):
+        for address in sent:
+            send(a, address, [f"{address}/{i}"])
+    assert take(one, 3) == [f"events.stock.ibm/{i}" for i in range(3)]
+    assert take(many, 12) == [f"{x}/{i}" for i in range(3) for x in
+                              ("events.stock.ibm", "events.stock.ibm.nyse", "events.bond.x", "events.stock")]
+    assert take(exact, 3) == [f"events.stock.ibm/{i}" for i in range(3)]
+    for r in (one, many, exact):
+        with pytest.raises(Exception):   # proton's Timeout: nothing more for anyone
+            r.receive(timeout=0.5)
+    # one copy per message crossed the bridge to b, however many of b's subscriptions match it
+    assert [br["forwarded"] for br in cluster_view(a)["bridges"]] == [12]
+    cb.close()
+    ca.close()

@@ -257,6 +257,29 @@ def test_clustered_publish_to_an_address_only_other_nodes_have():
     assert b.forwards_unsent == 1
 
 
+def test_remote_wildcard_subscriptions_attract_matching_addresses_with_one_copy_per_node():
+    """A wildcard address only other nodes have (their wildcard subscriptions) takes part in
+    routing every address it matches; a node with several matching subscriptions gets one copy
+    for all of them; the match cache follows remote addresses coming and going."""
+    b, sent, _ = clustered()
+    b.declare_address("events.stock.ibm", [MULTICAST])
+    b.declare_address("events.bond.x", [MULTICAST])
+    b.publish("events.stock.ibm", b"0", False)          # nobody subscribed yet (and the cache is warm)
+    assert sent == [] and b.dropped_unrouted == 1
+    b.cluster.put(RemoteBinding("B", "b.stocks", "events.stock.*", MULTICAST, consumers=1))
+    b.cluster.put(RemoteBinding("B", "b.all", "events.#", MULTICAST, consumers=1))
+    b.cluster.put(RemoteBinding("C", "c.bonds", "events.bond.*", MULTICAST, consumers=1))
+    b.publish("events.stock.ibm", b"1", False)
+    b.publish("events.bond.x", b"2", False)
+    assert sorted(sent) == sorted([("B", (("B", "b.stocks"), ("B", "b.all")), b"1"),
+                                   ("B", (("B", "b.all"),), b"2"), ("C", (("C", "c.bonds"),), b"2")])
+    sent.clear()
+    b.cluster.remove("B", "b.all")
+    b.cluster.remove("B", "b.stocks")
+    b.publish("events.stock.ibm", b"3", False)
+    assert sent == [] and b.dropped_unrouted == 2
+
+
 def test_clustered_off_keeps_everything_local_and_the_store_is_written():
     stored = []
 
