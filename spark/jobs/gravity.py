@@ -20,6 +20,7 @@ import argparse
 import datetime as dt
 import os
 import re
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from spark import report  # noqa: E402
 from spark.errors import UsageError  # noqa: E402
 from spark.placement import KeyLoad, address_cross, recommend, skew  # noqa: E402
 
-__all__ = ["main", "parse_args", "run", "spark_session", "Options", "UsageError"]
+__all__ = ["main", "parse_args", "run", "spark_session", "check_runtime", "Options", "UsageError", "MissingDependency"]
 
 PROG = "lodestone-gravity"
 #: file names read from a directory: routing logs (routing.log, rotated routing.log.1 …, a worker's
@@ -202,6 +203,33 @@ class Progress:
 
 
 # -- Spark -------------------------------------------------------------------------------------
+class MissingDependency(Exception):
+    """PySpark or Java is not there: one line saying what to install, exit status 1."""
+
+
+def check_runtime(env: dict[str, str] | None = None) -> None:
+    """PySpark importable and a Java the driver can start, before Spark is asked to start one (its
+    own failure is a Java gateway traceback). Under spark-submit the gateway is already up."""
+    env = os.environ if env is None else env
+    try:
+        import pyspark  # noqa: F401
+    except ImportError:
+        raise MissingDependency(f"PySpark is not installed in {sys.executable}: "
+                                f"bash etc/bootstrap.sh gravity (docs/gravity.md)") from None
+    if "PYSPARK_GATEWAY_PORT" in env:
+        return
+    java_home = env.get("JAVA_HOME")
+    if java_home:  # PySpark's spark-class runs $JAVA_HOME/bin/java when JAVA_HOME is set
+        java = Path(java_home) / "bin" / "java"
+        if not (java.is_file() and os.access(java, os.X_OK)):
+            raise MissingDependency(f"JAVA_HOME={java_home}: no {java}; point JAVA_HOME at a Java 17 "
+                                    f"install or unset it to use java from PATH")
+    elif shutil.which("java", path=env.get("PATH", os.defpath)) is None:
+        raise MissingDependency("Java not found (no java on PATH, JAVA_HOME unset): PySpark's driver needs "
+                                "Java 17, e.g. Debian's default-jre-headless (bash etc/bootstrap.sh gravity "
+                                "installs it)")
+
+
 def spark_session(master: str | None = None, driver_memory: str = "2g"):
     """A session on ``master`` (default local[*]); under spark-submit, spark-submit's master
     unless one is given."""
@@ -451,6 +479,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
+    try:
+        check_runtime()
+    except MissingDependency as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 1
     opts.out.mkdir(parents=True, exist_ok=True)
     spark = spark_session(opts.master, opts.driver_memory)
     try:

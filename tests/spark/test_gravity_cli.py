@@ -68,3 +68,25 @@ def test_a_directory_without_logs_is_skipped_beside_one_with_logs(logs, capsys):
     files = expand_inputs([str(logs), str(logs / "empty")])
     assert files == [str(logs / "routing.log")]
     assert capsys.readouterr().err == f"lodestone-gravity: {logs / 'empty'}: no log files in this directory, skipped\n"
+
+
+@pytest.mark.parametrize("case", ["no-pyspark", "no-java", "bad-java-home"])
+def test_missing_runtime_exits_1_with_one_line_before_spark(logs, case):
+    # without these checks the user sees PySpark's Java-gateway traceback instead of what to install
+    args = [sys.executable, "-m", "spark.jobs.gravity", str(logs / "routing.log"), "--out", str(logs / "o")]
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+    if case == "no-pyspark":
+        args.insert(1, "-S")  # no site-packages: the venv's PySpark is not importable
+        want = "PySpark is not installed in"
+    elif case == "no-java":
+        (logs / "bin").mkdir()
+        env["PATH"] = str(logs / "bin")  # no java on it
+        want = "Java not found (no java on PATH, JAVA_HOME unset)"
+    else:
+        env["JAVA_HOME"] = str(logs / "empty")
+        want = f"JAVA_HOME={logs / 'empty'}: no {logs / 'empty' / 'bin' / 'java'}"
+    r = subprocess.run(args, capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
+    assert r.returncode == 1, r
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lodestone-gravity: ") and want in lines[0], r.stderr
+    assert not (logs / "o").exists()
