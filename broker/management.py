@@ -120,15 +120,9 @@ def cluster_view(node: "Node") -> dict:
     """``GET /api/v1/cluster``: this node's view of its cluster (404 when it has none)."""
     if node.cluster is None:
         raise HttpError(404, "this node is not part of a cluster (no [cluster] table)")
-    view = node.cluster.describe()
-    repl = node.replication
-    if repl is not None and repl.session is not None and repl.backup_connector:
-        # this node's replication backup: a member with the same node id and "role": "backup"
-        # (a router's cluster pool pairs them: docs/router.md "HA pairs", docs/ha.md)
-        view["members"].append({"node_id": node.node_id, "role": "backup", "connector": repl.backup_connector,
-                                "management_url": repl.backup_management_url, "connected": repl.state == "in-sync",
-                                "since": repl.synced_at})
-    return view
+    # the members include every HA backup this node knows, its own and the members' (role
+    # "backup", the node id they back up: a router's cluster pool pairs them; docs/ha.md "Topology")
+    return node.cluster.describe()
 
 
 RENDER_SLICE_QUEUES = 1000

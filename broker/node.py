@@ -157,6 +157,9 @@ class Node:
         self._dirty = Wakeup()
         #: broker.ha.replication.ReplicationSource of an active replication member
         self.replication = None
+        #: a shared-store primary's waiting backup, ``(connector, management URL, True)``, or None
+        #: (broker.ha.shared_store; listed by ClusterNode.own_backups)
+        self.shared_backup = None
         store = JournalStore(journal, self._dirty.set) if journal is not None else None
         cl = cfg.cluster
         dups = DuplicateIds(size=cfg.id_cache_size, persist=cfg.persist_id_cache and journal is not None,
@@ -287,11 +290,17 @@ class Node:
         two nodes with one node id can tell which one is the newcomer (broker.cluster.bridge),
         and the cluster's live members, for clients (``lodestone:cluster-members``,
         docs/cluster.md "Topology to clients"); for a replication primary with a backup in sync,
-        Artemis's ``failover-server-list`` (docs/ha.md)."""
+        or a shared-store node with a backup waiting on its files, Artemis's
+        ``failover-server-list`` (docs/ha.md)."""
         props = self.cluster.open_properties() if self.cluster is not None else {}
         repl = self.replication
         if repl is not None:
             fsl = repl.failover_server_list()
+            if fsl:
+                props = {**props, "failover-server-list": fsl}
+        elif self.shared_backup is not None:   # a shared-store backup waiting on our files
+            from broker.ha.replication import failover_server_list
+            fsl = failover_server_list([self.shared_backup[0]])
             if fsl:
                 props = {**props, "failover-server-list": fsl}
         return props

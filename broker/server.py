@@ -235,7 +235,8 @@ async def _in_scope(scope: trio.CancelScope, fn, *args, task_status=trio.TASK_ST
 
 
 async def _run_broadcast(node: Node, bg, amqp_urls: list[str], mgmt_url: str) -> None:
-    """A broadcast group (Artemis ``broadcast-group``): announce this node over UDP multicast."""
+    """A broadcast group (Artemis ``broadcast-group``): announce this node over UDP multicast,
+    with its HA backups (``ClusterNode.own_backups``) as they are at each period."""
     from broker.cluster.discovery import Announcement
     from broker.cluster.udp import broadcast
 
@@ -253,7 +254,9 @@ async def _run_broadcast(node: Node, bg, amqp_urls: list[str], mgmt_url: str) ->
                                                             "port": bg.group_port, "connectors": list(connectors)}})
     try:
         await broadcast(bg.group_address, bg.group_port,
-                        lambda seq: Announcement(node.node_id, name, mgmt_url, connectors, seq),
+                        lambda seq: Announcement(node.node_id, name, mgmt_url, connectors, seq,
+                                                 backups=node.cluster.own_backups()
+                                                 if node.cluster is not None else ()),
                         period_s=bg.broadcast_period_ms / 1000.0, bind_address=bg.local_bind_address,
                         bind_port=bg.local_bind_port, key=key, counters=counters)
     except OSError as exc:  # the bind address is not this host's, say: the node keeps serving

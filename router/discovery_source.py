@@ -9,10 +9,13 @@ multicast. The router listens on the same group address with its own
 :class:`broker.cluster.discovery.DiscoveryGroup` (own node id None: every node is another one)
 and the broker's listener :func:`broker.cluster.udp.listen`; both are imported, not copied.
 Each change of the group's table becomes a pool change (``router.core.membership
-.discovery_change``): a node heard for the first time joins (not ready: the health probe, through
-the announced management URL, and the quorum gate it exactly as a static target); a node whose
-announcement changed is replaced; a node whose entry was not refreshed within
-``refresh-timeout-ms`` leaves. With ``cluster`` only that cluster's announcements count; with
+.DiscoveryMembership``, which remembers the slots each node id holds): a node heard for the
+first time joins (not ready: the health probe, through the announced management URL, and the
+quorum gate it exactly as a static target), and with it each HA backup it announces, as a
+backup member of its pair (``docs/router.md`` "HA pairs"); a node whose announcement changed
+gets exactly the slots it now names (a member whose address is unchanged keeps its slot and
+state, its role updated); a node whose entry was not refreshed within ``refresh-timeout-ms``
+leaves with all its slots. With ``cluster`` only that cluster's announcements count; with
 ``key`` only packets signed with that cluster key.
 
 ``follow`` reports started once a first member was heard or ``initial-wait-timeout-ms`` passed
@@ -34,7 +37,7 @@ import trio
 
 from broker.cluster.discovery import DiscoveryGroup
 from broker.cluster.udp import listen
-from router.core.membership import discovery_change
+from router.core.membership import DiscoveryMembership
 from router.core.policies.base import Target
 from router.core.pool import FollowContext, Pool, register_membership_source
 from router.errors import MembershipSourceError
@@ -104,8 +107,9 @@ class DiscoverySource:
         o = self.options
         self.group = DiscoveryGroup(None, o["refresh-timeout-ms"] / 1000.0, cluster=o["cluster"],
                                     key=o["key"])
+        self.membership = DiscoveryMembership()  # node id → its slots in the pool
         self.last_error: str | None = None      # joining the group failed
-        self.unusable: dict[str, str] = {}      # node id → why its announcement is no target
+        self.unusable: dict[str, str] = {}      # node id → what of its announcement is no target
         self.joined = 0
         self.left = 0
         self._heard = trio.Event()               # a first member, or a first failure
@@ -123,35 +127,49 @@ class DiscoverySource:
                 "refresh_timeout_ms": o["refresh-timeout-ms"], "cluster": o["cluster"],
                 "signed_only": o["key"] is not None,
                 "members": sorted(self.group.entries), "unusable": dict(self.unusable),
+                "backups": {node_id: [{"connector": c, "management_url": m or None, "in_sync": s}
+                                      for c, m, s in e.announcement.backups]
+                            for node_id, e in sorted(self.group.entries.items())
+                            if e.announcement.backups},
+                "slots": self.membership.slots(),
                 "joined": self.joined, "left": self.left, "last_error": self.last_error,
                 "counters": dict(self.group.counters)}
 
     def apply(self, pool: Pool, kind: str, entry) -> bool:
         """One change of the group's table → the pool. True if the pool changed."""
         a = entry.announcement
-        change, why = discovery_change(kind, a)
+        change, why = self.membership.observe(kind, a)
         if why is not None:
-            if a.node_id not in self.unusable:
-                log.warning("discovery pool: %s cannot be a target (%s)", a.node_id, why)
+            if self.unusable.get(a.node_id) != why:
+                log.warning("discovery pool: left out of the pool from %s's announcement: %s",
+                            a.node_id, why)
             self.unusable[a.node_id] = why
         else:
             self.unusable.pop(a.node_id, None)
         if kind == "removed":
             self.unusable.pop(a.node_id, None)
         changed = False
-        for slot in change.removed:
+        for slot in change.removed:  # first: a moved slot is added again under its name
             if pool.remove_target(slot):
                 changed = True
                 if kind == "removed":
                     self.left += 1
                     log.info("discovery pool: %s left (not heard for %d ms)", slot,
                              self.options["refresh-timeout-ms"])
+                else:
+                    log.info("discovery pool: %s left (no longer announced where it was)", slot)
         for t in change.added:
             if pool.add_target(t):
                 changed = True
                 self.joined += 1
-                log.info("discovery pool: %s joined (amqp %s:%d, management %s)", t.name, t.host,
-                         t.port, t.management_url)
+                log.info("discovery pool: %s joined (amqp %s:%d, management %s%s)", t.name,
+                         t.host, t.port, t.management_url,
+                         f"; backup of node {t.node_id}" if t.backup else "")
+        for t in change.updated:
+            if pool.update_target(t):
+                changed = True
+                role = f"a backup of node {t.node_id}" if t.backup else f"node {t.node_id} itself"
+                log.info("discovery pool: %s is now announced as %s", t.name, role)
         return changed
 
     async def follow(self, pool: Pool, ctx: FollowContext,

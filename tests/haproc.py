@@ -49,7 +49,10 @@ class HaMember(BrokerProcess):
 
 
 def start_member(tmp_path: Path, name: str, shared: Path, role: str, *, ha: dict[str, Any] | None = None,
-                 config: dict[str, dict[str, Any]] | None = None, start: bool = True) -> HaMember:
+                 config: dict[str, dict[str, Any]] | None = None, cluster: dict[str, Any] | None = None,
+                 start: bool = True) -> HaMember:
+    """One member of a shared-store pair; ``cluster``: its ``[cluster]`` table, with the
+    ``connector`` set to this member's own AMQP port."""
     amqp, mgmt = free_ports(2)
     workdir = Path(tmp_path) / name
     tables = {"node": {"data-dir": str(shared)},
@@ -58,6 +61,8 @@ def start_member(tmp_path: Path, name: str, shared: Path, role: str, *, ha: dict
               "journal": {"sync": "batch"},
               "ha": {"policy": "shared-store", "role": role, **({"wait-for-activation": False}
                                                                  if role == "primary" else {}), **(ha or {})}}
+    if cluster is not None:
+        tables["cluster"] = {**cluster, "connector": f"amqp://127.0.0.1:{amqp}"}
     for k, v in (config or {}).items():
         tables.setdefault(k, {}).update(v)
     path = write_config(workdir, name=name, config=tables)

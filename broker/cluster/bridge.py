@@ -73,7 +73,8 @@ from broker.amqp.host import INTERNAL_PREFIX
 from broker.amqp.peer import (PeerConnected, PeerConnectFailed, PeerConnection, PeerDisconnected, PeerGaveUp,
                               PeerLoginRefused, RetrySettings)
 from broker.cluster.discovery import DiscoveryGroup
-from broker.cluster.protocol import (FORWARD_ADDRESS, NOTIFY_ADDRESS, AddressNote, BindingNote, Forwarded, Hello,
+from broker.cluster.protocol import (FORWARD_ADDRESS, NOTIFY_ADDRESS, AddressNote, BackupsNote, BindingNote,
+                                     Forwarded, Hello,
                                      ProtocolError, Reset, Unbinding, decode_forwards, decode_note, encode_forward,
                                      encode_note)
 from broker.cluster.state import ClusterState
@@ -462,6 +463,9 @@ class ClusterNode:
         self._changed = Wakeup()
         self._sf: dict[str, object] = {}   # node id -> its store-and-forward queue
         self.groups: dict[str, str | None] = {}   # node id -> its scale-down group (from its hello)
+        #: node id -> the HA backups it told us of (its ``backups`` notifications; cleared by its hello)
+        self.member_backups: dict[str, tuple[tuple[str, str, bool], ...]] = {}
+        self._told_backups: tuple[tuple[str, str, bool], ...] = ()   # what we last told the others
         self.scaling_down = False
         self.scaled_down = 0
         self.identities: dict[str, tuple[str, int]] = {}  # node id -> (connector, start ms) seen inbound
@@ -625,6 +629,29 @@ class ClusterNode:
                 out.append((node_id, m.connector, m.management_url))
         return out
 
+    def own_backups(self) -> tuple[tuple[str, str, bool], ...]:
+        """This node's HA backups as ``(connector, management URL, in sync)``: a replication
+        backup connected to it (in sync once it holds the initial copy), or the shared-store backup
+        waiting on its data directory (``broker.ha.shared_store``; in sync: it reads the same files).
+        Told to the other members (the ``backups`` notification) and announced by broadcast groups."""
+        out: list[tuple[str, str, bool]] = []
+        repl = self.node.replication
+        if repl is not None and repl.session is not None and repl.backup_connector:
+            out.append((repl.backup_connector, repl.backup_management_url or "", repl.state == "in-sync"))
+        shared = getattr(self.node, "shared_backup", None)
+        if shared is not None:
+            out.append(shared)
+        return tuple(out)
+
+    def backups_changed(self) -> None:
+        """This node's backups may have changed (a replication backup connected, got in sync or
+        was lost; a shared-store backup appeared or went): tell the others when they did."""
+        now = self.own_backups()
+        if now != self._told_backups:
+            self._told_backups = now
+            self._broadcast(BackupsNote(self.node.node_id, now))
+            self._members_changed()
+
     def _sf_queue(self, node_id: str):
         q = self._sf.get(node_id)
         if q is not None and not q.deleted:
@@ -651,6 +678,9 @@ class ClusterNode:
 
     def snapshot(self) -> list:
         notes: list = [self.hello(), Reset()]
+        backups = self.own_backups()
+        if backups:
+            notes.append(BackupsNote(self.node.node_id, backups))
         notes.extend(self.state)
         for q in list(self.core.queues.values()):
             if self.clustered(q.address) and not q.name.startswith(INTERNAL_PREFIX):
@@ -690,6 +720,7 @@ class ClusterNode:
             if note.node_id != via:
                 raise ProtocolError("amqp:invalid-field", f"hello from {note.node_id!r} on the link of {via!r}")
             self.groups[via] = note.group
+            self.member_backups.pop(via, None)   # a backups notification follows if it has any
             m = self.members.get(via)
             if m is None or m.connector != note.connector:
                 self.members[via] = _Member(via, note.connector, note.management_url, note.started_ms)
@@ -703,6 +734,15 @@ class ClusterNode:
             return
         if isinstance(note, Reset):
             self.forget_via(via)
+            return
+        if isinstance(note, BackupsNote):
+            if note.node_id != via:
+                raise ProtocolError("amqp:invalid-field", f"backups of {note.node_id!r} on the link of {via!r}")
+            if note.backups:
+                self.member_backups[via] = note.backups
+            else:
+                self.member_backups.pop(via, None)
+            self._members_changed()
             return
         if isinstance(note, BindingNote):
             if note.distance == 0 and note.node_id != via:
@@ -1230,6 +1270,29 @@ class ClusterNode:
             out.append({"node-id": node_id, "connector": connector})
         return out
 
+    def backup_members(self) -> list[dict]:
+        """The HA backups of this node and of the members (what they told us), as members of the
+        view with ``"role": "backup"`` and the node id they back up (a router's cluster pool pairs
+        them, docs/router.md "HA pairs"). ``connected``: in sync (a replication backup holding the
+        initial copy, a shared-store backup waiting on the files) and, for a member's backup, the
+        bridge to that member up — what we know of it is what the member told us."""
+        out = []
+        repl = self.node.replication
+        for connector, mgmt, in_sync in self.own_backups():
+            out.append({"node_id": self.node.node_id, "role": "backup", "connector": connector,
+                        "management_url": mgmt or None, "connected": in_sync,
+                        "since": repl.synced_at if repl is not None and in_sync else None})
+        for node_id in sorted(self.member_backups):
+            m = self.members.get(node_id)
+            b = self.by_node.get(node_id)
+            up = b is not None and b.connected
+            for connector, mgmt, in_sync in self.member_backups[node_id]:
+                if m is not None and _same_endpoint(connector, m.connector):
+                    continue   # the backup has taken the node id over: it is the member now
+                out.append({"node_id": node_id, "role": "backup", "connector": connector,
+                            "management_url": mgmt or None, "connected": bool(in_sync and up), "since": None})
+        return out
+
     def take_activity(self) -> dict:
         out, self.activity = self.activity, {}
         return out
@@ -1241,6 +1304,7 @@ class ClusterNode:
             members.append({"node_id": node_id, "connector": m.connector, "management_url": m.management_url,
                             "connected": bool(b is not None and b.connected),
                             "since": b.since if b is not None and b.connected else None})
+        members += self.backup_members()
         return {"name": self.cfg.name, "node_id": self.node.node_id, "connector": self.connector,
                 "duplicate_of": self.duplicate_of,
                 "message_load_balancing": self.mode.value, "max_hops": self.cfg.max_hops,
@@ -1253,8 +1317,11 @@ class ClusterNode:
                     "group": self.discovery_cfg.name, "counters": dict(self.discovery.counters),
                     "entries": [{"node_id": e.node_id, "connectors": list(e.announcement.connectors),
                                  "management_url": e.announcement.management_url,
+                                 "backups": [{"connector": c, "management_url": m or None, "in_sync": ok}
+                                             for c, m, ok in e.announcement.backups],
                                  "age_s": round(time.monotonic() - e.last_seen, 3)}
                                 for e in self.discovery.entries.values()]},
+                "broadcast_groups": {name: dict(c) for name, c in self.node.broadcast_counters.items()},
                 "state": {"addresses": len(self.state), "bytes": self.state.bytes, "cap_bytes": self.state.max_bytes,
                           "refused": self.state.refused},
                 "redistributed": self.redistributed, "counters": dict(self.counters)}

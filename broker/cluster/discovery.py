@@ -14,11 +14,23 @@ The packet (big-endian; at most :data:`MAX_PACKET` bytes)::
     magic    4 bytes  b"LDSc"
     version  u8       1
     flags    u8       bit 0: an HMAC-SHA256 trailer follows (the cluster key)
+                      bit 1: a backups section follows the connectors
     sequence u64      the sender's broadcast counter, starting from its start time in ms × 65536
                       so that it grows across restarts (an older one is ignored)
     node id, cluster name, management URL          each u16 length + UTF-8
     connectors: u8 count, then each u16 length + UTF-8 (amqp://host:port or amqps://host:port)
+    [backups: u8 count (1..4), then each
+        connector        u16 length + UTF-8 (amqp:// or amqps://)
+        management URL   u16 length + UTF-8 (http:// or https://; empty: unknown)
+        in sync          u8 (0 or 1)]
     [hmac    32 bytes HMAC-SHA256(key, everything before it)]
+
+The backups are the node's HA backups (a replication backup connected to it, a shared-store
+backup waiting on its files), as Artemis's broadcast packets carry (live, backup) connector
+pairs: a router's discovery pool makes each an HA pair member of the node id. Bit 1 is set only
+when there are backups, so an announcement without any is byte for byte what nodes that predate
+the section send — and those nodes drop a packet with bit 1 as garbage (unknown flags): a
+cluster with such nodes must not announce backups until every node understands them.
 
 With a cluster ``key`` the broadcaster signs its packets and a discovery group drops packets that
 are unsigned or wrongly signed (forged); without one anybody on the group address can announce a
@@ -36,14 +48,16 @@ import struct
 from dataclasses import dataclass, field
 
 __all__ = ["Announcement", "DiscoveryError", "DiscoveryGroup", "Entry", "encode_announcement",
-           "decode_announcement", "MAX_PACKET", "MAX_ENTRIES"]
+           "decode_announcement", "MAX_PACKET", "MAX_ENTRIES", "MAX_BACKUPS"]
 
 MAGIC = b"LDSc"
 VERSION = 1
 FLAG_SIGNED = 0x01
+FLAG_BACKUPS = 0x02
 MAX_PACKET = 1400          # one Ethernet-sized datagram
 MAX_ENTRIES = 1024         # members one discovery group keeps
 MAX_CONNECTORS = 8
+MAX_BACKUPS = 4
 _HEAD = struct.Struct(">4sBBQ")
 _U16 = struct.Struct(">H")
 _MAC = 32
@@ -55,11 +69,15 @@ class DiscoveryError(Exception):
 
 @dataclass(frozen=True)
 class Announcement:
+    """What one broadcast says. ``backups``: the node's HA backups as ``(connector, management
+    URL or "", in sync)``."""
+
     node_id: str
     cluster: str
     management_url: str
     connectors: tuple[str, ...]
     sequence: int = 0
+    backups: tuple[tuple[str, str, bool], ...] = ()
 
 
 def _put(out: list, text: str) -> None:
@@ -74,12 +92,21 @@ def encode_announcement(a: Announcement, key: str | None = None) -> bytes:
     """The packet for ``a`` (signed with ``key`` when given); ValueError if it does not fit."""
     if not 1 <= len(a.connectors) <= MAX_CONNECTORS:
         raise ValueError(f"an announcement carries 1..{MAX_CONNECTORS} connectors")
-    out = [_HEAD.pack(MAGIC, VERSION, FLAG_SIGNED if key else 0, a.sequence)]
+    if len(a.backups) > MAX_BACKUPS:
+        raise ValueError(f"an announcement carries at most {MAX_BACKUPS} backups")
+    flags = (FLAG_SIGNED if key else 0) | (FLAG_BACKUPS if a.backups else 0)
+    out = [_HEAD.pack(MAGIC, VERSION, flags, a.sequence)]
     for text in (a.node_id, a.cluster, a.management_url):
         _put(out, text)
     out.append(bytes((len(a.connectors),)))
     for c in a.connectors:
         _put(out, c)
+    if a.backups:  # only then: without backups the packet is what older nodes send and read
+        out.append(bytes((len(a.backups),)))
+        for connector, mgmt, in_sync in a.backups:
+            _put(out, connector)
+            _put(out, mgmt)
+            out.append(b"\x01" if in_sync else b"\x00")
     data = b"".join(out)
     if key:
         data += hmac.new(key.encode(), data, hashlib.sha256).digest()
@@ -100,7 +127,7 @@ def decode_announcement(data: bytes, key: str | None = None) -> Announcement:
         raise DiscoveryError("not a Lodestone announcement (magic)")
     if version != VERSION:
         raise DiscoveryError(f"unknown announcement version {version}")
-    if flags & ~FLAG_SIGNED:
+    if flags & ~(FLAG_SIGNED | FLAG_BACKUPS):
         raise DiscoveryError(f"unknown flags {flags:#x}")
     end = len(data)
     if flags & FLAG_SIGNED:
@@ -145,11 +172,32 @@ def decode_announcement(data: bytes, key: str | None = None) -> Announcement:
         if not (c.startswith("amqp://") or c.startswith("amqps://")):
             raise DiscoveryError(f"connector {i} is not an amqp:// or amqps:// URL")
         connectors.append(c)
+    backups = []
+    if flags & FLAG_BACKUPS:
+        if pos >= end:
+            raise DiscoveryError("backups: truncated")
+        n = data[pos]
+        pos += 1
+        if not 1 <= n <= MAX_BACKUPS:
+            raise DiscoveryError(f"{n} backups (1..{MAX_BACKUPS} when the backups flag is set)")
+        for i in range(n):
+            c, pos = text(pos, f"backup {i} connector")
+            if not (c.startswith("amqp://") or c.startswith("amqps://")):
+                raise DiscoveryError(f"backup {i} connector is not an amqp:// or amqps:// URL")
+            bm, pos = text(pos, f"backup {i} management URL", empty=True)
+            if bm and not (bm.startswith("http://") or bm.startswith("https://")):
+                raise DiscoveryError(f"backup {i} management URL is not http(s)://")
+            if pos >= end:
+                raise DiscoveryError(f"backup {i} in-sync flag: truncated")
+            if data[pos] > 1:
+                raise DiscoveryError(f"backup {i} in-sync flag is {data[pos]} (0 or 1)")
+            backups.append((c, bm, data[pos] == 1))
+            pos += 1
     if pos != end:
         raise DiscoveryError(f"{end - pos} trailing bytes")
     if mgmt and not (mgmt.startswith("http://") or mgmt.startswith("https://")):
         raise DiscoveryError("management URL is not http(s)://")
-    return Announcement(node_id, cluster, mgmt, tuple(connectors), seq)
+    return Announcement(node_id, cluster, mgmt, tuple(connectors), seq, tuple(backups))
 
 
 @dataclass
@@ -170,7 +218,8 @@ class DiscoveryGroup:
     """The entries one discovery group heard (Artemis ``DiscoveryGroup``), pure.
 
     ``receive(data, now)`` applies one packet and returns ``("added" | "changed" | "refreshed",
-    entry)`` or None (own node, other cluster, older sequence, garbage — counted in ``dropped``);
+    entry)`` (``changed``: its connectors, management URL or backups differ from the entry's) or
+    None (own node, other cluster, older sequence, garbage — counted in ``dropped``);
     ``expire(now)`` removes and returns the entries not refreshed within ``refresh_timeout_s``.
     """
 
@@ -212,7 +261,8 @@ class DiscoveryGroup:
         old = e.announcement
         e.announcement = a
         e.last_seen = now
-        if old.connectors != a.connectors or old.management_url != a.management_url:
+        if (old.connectors, old.management_url, old.backups) != (a.connectors, a.management_url,
+                                                                 a.backups):
             return ("changed", e)
         return ("refreshed", e)
 

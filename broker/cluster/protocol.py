@@ -48,10 +48,18 @@ kind           fields after the kind
                (uint), consumer filters (list of strings), distance (uint: 0 = the sender's
                own queue)
 ``unbinding``  node id, queue
+``backups``    node id, backups (list of [connector, management URL (may be empty), in sync
+               (bool)], at most :data:`MAX_BACKUPS`): the sender's HA backups, the whole truth
+               (docs/ha.md "Topology"); sent after the hello when there are any, and whenever
+               they change (an empty list: none any more)
 ``address``    name, routing types (list), queue filter (string or null), version (timestamp
                ms; 0: from a config file), origin node id, deleted (bool): one entry of the
                replicated cluster state (OpenAMQ), see ``broker.cluster.state``
 =============  ========================================================================
+
+A node older than the ``backups`` kind cuts the link off when it receives one ("unknown
+notification kind"): a node sends it only while it has (or has just lost) a backup, so a cluster
+being upgraded node by node works as long as no backup is attached before every node is upgraded.
 
 ``binding`` adds or replaces (its consumer count and consumer filters are the whole truth, so
 a lost or repeated notification heals with the next one). Every decode checks types, lengths
@@ -71,7 +79,7 @@ from broker.core.selector import MAX_SELECTOR_BYTES
 from broker.errors import DecodeError
 
 __all__ = ["FORWARD_ADDRESS", "NOTIFY_ADDRESS", "CLUSTER_PREFIX", "INTERNAL_PREFIX", "Forwarded", "Hello", "Reset",
-           "BindingNote", "Unbinding", "AddressNote", "ProtocolError", "encode_forward", "decode_forward", "decode_forwards", "MAX_BATCH", "encode_note",
+           "BindingNote", "Unbinding", "AddressNote", "BackupsNote", "MAX_BACKUPS", "ProtocolError", "encode_forward", "decode_forward", "decode_forwards", "MAX_BATCH", "encode_note",
            "decode_note", "MAX_NAME", "MAX_FILTER", "MAX_TARGETS", "MAX_MEMBERS"]
 
 CLUSTER_PREFIX = "$lodestone.cluster."   # the cluster user's link addresses
@@ -89,6 +97,7 @@ MAX_FILTER = MAX_SELECTOR_BYTES  # characters in a queue or consumer filter (a s
 MAX_BATCH = 65536     # forwarded messages in one transfer
 MAX_TARGETS = 65536    # (node, queue) targets of one forwarded message
 MAX_MEMBERS = 4096     # members in a hello
+MAX_BACKUPS = 16       # backups in a backups notification
 MAX_FILTERS = 65536    # consumer filters of one binding
 ROUTING_TYPES = ("anycast", "multicast")
 
@@ -495,6 +504,14 @@ class AddressNote:
 
 
 @dataclass(frozen=True)
+class BackupsNote:
+    """A node's HA backups (``ClusterNode.own_backups``): ``(connector, management URL, in sync)``."""
+
+    node_id: str
+    backups: tuple[tuple[str, str, bool], ...] = ()
+
+
+@dataclass(frozen=True)
 class Unbinding:
     node_id: str
     queue: str
@@ -510,6 +527,8 @@ def encode_note(n) -> bytes:
         fields = ["address", n.name, list(n.routing_types), n.filter_text, Timestamp(n.version), n.origin, n.deleted]
     elif isinstance(n, Reset):
         fields = ["reset"]
+    elif isinstance(n, BackupsNote):
+        fields = ["backups", n.node_id, [[c, m, bool(ok)] for c, m, ok in n.backups]]
     elif isinstance(n, Hello):
         fields = ["hello", n.node_id, n.cluster, n.connector, n.management_url, Timestamp(n.started_ms),
                   [[a, b, c] for a, b, c in n.members], n.group]
@@ -563,6 +582,18 @@ def decode_note(data: bytes):
         if rest:
             raise _invalid("reset notification has no fields")
         return Reset()
+    if kind == "backups":
+        if len(rest) != 2:
+            raise _invalid("backups notification needs 2 fields")
+        node, backups = rest
+        if not isinstance(backups, list) or len(backups) > MAX_BACKUPS:
+            raise _invalid(f"backups must be a list of at most {MAX_BACKUPS}")
+        bs = []
+        for b in backups:
+            if not isinstance(b, list) or len(b) != 3 or not isinstance(b[2], bool):
+                raise _invalid("a backup must be [connector, management URL, in sync]")
+            bs.append((_name(b[0], "backup connector"), _name(b[1], "backup management URL", empty=True), b[2]))
+        return BackupsNote(_name(node, "node id"), tuple(bs))
     if kind == "hello":
         if len(rest) != 7:
             raise _invalid("hello notification needs 7 fields")

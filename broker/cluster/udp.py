@@ -18,6 +18,7 @@ IPv4 only.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import struct
@@ -52,7 +53,20 @@ async def broadcast(group_address: str, group_port: int, announce: Callable[[int
         while True:
             n += 1
             try:
-                await sock.sendto(encode_announcement(announce(base + n), key), (group_address, group_port))
+                a = announce(base + n)
+                try:
+                    data = encode_announcement(a, key)
+                except ValueError as exc:   # over MAX_PACKET: long backup URLs go first, never the node
+                    if a.backups:
+                        data = encode_announcement(dataclasses.replace(a, backups=()), key)
+                    else:
+                        raise
+                    counters["backups_left_out"] = counters.get("backups_left_out", 0) + 1
+                    if "too-big" not in logged:
+                        logged.add("too-big")
+                        log.warning("announcement with its backups does not fit in one datagram (%s): "
+                                    "announcing the node without them (logged once)", exc)
+                await sock.sendto(data, (group_address, group_port))
                 counters["sent"] = counters.get("sent", 0) + 1
             except OSError as exc:
                 counters["send_failed"] = counters.get("send_failed", 0) + 1

@@ -376,7 +376,14 @@ class ReplicationSource:
         self.backup_connector = hello.connector
         self.backup_management_url = hello.management_url
         log.warning("ha: a backup connected: %s (%s); initial sync", hello.name, hello.connector or "no connector")
+        self._backups_changed()
         return None
+
+    def _backups_changed(self) -> None:
+        """The cluster's members are told this node's backups (ClusterNode.backups_changed)."""
+        cluster = self.node.cluster
+        if cluster is not None:
+            cluster.backups_changed()
 
     # -- the pipeline ------------------------------------------------------------------------------
     @property
@@ -443,6 +450,7 @@ class ReplicationSource:
             self.state = "in-sync"
             self.synced_at = time.time()
             log.warning("ha: backup %s is in sync (seq %d); durable sends now wait for it", session.hello.name, seq)
+            self._backups_changed()
         held = self.held
         while held and held[0][0] <= seq:
             _release(held.popleft()[1])
@@ -491,6 +499,7 @@ class ReplicationSource:
         self.session = None
         self.state = "no-backup"
         self.lost_count += 1
+        self._backups_changed()
         self.node.counters["replication_lost"] += 1
         name = session.hello.name if session.hello else "?"
         if (was == "in-sync" or self.checking) and self.quorum_check is not None:
@@ -526,14 +535,7 @@ class ReplicationSource:
         a backup is in sync and said where it would serve; else empty."""
         if self.state != "in-sync" or not self.backup_connector:
             return []
-        from urllib.parse import urlsplit
-
-        from proton import int32, symbol
-        parts = urlsplit(self.backup_connector)
-        if not parts.hostname or not parts.port:
-            return []
-        return [{symbol("network-host"): parts.hostname, symbol("scheme"): parts.scheme,
-                 symbol("hostname"): parts.hostname, symbol("port"): int32(parts.port)}]
+        return failover_server_list([self.backup_connector])
 
     def topology(self) -> Topology:
         cluster = self.node.cluster
@@ -555,6 +557,21 @@ class ReplicationSource:
                 "lag_records": (j.last_seq - s.confirmed_seq) if (s is not None and j is not None) else None,
                 "held_batches": len(self.held), "quorum_check_pending": self.checking, "lost": self.lost_count,
                 "synced_at": self.synced_at, "last_snapshot": self.last_snapshot}
+
+
+def failover_server_list(connectors) -> list:
+    """Artemis's ``failover-server-list`` entries for backup connectors (``amqp[s]://host:port``;
+    others are left out): symbol keys ``network-host``, ``scheme``, ``hostname``, ``port``."""
+    from urllib.parse import urlsplit
+
+    from proton import int32, symbol
+    out = []
+    for c in connectors:
+        parts = urlsplit(c)
+        if parts.hostname and parts.port:
+            out.append({symbol("network-host"): parts.hostname, symbol("scheme"): parts.scheme,
+                        symbol("hostname"): parts.hostname, symbol("port"): int32(parts.port)})
+    return out
 
 
 def _release(waiters: dict) -> None:

@@ -27,6 +27,14 @@ watches ``ha.state``; on ``F`` it closes every client (``amqp:connection:forced`
 closes the journal, releases the live lock and — with ``restart-backup`` — waits again as a
 backup. Without ``allow-failback`` the restarted primary waits (it is then the spare).
 
+**Topology.** The backup that holds the backup lock writes where it will serve to
+``backup.json`` (its ``[cluster] connector``, else its first acceptor with a fixed port, and its
+management URL). The active node reads it every :data:`BACKUP_CHECK_S` and, while the backup lock
+is held, lists that backup as its own (``node.shared_backup``: ``GET /api/v1/cluster`` role
+``backup``, the ``backups`` notification to the cluster's members, broadcast announcements,
+Artemis's ``failover-server-list`` in its Open), as an Artemis shared-store backup announces
+itself to its live node. A stale file (its writer gone, the lock free) is ignored.
+
 **A clean stop** (SIGTERM/SIGINT) of the active node writes ``P`` unless ``failover-on-shutdown``
 (then ``L`` stays and a backup activates). A passive node's stop just releases its locks.
 
@@ -39,6 +47,7 @@ active: their ``listening`` lines are printed at each activation.
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import signal
@@ -60,6 +69,7 @@ __all__ = ["SharedStore", "HaStatus", "run_shared_store", "POLL_S"]
 
 POLL_S = 0.05            # how often a waiting node tries the live lock
 FAILBACK_CHECK_S = 0.2   # how often an active backup reads ha.state for a failing-back primary
+BACKUP_CHECK_S = 1.0     # how often the active node reads backup.json (its waiting backup, for the topology)
 
 LIVE, PAUSED, FAILING_BACK, NOT_STARTED = "L", "P", "F", "N"
 STATE_NAMES = {LIVE: "live", PAUSED: "paused", FAILING_BACK: "failing-back", NOT_STARTED: "not-started"}
@@ -109,6 +119,44 @@ class SharedStore:
         if self._backup_fd is not None:
             os.close(self._backup_fd)
             self._backup_fd = None
+
+    def backup_lock_held(self) -> bool:
+        """Does some process hold the backup lock (a backup waiting for the live lock)? Tried
+        shared and non-blocking, released at once; a backup that tries in that instant tries again."""
+        if self._backup_fd is not None:
+            return True
+        try:
+            fd = os.open(self.path / "backup.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)   # closing the descriptor drops a lock it got
+        return False
+
+    def write_backup_info(self, connector: str, management_url: str) -> None:
+        """Where the waiting backup will serve (written by the holder of the backup lock)."""
+        tmp = self.path / "backup.json.tmp"
+        tmp.write_text(json.dumps({"connector": connector, "management_url": management_url, "pid": os.getpid()}))
+        os.replace(tmp, self.path / "backup.json")
+
+    def waiting_backup(self) -> tuple[str, str, bool] | None:
+        """``(connector, management URL, True)`` of the backup waiting on these files, or None
+        (no backup lock held, no readable ``backup.json``)."""
+        if not self.backup_lock_held():
+            return None
+        try:
+            info = json.loads((self.path / "backup.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        connector = info.get("connector") if isinstance(info, dict) else None
+        mgmt = info.get("management_url") if isinstance(info, dict) else None
+        if not isinstance(connector, str) or not connector:
+            return None
+        return (connector, mgmt if isinstance(mgmt, str) else "", True)
 
     def node_id(self) -> str | None:
         """The pair's node id, if the primary has ever started (read without a lock)."""
@@ -191,6 +239,32 @@ async def _watch_failback(store: SharedStore, deactivate: trio.Event) -> None:
     deactivate.set()
 
 
+def backup_connector(cfg: "BrokerConfig") -> str | None:
+    """Where this member will serve once active, for the topology: its ``[cluster] connector``
+    (unless on port 0), else its first acceptor on a fixed port and a specific host."""
+    c = cfg.cluster
+    if c is not None and c.connector and not c.connector.endswith(":0"):
+        return c.connector
+    for acc in cfg.acceptors:
+        if acc.port and acc.host not in ("0.0.0.0", "::", ""):
+            host = f"[{acc.host}]" if ":" in acc.host else acc.host
+            return f"{acc.scheme}://{host}:{acc.port}"
+    return None
+
+
+async def _watch_backup(store: SharedStore, node) -> None:
+    """The active node follows its waiting backup (``backup.json`` + the backup lock) into
+    ``node.shared_backup``; the cluster's members are told when it changes."""
+    while True:
+        now = await trio.to_thread.run_sync(store.waiting_backup)
+        if now != node.shared_backup:
+            node.shared_backup = now
+            log.info("ha: %s", f"a backup waits on the shared store: {now[0]}" if now else "no backup waits any more")
+            if node.cluster is not None:
+                node.cluster.backups_changed()
+        await trio.sleep(BACKUP_CHECK_S)
+
+
 async def run_shared_store(cfg: "BrokerConfig", security, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Run one member of a shared-store pair until SIGTERM/SIGINT (see the module doc)."""
     from broker.http import serve_http
@@ -246,6 +320,9 @@ async def run_shared_store(cfg: "BrokerConfig", security, *, task_status=trio.TA
                             status.change("waiting-for-backup-lock", "backup started", active=False)
                             while not store.try_backup_lock():
                                 await trio.sleep(POLL_S)
+                            connector = backup_connector(cfg)
+                            if connector:   # the active node lists us as its backup (topology)
+                                store.write_backup_info(connector, slot.url or "")
                             status.change("waiting-for-live-lock", "this node is the pair's waiting backup")
                         else:
                             status.change("waiting-for-live-lock", "primary started", active=False)
@@ -280,6 +357,7 @@ async def run_shared_store(cfg: "BrokerConfig", security, *, task_status=trio.TA
                             an.cancel_scope.cancel()
                         reason = "stop"
                         node = await an.start(serve)
+                        an.start_soon(_watch_backup, store, node)
                         if not started:
                             started = True
                             task_status.started(node)

@@ -72,8 +72,8 @@ async def _view(url: str, credentials: tuple[str, str], timeout_s: float) -> dic
 
 
 def _sees(view: dict, node_id: str) -> bool:
-    for m in view.get("members") or ():
-        if isinstance(m, dict) and m.get("node_id") == node_id:
+    for m in view.get("members") or ():   # the node itself, not a backup listed for its node id
+        if isinstance(m, dict) and m.get("node_id") == node_id and m.get("role") != "backup":
             return bool(m.get("connected"))
     return False
 

@@ -41,14 +41,21 @@ other known nodes (by management URL), then the configured seeds, without duplic
 
 ``source = "discovery"`` has no view to read: the brokers' broadcast groups announce them and the
 router's own :class:`broker.cluster.discovery.DiscoveryGroup` keeps the entries it hears.
-``discovery_change`` maps each change of that table to a ``MembershipChange``: an announced node
-joins (``announced_target``: named by its node id, the first connector's address, the announced
-management URL for probes), one whose announcement changed is replaced, and one whose entry was
-not refreshed within the refresh timeout leaves.
+``DiscoveryMembership`` maps each change of that table to a ``MembershipChange`` and remembers
+which slots each node id holds. An announced node joins (``announced_target``: named by its node
+id, the first connector's address, the announced management URL for probes) with one more
+member per HA backup it announces (``announced_targets``: the same ``pair``, ``backup`` set,
+named ``<node id>@<host>:<port>``, probed through the backup's management URL), so a discovery
+pool forms HA pairs like a cluster pool. An announcement that changed makes the node id's slots
+exactly what it names — slots it no longer names leave, new ones join, a moved one leaves and
+joins again; a member at an address it already held keeps its slot and state, its role updated
+(the backup that took the node id over announces it from the backup's address) — and an entry
+not refreshed within the refresh timeout takes all its node id's slots with it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 from urllib.parse import urlsplit
@@ -238,26 +245,126 @@ class ClusterMembership:
 
 
 # -- source = "discovery": what a discovery group heard → pool targets ------------------------
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def announced_target(a: Announcement) -> Target:
-    """The target a broker's announcement names: the node id (name and node id), the first
-    connector's host/port/TLS, probes through the announced management URL (None if empty).
-    Raises ValueError if the first connector has no host:port."""
+    """The target of the announcing node itself: named by its node id (name, node id and
+    ``pair``, so its announced backups pair with it), the first connector's host/port/TLS,
+    probes through the announced management URL (None if empty). Raises ValueError if the first
+    connector has no host:port."""
     host, port, tls = parse_connector(a.connectors[0])
-    return Target(a.node_id, host, port, tls, a.management_url.rstrip("/") or None, a.node_id)
+    return Target(a.node_id, host, port, tls, a.management_url.rstrip("/") or None, a.node_id,
+                  a.node_id)
 
 
-def discovery_change(kind: str, a: Announcement) -> tuple[MembershipChange, str | None]:
-    """One change of a discovery group's table (``added``, ``changed``, ``removed``: an entry
-    not refreshed within the refresh timeout) → the pool change, and why the announced node
-    cannot be a target (None if it can). An entry that changed leaves and joins again (probed
-    again before it gets connections); one whose connector is unusable does not join."""
-    if kind == "removed":
-        return MembershipChange(removed=(a.node_id,)), None
-    if kind not in ("added", "changed"):
-        raise ValueError(f"unknown discovery change {kind!r}")
-    removed = (a.node_id,) if kind == "changed" else ()
+def announced_targets(a: Announcement,
+                      known: Iterable[Target] = ()) -> tuple[tuple[Target, ...], str | None]:
+    """Every target an announcement names, and why part of it cannot be one (None if all can):
+    the node's own (:func:`announced_target`), then one per announced backup — the node id's
+    pair, ``backup`` set, its own connector, probed through its own management URL (None if it
+    announced none).
+
+    Names: a target at an address (host:port) of ``known`` — the node id's targets in the pool
+    now — keeps that slot's name, so a member whose role changed (the backup that took the node
+    id over now announces it) keeps its place and state. A new address is named by the node id
+    for the node itself (unless a kept member holds that name), ``<node id>@<host>:<port>``
+    otherwise. An unusable first connector yields no target at all; an unusable backup, or one
+    at an address already named in the announcement, is left out (and said)."""
     try:
-        target = announced_target(a)
+        own = announced_target(a)
     except ValueError as exc:
-        return MembershipChange(removed=removed), f"{a.node_id}: {exc}"
-    return MembershipChange((target,), removed), None
+        return (), f"{a.node_id}: {exc}"
+    members = [own]
+    problems: list[str] = []
+    seen = {(own.host, own.port)}
+    for i, (connector, mgmt, _in_sync) in enumerate(a.backups):
+        try:
+            host, port, tls = parse_connector(connector)
+        except ValueError as exc:
+            problems.append(f"{a.node_id} backup {i}: {exc}")
+            continue
+        if (host, port) in seen:
+            problems.append(f"{a.node_id} backup {i}: {_address(host, port)} is announced twice")
+            continue
+        seen.add((host, port))
+        members.append(Target(a.node_id, host, port, tls, mgmt.rstrip("/") or None, "", a.node_id,
+                              True))
+    kept = {(t.host, t.port): t.slot for t in known}
+    names = {kept[(t.host, t.port)] for t in members if (t.host, t.port) in kept}
+    out = []
+    for t in members:
+        name = kept.get((t.host, t.port))
+        if name is None:
+            name = (a.node_id if not t.backup and a.node_id not in names
+                    else f"{a.node_id}@{_address(t.host, t.port)}")
+            names.add(name)
+        out.append(dataclasses.replace(t, name=name))
+    return tuple(out), "; ".join(problems) or None
+
+
+def _diff(old: Iterable[Target], new: Iterable[Target]) -> MembershipChange:
+    """``old`` slots → ``new`` ones: a slot gone or moved (address, TLS, probe URL) is removed
+    (and added again if it moved), one whose pair or role alone changed is updated, an
+    unchanged one is left alone (it keeps its readiness)."""
+    before = {t.slot: t for t in old}
+    new = tuple(new)
+    now = {t.slot for t in new}
+    added: list[Target] = []
+    removed = [slot for slot in before if slot not in now]
+    updated: list[Target] = []
+    for t in new:
+        o = before.get(t.slot)
+        if o is None:
+            added.append(t)
+        elif o == t:
+            continue
+        elif dataclasses.replace(o, pair=t.pair, backup=t.backup) == t:
+            updated.append(t)
+        else:
+            removed.append(t.slot)
+            added.append(t)
+    return MembershipChange(tuple(added), tuple(removed), tuple(updated))
+
+
+@dataclass
+class DiscoveryMembership:
+    """The targets a discovery pool holds for each announced node id (pure state): what a
+    changed announcement replaces and an expired one removes. ``known``: node id → its targets
+    (the node's own first, then its backups), as the last change left them."""
+
+    known: dict[str, tuple[Target, ...]] = field(default_factory=dict)
+
+    def observe(self, kind: str, a: Announcement) -> tuple[MembershipChange, str | None]:
+        """One change of the discovery group's table (``added``, ``changed``, ``removed``: an
+        entry not refreshed within the refresh timeout) → the pool change, and why (part of)
+        the announcement cannot be a target (None if all of it can). ``removed`` removes every
+        slot of the node id; ``added``/``changed`` make its slots exactly what the announcement
+        names (:func:`announced_targets`): slots no longer named leave, new ones join (not
+        ready: probed before they get connections), moved ones leave and join again, a role
+        change keeps its slot (``updated``)."""
+        old = self.known.get(a.node_id, ())
+        if kind == "removed":
+            self.known.pop(a.node_id, None)
+            return MembershipChange(removed=tuple(t.slot for t in old)), None
+        if kind not in ("added", "changed"):
+            raise ValueError(f"unknown discovery change {kind!r}")
+        targets, why = announced_targets(a, old)
+        if targets:
+            self.known[a.node_id] = targets
+        else:
+            self.known.pop(a.node_id, None)
+        return _diff(old, targets), why
+
+    def slots(self) -> dict[str, list[str]]:
+        """Node id → the slots it holds in the pool."""
+        return {node_id: [t.slot for t in ts] for node_id, ts in self.known.items()}
+
+
+def discovery_change(kind: str, a: Announcement,
+                     known: Iterable[Target] = ()) -> tuple[MembershipChange, str | None]:
+    """:meth:`DiscoveryMembership.observe` for a node id whose targets in the pool are
+    ``known`` (none: it has no slot yet)."""
+    known = tuple(known)
+    return DiscoveryMembership({a.node_id: known} if known else {}).observe(kind, a)

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from broker.amqp.codec import Described, Symbol, UInt, decode_all, encode
 from broker.cluster.protocol import (AddressNote, encode_forward_generic)
-from broker.cluster.protocol import (FORWARD_DESCRIPTOR, NOTIFY_DESCRIPTOR, BindingNote, Forwarded, Hello,
+from broker.cluster.protocol import (FORWARD_DESCRIPTOR, NOTIFY_DESCRIPTOR, BackupsNote, BindingNote, Forwarded,
+                                     Hello,
                                      ProtocolError, Reset, Unbinding, decode_forward, decode_note, encode_forward,
                                      encode_note)
 
@@ -52,6 +53,8 @@ notes = st.one_of(
     st.just(Reset()),
     bindings(),
     st.builds(Unbinding, names, names),
+    st.builds(BackupsNote, names, st.lists(st.tuples(names, st.text(max_size=20), st.booleans()), max_size=4)
+              .map(tuple)),
 )
 
 

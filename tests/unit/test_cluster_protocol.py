@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 
 from broker.amqp.codec import Described, Long, Symbol, Timestamp, UByte, UInt, ULong, encode
-from broker.cluster.protocol import (FORWARD_DESCRIPTOR, MAX_DESCRIPTION, MAX_FILTER, MAX_FILTERS, MAX_MEMBERS,
-                                     MAX_NAME, MAX_TARGETS, NOTIFY_DESCRIPTOR, BindingNote, Forwarded, Hello,
+from broker.cluster.protocol import (FORWARD_DESCRIPTOR, MAX_BACKUPS, MAX_DESCRIPTION, MAX_FILTER, MAX_FILTERS,
+                                     MAX_MEMBERS, MAX_NAME, MAX_TARGETS, NOTIFY_DESCRIPTOR, BackupsNote,
+                                     BindingNote, Forwarded, Hello,
                                      ProtocolError, Reset, Unbinding, decode_forward, decode_note, encode_forward,
                                      encode_note)
 from broker.core.selector import MAX_SELECTOR_BYTES, parse_selector
@@ -62,7 +63,11 @@ def test_moved_is_an_eleventh_field_after_create_or_null():
     BindingNote("n", "q", "a", "multicast", "color = 'blue'", 0, (), 255),
     BindingNote("n", "q", "a", "anycast", None, 3, ("a = 1", "a = 1", "b = 2"), 1),
     Unbinding("node-b", "orders"),
-], ids=["hello", "hello-alone", "reset", "binding", "binding-filtered", "binding-filters", "unbinding"])
+    BackupsNote("node-a", (("amqp://127.0.0.1:5675", "http://127.0.0.1:8164", True),)),
+    BackupsNote("node-a", (("amqps://h:5671", "", False), ("amqp://h2:5672", "http://h2:1", True))),
+    BackupsNote("node-a", ()),
+], ids=["hello", "hello-alone", "reset", "binding", "binding-filtered", "binding-filters", "unbinding",
+        "backups", "backups-two", "backups-none"])
 def test_notifications_round_trip(note):
     assert decode_note(encode_note(note)) == note
 
@@ -340,6 +345,21 @@ NOTE_BREAKS = {
     "hello with an empty member node": (_hello(6, [["", "amqp://h:3", ""]]), "member node id"),
     "hello with an empty member connector": (_hello(6, [["n", "", ""]]), "member connector"),
     "hello with a too-long member URL": (_hello(6, [["n", "c", TOO_LONG]]), "member management URL"),
+    # backups
+    "backups of 1 field": (_note("backups", "node-a"), "2 fields"),
+    "backups of 3 fields": (_note("backups", "node-a", [], None), "2 fields"),
+    "backups with an empty node": (_note("backups", "", []), "node id"),
+    "backups as a map": (_note("backups", "n", {"amqp://h:1": True}), "backups must be a list"),
+    "too many backups": (_note("backups", "n", [["amqp://h:1", "", True]] * (MAX_BACKUPS + 1)),
+                         "backups must be a list"),
+    "a backup of two": (_note("backups", "n", [["amqp://h:1", ""]]), "a backup must be"),
+    "a backup as a string": (_note("backups", "n", ["amqp://h:1"]), "a backup must be"),
+    "a backup in sync as a string": (_note("backups", "n", [["amqp://h:1", "", "yes"]]), "a backup must be"),
+    "a backup with an empty connector": (_note("backups", "n", [["", "", True]]), "backup connector"),
+    "a backup connector as a symbol": (_note("backups", "n", [[Symbol("amqp://h:1"), "", True]]),
+                                       "backup connector"),
+    "a backup with a too-long management URL": (_note("backups", "n", [["amqp://h:1", TOO_LONG, True]]),
+                                                "backup management URL"),
 }
 
 

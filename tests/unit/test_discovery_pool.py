@@ -1,8 +1,10 @@
-"""The discovery pool's parts (``source = "discovery"``): an announcement → a target
-(``router.core.membership``), a discovery group's table changes → pool joins and leaves
+"""The discovery pool's parts (``source = "discovery"``): an announcement → its targets, HA
+backups included (``router.core.membership``), a discovery group's table changes → pool joins,
+leaves and role changes
 (``router.discovery_source``, fed real packets through the broker's own ``DiscoveryGroup``), the
 ``[...pool.discovery-group]`` config keys and their errors. The multicast itself is tested with
-real brokers and a real router in tests/integration/test_router_discovery_pool.py."""
+real brokers and a real router in tests/integration/test_router_discovery_pool.py (and a
+replicated pair in tests/integration/test_router_discovery_pairs.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import trio
 from broker.cluster.discovery import Announcement, encode_announcement
 from broker.tomlconfig import ConfigError
 from router.config import load_router_config
-from router.core.membership import MembershipChange, announced_target, discovery_change
+from router.core.membership import (DiscoveryMembership, MembershipChange, announced_target, announced_targets,
+                                    discovery_change)
 from router.core.policies.base import Target
 from router.core.pool import FollowContext, Pool
 from router.discovery_source import DiscoverySource, check_options
@@ -23,15 +26,15 @@ GROUP = {"group-address": "231.7.7.7", "group-port": 9876}
 
 
 def ann(node_id="n1", port=5001, *, mgmt="http://127.0.0.1:6001/", scheme="amqp", cluster="c1", seq=1,
-        more=()):
-    return Announcement(node_id, cluster, mgmt, (f"{scheme}://127.0.0.1:{port}", *more), seq)
+        more=(), backups=()):
+    return Announcement(node_id, cluster, mgmt, (f"{scheme}://127.0.0.1:{port}", *more), seq, backups)
 
 
 # -- announcement → target ------------------------------------------------------------------------
 def test_an_announcement_names_its_target():
     t = announced_target(ann(more=("amqp://10.0.0.9:7000",)))
-    assert t == Target("n1", "127.0.0.1", 5001, False, "http://127.0.0.1:6001", "n1")
-    assert t.slot == t.identity == "n1"  # named by the node id: caches and hashes hold node ids
+    assert t == Target("n1", "127.0.0.1", 5001, False, "http://127.0.0.1:6001", "n1", pair="n1")
+    assert t.slot == t.identity == t.group == "n1"  # named by the node id: caches and hashes hold node ids
     tls = announced_target(ann(scheme="amqps", mgmt=""))
     assert (tls.tls, tls.management_url) == (True, None)  # no management URL: TCP probe
 
@@ -40,17 +43,134 @@ def test_table_changes_become_pool_changes():
     a = ann()
     assert discovery_change("added", a) == (MembershipChange((announced_target(a),)), None)
     moved = ann(port=5009, seq=2)
-    assert discovery_change("changed", moved) == (
+    assert discovery_change("changed", moved, [announced_target(a)]) == (
         MembershipChange((announced_target(moved),), ("n1",)), None)
-    assert discovery_change("removed", a) == (MembershipChange(removed=("n1",)), None)
+    assert discovery_change("removed", a, [announced_target(a)]) == (MembershipChange(removed=("n1",)), None)
+    assert discovery_change("removed", a) == (MembershipChange(), None)  # it held no slot
     # a connector without a port: no target, and the reason
     bad = Announcement("n2", "c1", "", ("amqp://h",), 1)
     change, why = discovery_change("added", bad)
     assert not change and "n2" in why and "host:port" in why
-    change, why = discovery_change("changed", bad)  # it moved somewhere unusable: it leaves
+    change, why = discovery_change("changed", bad, [Target("n2", "h", 1, name="n2", pair="n2")])
+    # it moved somewhere unusable: it leaves
     assert change == MembershipChange(removed=("n2",)) and why
     with pytest.raises(ValueError):
         discovery_change("refreshed", a)
+
+
+# -- HA backups in announcements → pairs -------------------------------------------------------------
+B1 = ("amqp://127.0.0.1:7001", "http://127.0.0.1:8001/", True)
+B2 = ("amqps://10.0.0.2:7002", "", False)
+
+
+def test_announced_backups_are_members_of_the_node_ids_pair():
+    targets, why = announced_targets(ann(backups=(B1, B2)))
+    assert why is None
+    assert targets == (
+        Target("n1", "127.0.0.1", 5001, False, "http://127.0.0.1:6001", "n1", "n1", False),
+        Target("n1", "127.0.0.1", 7001, False, "http://127.0.0.1:8001", "n1@127.0.0.1:7001", "n1", True),
+        Target("n1", "10.0.0.2", 7002, True, None, "n1@10.0.0.2:7002", "n1", True))  # no URL: TCP probe
+    assert {t.group for t in targets} == {"n1"}    # one routing identity
+    v6, _ = announced_targets(ann(backups=(("amqp://[::1]:7003", "", True),)))
+    assert v6[1].name == "n1@[::1]:7003" and v6[1].host == "::1"
+
+
+def test_an_unusable_backup_is_left_out_and_said():
+    targets, why = announced_targets(ann(backups=(("amqp://nohost", "", True), B1,
+                                                  ("amqp://127.0.0.1:5001", "", True),   # the node's own address
+                                                  ("amqp://127.0.0.1:7001", "", False))))  # B1's again
+    assert [t.name for t in targets] == ["n1", "n1@127.0.0.1:7001"]
+    assert "n1 backup 0" in why and "host:port" in why
+    assert "n1 backup 2: 127.0.0.1:5001 is announced twice" in why and "n1 backup 3" in why
+    # the node's own connector unusable: nothing joins, backups neither
+    targets, why = announced_targets(Announcement("n2", "c1", "", ("amqp://h",), 1, (B1,)))
+    assert targets == () and why.startswith("n2: ")
+
+
+def names(change):
+    return ([t.name for t in change.added], list(change.removed), [(t.name, t.backup) for t in change.updated])
+
+
+def test_a_changed_announcement_gives_the_node_id_exactly_its_new_slots():
+    m = DiscoveryMembership()
+    change, why = m.observe("added", ann(backups=(B1, B2)))
+    assert why is None and names(change) == (["n1", "n1@127.0.0.1:7001", "n1@10.0.0.2:7002"], [], [])
+    assert m.slots() == {"n1": ["n1", "n1@127.0.0.1:7001", "n1@10.0.0.2:7002"]}
+    # only in-sync flags changed (the group says "changed"): nothing to do, the slots keep their state
+    assert not m.observe("changed", ann(seq=2, backups=(B1[:2] + (False,), B2[:2] + (True,))))[0]
+    # B2 lost, B1's probe URL changed, a third backup joined
+    b1 = ("amqp://127.0.0.1:7001", "http://127.0.0.1:8009", True)
+    b3 = ("amqp://127.0.0.1:7003", "", False)
+    change, _ = m.observe("changed", ann(seq=3, backups=(b1, b3)))
+    assert names(change) == (["n1@127.0.0.1:7001", "n1@127.0.0.1:7003"],
+                             ["n1@10.0.0.2:7002", "n1@127.0.0.1:7001"], [])
+    assert change.added[0].management_url == "http://127.0.0.1:8009"
+    # the node itself moved: its slot leaves and joins again, its backups stay
+    change, _ = m.observe("changed", ann(port=5009, seq=4, backups=(b1, b3)))
+    assert names(change) == (["n1"], ["n1"], []) and change.added[0].port == 5009
+    # expired: every slot of the node id leaves
+    change, _ = m.observe("removed", ann(port=5009, seq=4, backups=(b1, b3)))
+    assert names(change) == ([], ["n1", "n1@127.0.0.1:7001", "n1@127.0.0.1:7003"], []) and m.known == {}
+
+
+def test_the_backup_that_took_over_keeps_its_slot():
+    m = DiscoveryMembership()
+    m.observe("added", ann(backups=(B1,)))
+    # the primary is dead; its backup serves n1 and announces it, from its own address, no backup
+    change, why = m.observe("changed", Announcement("n1", "c1", "http://127.0.0.1:8001", ("amqp://127.0.0.1:7001",),
+                                                    9))
+    assert why is None and names(change) == ([], ["n1"], [("n1@127.0.0.1:7001", False)])
+    assert m.known["n1"] == (Target("n1", "127.0.0.1", 7001, False, "http://127.0.0.1:8001",
+                                    "n1@127.0.0.1:7001", "n1", False),)
+    # the old primary comes back as its backup: a new member, named by its address
+    change, _ = m.observe("changed", Announcement("n1", "c1", "http://127.0.0.1:8001", ("amqp://127.0.0.1:7001",),
+                                                  10, (("amqp://127.0.0.1:5001", "http://127.0.0.1:6001", False),)))
+    assert names(change) == (["n1@127.0.0.1:5001"], [], []) and change.added[0].backup
+    # an announcement that became unusable: all its slots leave, and why
+    change, why = m.observe("changed", Announcement("n1", "c1", "", ("amqp://h",), 11, (B1,)))
+    assert names(change) == ([], ["n1@127.0.0.1:7001", "n1@127.0.0.1:5001"], []) and why
+    assert m.known == {}
+
+
+def test_discovery_change_with_the_slots_known():
+    known, _ = announced_targets(ann(backups=(B1,)))
+    assert discovery_change("removed", ann(), known) == (MembershipChange(removed=("n1", "n1@127.0.0.1:7001")), None)
+    change, _ = discovery_change("changed", ann(seq=2), known)   # the backup was lost
+    assert names(change) == ([], ["n1@127.0.0.1:7001"], [])
+
+
+def test_the_source_forms_pairs_from_announced_backups():
+    src = DiscoverySource([], {**GROUP, "refresh-timeout-ms": 1000, "cluster": "c1"})
+    pool = Pool()
+
+    def hear(a, now):
+        ev = src.group.receive(encode_announcement(a), now)
+        return src.apply(pool, *ev) if ev is not None and ev[0] != "refreshed" else False
+
+    def members():
+        return [(st.target.name, st.target.pair, st.target.backup, st.ready) for st in pool.members]
+
+    assert hear(ann(backups=(B1[:2] + (False,),)), 0.0)
+    assert members() == [("n1", "n1", False, False), ("n1@127.0.0.1:7001", "n1", True, False)]
+    assert pool.total_count == 1 and pool.pairs()[0]["backups"] == ["n1@127.0.0.1:7001"]
+    pool.report_probe("n1", True, "n1", 0, 0.1)
+    pool.report_probe("n1@127.0.0.1:7001", False, "n1", None, 0.1, error="passive backup")
+    assert pool.pairs()[0]["serving"] == "n1"
+    assert not hear(ann(seq=2, backups=(B1,)), 0.2)            # in sync now: the pool is unchanged
+    assert src.status()["backups"] == {"n1": [{"connector": B1[0], "management_url": B1[1], "in_sync": True}]}
+    assert src.status()["slots"] == {"n1": ["n1", "n1@127.0.0.1:7001"]}
+    # failover: the backup is active and announces n1 from its own address; it keeps its state
+    pool.report_probe("n1", False, None, None, 0.3, error="refused")
+    pool.report_probe("n1@127.0.0.1:7001", True, "n1", 0, 0.3)
+    assert hear(Announcement("n1", "c1", "http://127.0.0.1:8001", (B1[0],), 3), 0.4)
+    assert members() == [("n1@127.0.0.1:7001", "n1", False, True)]
+    assert pool.ready_target("n1").port == 7001
+    # expiry takes every slot of the node id
+    hear(ann(seq=4, backups=(B1,)), 0.5)
+    assert [m[0] for m in members()] == ["n1@127.0.0.1:7001", "n1"]
+    for e in src.group.expire(2.0):
+        src.apply(pool, "removed", e)
+    assert pool.members == [] and src.status()["slots"] == {} and src.status()["left"] == 2
 
 
 def test_the_source_applies_what_the_group_hears():
