@@ -36,7 +36,9 @@ each becomes a ``router.service.RouterService`` — the same shell and the same 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -64,6 +66,16 @@ log = logging.getLogger("lodestone.broker.routing")
 __all__ = ["EmbeddedRouting", "ClusterPoolSource"]
 
 RECV_BYTES = 65536
+#: how long a member of an HA pair that is no longer listed stays in an embedded cluster pool
+#: (the router process's ``leave-after-ms`` default)
+PAIR_LEAVE_AFTER_S = 30.0
+
+
+def parse_connector_or_none(url: str | None) -> tuple[str, int, bool] | None:
+    try:
+        return parse_connector(url)
+    except ValueError:
+        return None
 
 
 class ClusterPoolSource:
@@ -78,6 +90,11 @@ class ClusterPoolSource:
         self._pool: Pool | None = None
         self.last_sync: float | None = None
         self._listening = False
+        self._names: dict[tuple[str, str, int], str] = {}   # (node id, host, port) -> slot name
+        self._order: dict[str, int] = {}                    # slot name -> place in the pool
+        self._seq = itertools.count()
+        self._last: dict[str, Target] = {}                  # what the last targets() gave
+        self._departed: dict[str, tuple[Target, float]] = {}  # pair members no longer listed
 
     def start(self, pool: Pool) -> None:
         self._pool = pool
@@ -90,21 +107,87 @@ class ClusterPoolSource:
     def _wake(self) -> None:
         self._changed.set()
 
-    def targets(self) -> list[Target]:
+    def _members(self) -> list[tuple[str, str, int, bool, str | None, bool]]:
+        """``(node id, host, port, tls, management URL, backup)`` of the pool now: the live
+        members, a member with backups also while its bridge is down (its probe fails: not
+        ready), and the backups the members told this node of (``ClusterNode.member_backups``)
+        — except one that took its node id over (it is the live member at that address)."""
         cluster = self.node.cluster
+        if cluster is None:
+            return []
+        members = cluster.live_members()
+        live = {node_id for node_id, _c, _m in members}
+        for node_id in sorted(set(cluster.member_backups) - live - {self.node.node_id}):
+            m = cluster.members.get(node_id)
+            if m is not None and m.connector:
+                members.append((node_id, m.connector, m.management_url))
         out = []
-        for node_id, connector, mgmt in (cluster.live_members() if cluster is not None else ()):
-            try:
-                host, port, tls = parse_connector(connector)
-            except ValueError:
+        for node_id, connector, mgmt in members:
+            c = parse_connector_or_none(connector)
+            if c is not None:
+                out.append((node_id, *c, mgmt or None, False))
+        for node_id in sorted(cluster.member_backups):
+            if node_id == self.node.node_id:
                 continue
-            out.append(Target(node_id, host, port, tls, mgmt or None, node_id))
+            member = cluster.members.get(node_id)
+            at = parse_connector_or_none(member.connector) if member is not None else None
+            for connector, mgmt, _in_sync in cluster.member_backups[node_id]:
+                c = parse_connector_or_none(connector)
+                if c is not None and c != at:
+                    out.append((node_id, *c, mgmt or None, True))
         return out
+
+    def targets(self, now: float | None = None) -> list[Target]:
+        """The pool's targets (see ``_members``), with a node id's members forming its HA pair,
+        so a pair whose primary is gone *fails over* — its keys wait for the backup
+        (docs/router.md "HA pairs") — instead of its keys going elsewhere.
+
+        A member keeps its slot name for its address (the node id for the first, ``<node
+        id>@<host>:<port>`` for others) and its place in the order, so a backup that takes its
+        node id over keeps its slot and state (as the router process's cluster membership does);
+        one that comes back after it left joins at the end.
+        A member of a pair that is no longer listed (the dead primary, once its backup serves the
+        node id from its own address) stays, not ready, for :data:`PAIR_LEAVE_AFTER_S`, so the
+        pair does not shrink to one unready member — which would re-place its keys — before the
+        new member's probe says active. Any other member leaves at once (Artemis's nodeDown)."""
+        now = time.monotonic() if now is None else now
+        out: dict[str, Target] = {}
+        for node_id, host, port, tls, mgmt, backup in self._members():
+            name = self._names.get((node_id, host, port))
+            if name is None or name in out:
+                taken = set(out) | set(self._names.values())
+                addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+                name = node_id if node_id not in taken else f"{node_id}@{addr}"
+                self._names[(node_id, host, port)] = name
+            out[name] = Target(node_id, host, port, tls, mgmt, name, node_id, backup)
+        pairs = {t.pair for t in out.values()}
+        for name, t in self._last.items():
+            if name not in out and t.pair in pairs and name not in self._departed:
+                self._departed[name] = (t, now)
+        for name, (t, since) in list(self._departed.items()):
+            if name in out or t.pair not in pairs or now - since >= PAIR_LEAVE_AFTER_S:
+                del self._departed[name]
+            else:
+                out[name] = t
+        for name in [n for n in self._order if n not in out]:
+            del self._order[name]   # one that comes back joins at the end (the others keep their state)
+        for name in out:
+            if name not in self._order:
+                self._order[name] = next(self._seq)
+        self._last = out
+        return [out[n] for n in sorted(out, key=self._order.__getitem__)]
+
+    def next_expiry(self, now: float) -> float | None:
+        """Seconds until a departed pair member leaves (None: none waits)."""
+        if not self._departed:
+            return None
+        return max(0.0, min(since for _t, since in self._departed.values()) + PAIR_LEAVE_AFTER_S - now)
 
     def status(self) -> dict[str, Any]:
         cluster = self.node.cluster
         return {"source": "cluster", "cluster": cluster.cfg.name if cluster is not None else None,
-                "members": [t.node_id for t in self.targets()], "last_sync": self.last_sync}
+                "members": [t.node_id for t in self._last.values()], "departed": sorted(self._departed),
+                "last_sync": self.last_sync}
 
     async def follow(self, pool: Pool, ctx: FollowContext, task_status=trio.TASK_STATUS_IGNORED) -> None:
         cluster = self.node.cluster
@@ -120,7 +203,9 @@ class ClusterPoolSource:
             if not started:
                 started = True
                 task_status.started()
-            await self._changed.wait()
+            wait = self.next_expiry(time.monotonic())
+            with trio.move_on_after(wait if wait is not None else math.inf):
+                await self._changed.wait()
 
 
 @dataclass(slots=True)

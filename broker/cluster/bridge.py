@@ -611,6 +611,7 @@ class ClusterNode:
     def bridge_gave_up(self, b: Bridge) -> None:
         if b.node_id is not None and self.by_node.get(b.node_id) is b:
             self.forget_via(b.node_id)
+            self.member_backups.pop(b.node_id, None)   # no news of them any more
         self._members_changed()
 
     def _members_changed(self) -> None:

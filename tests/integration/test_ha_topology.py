@@ -7,6 +7,9 @@ management API)."""
 
 from __future__ import annotations
 
+import signal
+import threading
+
 import pytest
 from proton.utils import BlockingConnection
 
@@ -147,3 +150,80 @@ def test_a_shared_store_backup_is_listed_by_its_primary_and_the_cluster(tmp_path
         m["node_id"] == node_id and m.get("role") != "backup" and m["connector"] == backup.amqp_url
         and m["connected"] for m in http_json(other.management_url + "/api/v1/cluster", auth=ADMIN)[1]["members"]),
         20)
+
+
+def _embedded(extra: dict | None = None) -> dict:
+    """A router inside each broker (docs/cluster.md "A router inside the broker"): CLIENT_ID,
+    CONSISTENT_HASH over this broker's cluster, the broker itself the local target, a sticky
+    cache; a cached key whose pair fails over waits up to quorum-timeout."""
+    return {"acceptors.amqp": {"router": "gravity"},
+            "routers.gravity": {"key-type": "CLIENT_ID"},
+            "routers.gravity.policy": {"name": "CONSISTENT_HASH"},
+            "routers.gravity.cache": {"max-entries": 1000},
+            "routers.gravity.pool": {"source": "cluster", "check-period": 300, "quorum-timeout": 60000,
+                                     "local-target-enabled": True},
+            **(extra or {})}
+
+
+def _embedded_pool(member) -> dict:
+    status, pool = member.management_get("/api/v1/routers/gravity/pool")
+    assert status == 200, pool
+    return pool
+
+
+def test_a_router_inside_a_broker_waits_for_a_failing_over_pair_instead_of_moving_its_keys(tmp_path, procs):
+    from router.client import _open_once
+
+    def open_once(member, key):
+        return _open_once(member.amqp_url, {**CLIENT, "container_id": key})
+
+    p1 = start_replica(tmp_path, "p1", "primary", ha={"group-name": "g1"}, config=_embedded())
+    procs.append(p1)
+    wait_active(p1)
+    p2 = start_replica(tmp_path, "p2", "primary", static=[p1.amqp_url], ha={"group-name": "g2"}, config=_embedded())
+    p3 = start_replica(tmp_path, "p3", "primary", static=[p1.amqp_url], ha={"group-name": "g3"}, config=_embedded())
+    procs += [p2, p3]
+    for p in (p2, p3):
+        wait_active(p)
+    backup = start_replica(tmp_path, "backup", "backup", static=[p1.amqp_url, p2.amqp_url, p3.amqp_url],
+                           ha={"group-name": "g1", **FAST_VOTES}, config=_embedded())
+    procs.append(backup)
+    wait_phase(backup, "in-sync")
+    # p2's embedded router holds p1's pair: p1 serving, its backup a passive member
+    wait_for(lambda: any(pr["node_id"] == p1.node_id and pr["state"] == "serving" and len(pr["members"]) == 2
+                         for pr in _embedded_pool(p2).get("pairs", [])), 20)
+    # a key p2 sends to p1 (the redirect names p1's port: the oracle is p1's own listener)
+    key = None
+    for i in range(60):
+        conn, cond = open_once(p2, f"pair-key-{i}")
+        if conn is not None:
+            conn.close()
+            continue
+        if cond.name == "amqp:connection:redirect" and dict(cond.info)["port"] == p1.port:
+            key = f"pair-key-{i}"
+            break
+    assert key, "no key of 60 was sent to p1"
+
+    # the backup cannot take over yet (stopped), p1 dies: p2 sees its pair failing over
+    backup.proc.send_signal(signal.SIGSTOP)
+    try:
+        p1.kill()
+        wait_for(lambda: not any(t["ready"] for t in _embedded_pool(p2)["targets"] if t["node_id"] == p1.node_id)
+                 and any(t["node_id"] == p1.node_id and not t["backup"] for t in _embedded_pool(p2)["targets"]), 20)
+        # a client of the pair's key now waits on p2 (its pair is failing over) instead of being
+        # placed on p2 or p3
+        result: dict = {}
+        waiter = threading.Thread(target=lambda: result.update(r=open_once(p2, key)), daemon=True)
+        waiter.start()
+    finally:
+        backup.proc.send_signal(signal.SIGCONT)
+    wait_active(backup, 30)
+    waiter.join(30)
+    assert not waiter.is_alive()
+    conn, cond = result["r"]
+    assert conn is None and cond.name == "amqp:connection:redirect", (conn, cond)
+    assert dict(cond.info)["port"] == backup.port       # sent to the backup, which now serves p1's node id
+    # and the backup keeps it: its own router places the key on its own node id
+    conn, cond = open_once(backup, key)
+    assert conn is not None, cond
+    conn.close()
