@@ -407,9 +407,9 @@ def _ha(t: Table, cluster: ClusterConfig | None) -> HaConfig:
     if scale_down and cluster is None:
         raise t.error("scale-down", "true needs a [cluster] table (scale-down moves messages over the "
                       "cluster's bridges, with its credential)")
-    if scale_down and policy != "live-only" and not (policy == "replication" and role == "backup"):
+    if scale_down and policy != "live-only" and role != "backup":
         raise t.error("scale-down", f"scale-down from a {policy} {role} is not supported (live-only nodes and "
-                      "replication backups scale down; see docs/ha.md)")
+                      "backups scale down; see docs/ha.md)")
     if colocated is not None and not (policy == "replication" and role == "primary"):
         raise t.error("colocated", "colocated backups are for replication primaries (policy = 'replication', "
                       "role = 'primary')")

@@ -35,6 +35,11 @@ is held, lists that backup as its own (``node.shared_backup``: ``GET /api/v1/clu
 Artemis's ``failover-server-list`` in its Open), as an Artemis shared-store backup announces
 itself to its live node. A stale file (its writer gone, the lock free) is ignored.
 
+**Scale-down** (``[ha] scale-down`` on a backup, Artemis's ``<slave><scale-down>``): a backup
+that takes the live lock activates without any AMQP listener, moves every message of the node
+id to another live node over the cluster's bridges, writes ``P`` (so no spare takes the emptied
+node id over; its primary may come back) and stops.
+
 **A clean stop** (SIGTERM/SIGINT) of the active node writes ``P`` unless ``failover-on-shutdown``
 (then ``L`` stays and a backup activates). A passive node's stop just releases its locks.
 
@@ -334,6 +339,24 @@ async def run_shared_store(cfg: "BrokerConfig", security, *, task_status=trio.TA
                     store.set_state(LIVE)
                     store.release_backup_lock()   # the next spare backup may wait now
                     status.node_id = dd.node_id
+                    if backup and ha.scale_down:
+                        # Artemis's shared-store backup scale-down: move the node id's messages to
+                        # another live node instead of serving them, then stop; the pair is left
+                        # paused (no spare takes the emptied node id over; its primary may return)
+                        status.change("scaling-down", "took over to move the messages to another node")
+                        await open_management()
+
+                        def on_scale_down_node(node) -> None:
+                            node.ha = status
+                            node.ha_store = store
+
+                        await serve_active(cfg, security, dd, stop, management=slot if slot.url else None,
+                                           on_node=on_scale_down_node, scale_down_only=True,
+                                           task_status=task_status if not started else trio.TASK_STATUS_IGNORED)
+                        started = True
+                        store.set_state(PAUSED)
+                        status.change("stopping", "scaled down", active=False)
+                        break
                     status.activations += 1
                     if backup:
                         status.failovers += 1

@@ -127,6 +127,34 @@ def test_a_spare_backup_waits_behind_the_first(tmp_path, members):
     assert ha_view(spare)["node_id"] == primary.node_id
 
 
+def test_a_backup_with_scale_down_moves_the_messages_to_another_node_instead_of_serving(tmp_path, members):
+    from tests.haproc import CLUSTER_PASSWORD, start_replica
+
+    other = start_replica(tmp_path, "other", "primary", ha={"group-name": "gx"})   # a live cluster member
+    members.append(other)
+    wait_active(other)
+    cluster = {"name": "test-cluster", "static-connectors": [other.amqp_url], "user": "cluster-user",
+               "password": CLUSTER_PASSWORD, "retry-interval-ms": 100, "max-retry-interval-ms": 500}
+    shared = tmp_path / "shared-store"
+    primary = start_member(tmp_path, "primary", shared, "primary", cluster=cluster)
+    members.append(primary)
+    wait_active(primary)
+    backup = start_member(tmp_path, "backup", shared, "backup", cluster=cluster, ha={"scale-down": True})
+    members.append(backup)
+    wait_phase(backup, "waiting-for-live-lock")
+    bodies = [f"s{i}" for i in range(300)]
+    send(primary, "sd", bodies)            # acknowledged: journaled in the shared store
+    primary.kill()
+    assert backup.proc.wait(60) == 0, backup.stderr_text()[-3000:]     # scaled down, then stopped
+    assert "this backup scaled down instead of serving" in backup.stderr_text()
+    assert sorted(receive_all(other, "sd")) == sorted(bodies)          # every message, once, on the other node
+    assert (shared / "ha.state").read_bytes() == b"P"   # paused: no spare takes the emptied node id over
+    # the primary comes back to its (now empty) node id and serves again
+    primary.start()
+    wait_active(primary)
+    assert receive_all(primary, "sd", quiet_s=0.5) == []
+
+
 def test_config_errors_name_file_key_and_value(tmp_path):
     import subprocess
     import sys

@@ -153,6 +153,9 @@ def test_scale_down_to_the_cluster(tmp_path):
     assert cfg.ha.scale_down and cfg.ha.scale_down_connectors == ()
     cfg = load_config(write(tmp_path, CLUSTER + "[ha]\nscale-down = true\nscale-down-connectors = ['amqp://h:1']\n"))
     assert cfg.ha.scale_down and cfg.ha.scale_down_connectors == ("amqp://h:1",)
+    # a shared-store backup scales down instead of serving (Artemis <shared-store><slave><scale-down>)
+    cfg = load_config(write(tmp_path, CLUSTER + "[ha]\npolicy = 'shared-store'\nrole = 'backup'\nscale-down = true\n"))
+    assert cfg.ha.scale_down and cfg.ha.role == "backup"
 
 
 def test_overrides_leave_the_cluster_alone(tmp_path):
@@ -234,6 +237,8 @@ BAD = [
      "'replication' needs a [cluster] table: the backup finds its primary through the cluster"),
     (BASE + "[ha]\npolicy = 'primary'\n", "ha.policy", "'primary' must be one of live-only"),
     (BASE + "[ha]\nscale-down = true\n", "ha.scale-down", "true needs a [cluster] table"),
+    (CLUSTER + "[ha]\npolicy = 'shared-store'\nrole = 'primary'\nscale-down = true\n", "ha.scale-down",
+     "scale-down from a shared-store primary is not supported (live-only nodes and backups scale down"),
     (BASE + "[ha]\nscale-down = true\nscale-down-connectors = ['amqp://h:1']\n", "ha.scale-down",
      "true needs a [cluster] table"),
     (BASE + "[ha]\nscale-down = 'yes'\n", "ha.scale-down", "'yes' must be true or false"),
