@@ -9,11 +9,17 @@ This module is the job's pure core: plain Python over small tables the Spark job
 messages ``ON_DEMAND``: a message produced on broker *n* for an anycast address goes round-robin
 to the brokers whose queue of that address has a consumer (docs/cluster.md). For an address *a*
 under an assignment, let ``P[a][n]`` be the bytes produced on *n* by the keys placed there and
-``S(a)`` the brokers with a consuming key. Then the bytes that cross between brokers are::
+``S(a)`` the brokers with a consuming key, ``C[a][n]`` the bytes those keys consume there. Round-
+robin forwards, and each consuming broker receives ``R = sum_n P[a][n] / |S(a)|``; where its
+consumers take less than that, the rest follows the consumers that take more by redistribution
+(as far as they take it: a backlog nobody asks for stays). The bytes that cross are::
 
-    cross(a) = sum_n P[a][n] * (1 - [n in S(a)] / |S(a)|)      (0 when S(a) is empty)
+    fwd(a)   = sum_n P[a][n] * (1 - [n in S(a)] / |S(a)|)
+    redist(a) = min(sum_{n in S} max(0, R - C[a][n]), sum_{n in S} max(0, C[a][n] - R))
+    cross(a) = fwd(a) + redist(a)                                (0 when S(a) is empty)
 
-and ``cross = sum_a cross(a)``. It is 0 when every key of an address is on one broker.
+and ``cross = sum_a cross(a)``. It is 0 when every key of an address is on one broker; with
+consumers that take what reaches them (``C = R``) it is the forwarded part alone.
 
 **Balance.** ``skew(load) = max_n load[n] / mean_n load[n] - 1`` for connections and for bytes
 (produce + consume). The totals do not depend on the assignment, so ``skew <= s`` is a capacity
@@ -102,12 +108,17 @@ def skew(loads: Iterable[float]) -> float:
 
 
 def address_cross(produced: Sequence[float], consumed: Sequence[float]) -> float:
-    """Bytes of one address that cross brokers under ON_DEMAND round-robin (module docstring)."""
+    """Bytes of one address that cross brokers under ON_DEMAND round-robin, forwarded and then
+    redistributed to where the consumers take more than reaches them (module docstring)."""
     s = [n for n, c in enumerate(consumed) if c > 0]
     if not s:
         return 0.0
     total = float(sum(produced))
-    return total - sum(produced[n] for n in s) / len(s)
+    share = total / len(s)
+    forwarded = total - sum(produced[n] for n in s) / len(s)
+    surplus = sum(share - consumed[n] for n in s if consumed[n] < share)
+    deficit = sum(consumed[n] - share for n in s if consumed[n] > share)
+    return forwarded + min(surplus, deficit)
 
 
 class _State:

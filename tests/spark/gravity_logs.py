@@ -143,7 +143,10 @@ HAND = {
     "moves": {"xp": 0, "xc": 0, "yp": 0, "yc": 1, "zp": 0, "zc": 0},
     "cross_broker_bytes": 600,           # forward n1→n2 500 + n2→n3 100
     "matrix": {(N1, N2): 500, (N2, N3): 100},
-    "modelled_cross_broker_bytes": 850,  # x: 700 (no consumer on n1); y: 300 − 300/2 (consumers on n2, n3)
+    # x: 700 (no consumer on n1; n2 the only consuming broker: nothing to redistribute);
+    # y: 300 − 300/2 forwarded (consumers on n2, n3), + 50: n3 receives 150 and its consumer takes
+    # 100, n2's takes 200 of its 150 → the 50 are redistributed
+    "modelled_cross_broker_bytes": 900,
     "skew": {"connections": 3 / (8 / 3) - 1, "bytes": 1000 / (2000 / 3) - 1},
     # --max-skew 0.3: x (1,200 bytes) exceeds a broker's 866.7 and is split; only xc moves
     "tight": {"max_skew": 0.3, "assignment": {"xp": N1, "xc": N3, "yp": N2, "yc": N2, "zp": N3, "zc": N3},

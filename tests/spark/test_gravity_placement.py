@@ -18,8 +18,14 @@ BROKERS = [N1, N2, N3]
 
 @pytest.mark.parametrize("produced, consumed, cross", [
     ([700, 0, 0], [0, 500, 0], 700),          # producer alone, consumer elsewhere: all of it
-    ([0, 300, 0], [0, 200, 100], 150),        # round-robin over the two consuming brokers
-    ([100, 100, 100], [1, 1, 1], 200),        # everyone everywhere: 2/3 crosses
+    ([0, 300, 0], [0, 150, 150], 150),        # round-robin over the two consuming brokers: half crosses
+    # round-robin sends 150 to n3, whose consumers take 100: the other 50 are redistributed to n2
+    ([0, 300, 0], [0, 200, 100], 150 + 50),
+    # the workload's ledger split over two brokers: 2 producers + 1 consumer on n1, 1 + 2 on n2 (100
+    # each): each receives 150 by round-robin (100 + 50 forwarded), n1 redistributes its 50 surplus
+    ([200, 100, 0], [100, 200, 0], 100 + 50 + 50),
+    ([100, 100, 100], [1, 1, 1], 200),        # everyone everywhere: 2/3 crosses; no demand to redistribute to
+    ([0, 0, 300], [100, 200, 0], 300 + 50),   # all forwarded (no consumer at home), then n1's surplus to n2
     ([500, 0, 0], [9, 0, 0], 0),              # co-located
     ([500, 0, 0], [0, 0, 0], 0),              # no consumer: it stays (backlog)
 ])
