@@ -95,6 +95,7 @@ class ClusterPoolSource:
         self._seq = itertools.count()
         self._last: dict[str, Target] = {}                  # what the last targets() gave
         self._departed: dict[str, tuple[Target, float]] = {}  # pair members no longer listed
+        self._down_since: dict[str, float] = {}   # node id -> when a member with backups went down
 
     def start(self, pool: Pool) -> None:
         self._pool = pool
@@ -107,19 +108,28 @@ class ClusterPoolSource:
     def _wake(self) -> None:
         self._changed.set()
 
-    def _members(self) -> list[tuple[str, str, int, bool, str | None, bool]]:
+    def _members(self, now: float | None = None) -> list[tuple[str, str, int, bool, str | None, bool]]:
         """``(node id, host, port, tls, management URL, backup)`` of the pool now: the live
-        members, a member with backups also while its bridge is down (its probe fails: not
-        ready), and the backups the members told this node of (``ClusterNode.member_backups``)
+        members, a member with a backup in sync also while its bridge is down (its probe
+        fails: not ready) for at most :data:`PAIR_LEAVE_AFTER_S`, and the backups the members told this node of (``ClusterNode.member_backups``)
         — except one that took its node id over (it is the live member at that address)."""
         cluster = self.node.cluster
         if cluster is None:
             return []
         members = cluster.live_members()
         live = {node_id for node_id, _c, _m in members}
+        now = time.monotonic() if now is None else now
+        for node_id in list(self._down_since):
+            if node_id in live:
+                del self._down_since[node_id]
         for node_id in sorted(set(cluster.member_backups) - live - {self.node.node_id}):
+            # a member that went down with a backup in sync: its backup may take over, so it
+            # stays (not ready) and its pair fails over — for PAIR_LEAVE_AFTER_S at most
+            if not any(in_sync for _c, _m, in_sync in cluster.member_backups[node_id]):
+                continue
+            since = self._down_since.setdefault(node_id, now)
             m = cluster.members.get(node_id)
-            if m is not None and m.connector:
+            if m is not None and m.connector and now - since < PAIR_LEAVE_AFTER_S:
                 members.append((node_id, m.connector, m.management_url))
         out = []
         for node_id, connector, mgmt in members:
@@ -146,23 +156,29 @@ class ClusterPoolSource:
         id>@<host>:<port>`` for others) and its place in the order, so a backup that takes its
         node id over keeps its slot and state (as the router process's cluster membership does);
         one that comes back after it left joins at the end.
-        A member of a pair that is no longer listed (the dead primary, once its backup serves the
-        node id from its own address) stays, not ready, for :data:`PAIR_LEAVE_AFTER_S`, so the
-        pair does not shrink to one unready member — which would re-place its keys — before the
-        new member's probe says active. Any other member leaves at once (Artemis's nodeDown)."""
+        A member of a pair that is no longer listed while another member of it serves (the dead
+        primary, once its backup serves the node id from its own address) stays, not ready, for
+        :data:`PAIR_LEAVE_AFTER_S`, so the pair does not shrink to one unready member — which
+        would re-place its keys — before the new member's probe says active. Any other member
+        leaves at once (Artemis's nodeDown)."""
         now = time.monotonic() if now is None else now
         out: dict[str, Target] = {}
-        for node_id, host, port, tls, mgmt, backup in self._members():
+        for node_id, host, port, tls, mgmt, backup in self._members(now):
             name = self._names.get((node_id, host, port))
-            if name is None or name in out:
+            if name is None:
                 taken = set(out) | set(self._names.values())
                 addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
                 name = node_id if node_id not in taken else f"{node_id}@{addr}"
                 self._names[(node_id, host, port)] = name
+            if name in out:
+                continue   # that node id at that address once already (another scheme): the first
             out[name] = Target(node_id, host, port, tls, mgmt, name, node_id, backup)
-        pairs = {t.pair for t in out.values()}
+        # pairs with a member serving now (a backup that took the node id over, say): the one that
+        # served before is held while the new one is probed
+        pairs = {t.pair for t in out.values() if not t.backup}
+        gone = {n for n, since in self._down_since.items() if now - since >= PAIR_LEAVE_AFTER_S}
         for name, t in self._last.items():
-            if name not in out and t.pair in pairs and name not in self._departed:
+            if name not in out and t.pair in pairs and name not in self._departed and t.node_id not in gone:
                 self._departed[name] = (t, now)
         for name, (t, since) in list(self._departed.items()):
             if name in out or t.pair not in pairs or now - since >= PAIR_LEAVE_AFTER_S:
@@ -178,10 +194,12 @@ class ClusterPoolSource:
         return [out[n] for n in sorted(out, key=self._order.__getitem__)]
 
     def next_expiry(self, now: float) -> float | None:
-        """Seconds until a departed pair member leaves (None: none waits)."""
-        if not self._departed:
+        """Seconds until a departed pair member or a down member leaves (None: none waits)."""
+        times = [since + PAIR_LEAVE_AFTER_S for _t, since in self._departed.values()]
+        times += [since + PAIR_LEAVE_AFTER_S for since in self._down_since.values() if since + PAIR_LEAVE_AFTER_S > now]
+        if not times:
             return None
-        return max(0.0, min(since for _t, since in self._departed.values()) + PAIR_LEAVE_AFTER_S - now)
+        return max(0.0, min(times) - now)
 
     def status(self) -> dict[str, Any]:
         cluster = self.node.cluster

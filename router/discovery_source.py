@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import time
 from typing import Any
 
 import trio
@@ -138,7 +139,13 @@ class DiscoverySource:
     def apply(self, pool: Pool, kind: str, entry) -> bool:
         """One change of the group's table → the pool. True if the pool changed."""
         a = entry.announcement
-        change, why = self.membership.observe(kind, a)
+        held_before = set(self.membership.held)
+        change, why = self.membership.observe(kind, a, time.monotonic())
+        changed = False
+        for slot in set(self.membership.held) - held_before:
+            # its node id is announced from another address now: it does not serve it (a probe
+            # that says otherwise makes it ready again: split brain, docs/router.md "HA pairs")
+            changed |= pool.mark_not_ready(slot, "its node id is now served from another address")
         if why is not None:
             if self.unusable.get(a.node_id) != why:
                 log.warning("discovery pool: left out of the pool from %s's announcement: %s",
@@ -148,7 +155,6 @@ class DiscoverySource:
             self.unusable.pop(a.node_id, None)
         if kind == "removed":
             self.unusable.pop(a.node_id, None)
-        changed = False
         for slot in change.removed:  # first: a moved slot is added again under its name
             if pool.remove_target(slot):
                 changed = True
@@ -177,6 +183,7 @@ class DiscoverySource:
         """Listen until cancelled; started after the first member or the initial wait."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._listen, pool, ctx)
+            nursery.start_soon(self._expire_held, pool, ctx)
             with trio.move_on_after(self.options["initial-wait-timeout-ms"] / 1000.0):
                 await self._heard.wait()
             if not self.group.entries and self.last_error is None:
@@ -184,6 +191,19 @@ class DiscoverySource:
                             "listening)", self.options["group-address"],
                             self.options["group-port"], self.options["initial-wait-timeout-ms"])
             task_status.started()
+
+    async def _expire_held(self, pool: Pool, ctx: FollowContext) -> None:
+        """Every check-period: slots held after a takeover whose time is up leave the pool."""
+        while True:
+            await trio.sleep(max(ctx.check_period_ms, 100) / 1000.0)
+            change = self.membership.expire(time.monotonic())
+            changed = False
+            for slot in change.removed:
+                if pool.remove_target(slot):
+                    changed = True
+                    log.info("discovery pool: %s left (its node id is served elsewhere)", slot)
+            if changed and ctx.on_change is not None:
+                ctx.on_change()
 
     def _listening(self, _sockname) -> None:
         if self.last_error is not None:

@@ -542,6 +542,7 @@ class ClusterNode:
                 self._retire(b)
                 self.by_node.pop(a.node_id, None)
                 self.members.pop(a.node_id, None)
+                self.member_backups.pop(a.node_id, None)
                 self.forget_via(a.node_id)
                 self._members_changed()
             for url in a.connectors:  # a bridge that never reached the announced node

@@ -104,6 +104,11 @@ def encode_announcement(a: Announcement, key: str | None = None) -> bytes:
     if a.backups:  # only then: without backups the packet is what older nodes send and read
         out.append(bytes((len(a.backups),)))
         for connector, mgmt, in_sync in a.backups:
+            # what every listener would refuse (and drop the whole packet, the node with it)
+            if not connector.startswith(("amqp://", "amqps://")):
+                raise ValueError(f"backup connector {connector[:100]!r} is not an amqp:// or amqps:// URL")
+            if mgmt and not mgmt.startswith(("http://", "https://")):
+                raise ValueError(f"backup management URL {mgmt[:100]!r} is not http(s)://")
             _put(out, connector)
             _put(out, mgmt)
             out.append(b"\x01" if in_sync else b"\x00")

@@ -56,7 +56,8 @@ async def broadcast(group_address: str, group_port: int, announce: Callable[[int
                 a = announce(base + n)
                 try:
                     data = encode_announcement(a, key)
-                except ValueError as exc:   # over MAX_PACKET: long backup URLs go first, never the node
+                except ValueError as exc:   # over MAX_PACKET, or a backup URL listeners would refuse:
+                    # the backups go, never the node
                     if a.backups:
                         data = encode_announcement(dataclasses.replace(a, backups=()), key)
                     else:
@@ -64,7 +65,7 @@ async def broadcast(group_address: str, group_port: int, announce: Callable[[int
                     counters["backups_left_out"] = counters.get("backups_left_out", 0) + 1
                     if "too-big" not in logged:
                         logged.add("too-big")
-                        log.warning("announcement with its backups does not fit in one datagram (%s): "
+                        log.warning("announcement with its backups cannot be sent (%s): "
                                     "announcing the node without them (logged once)", exc)
                 await sock.sendto(data, (group_address, group_port))
                 counters["sent"] = counters.get("sent", 0) + 1

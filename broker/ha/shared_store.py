@@ -148,9 +148,17 @@ class SharedStore:
         tmp.write_text(json.dumps({"connector": connector, "management_url": management_url, "pid": os.getpid()}))
         os.replace(tmp, self.path / "backup.json")
 
-    def waiting_backup(self) -> tuple[str, str, bool] | None:
+    def clear_backup_info(self) -> None:
+        """The backup lock's holder is done waiting (it activates) or announces nothing."""
+        try:
+            (self.path / "backup.json").unlink()
+        except FileNotFoundError:
+            pass
+
+    def waiting_backup(self, own_connector: str | None = None) -> tuple[str, str, bool] | None:
         """``(connector, management URL, True)`` of the backup waiting on these files, or None
-        (no backup lock held, no readable ``backup.json``)."""
+        (no backup lock held, no readable ``backup.json``, or one naming ``own_connector``: a
+        file the active node itself left when it was the waiting backup)."""
         if not self.backup_lock_held():
             return None
         try:
@@ -159,7 +167,7 @@ class SharedStore:
             return None
         connector = info.get("connector") if isinstance(info, dict) else None
         mgmt = info.get("management_url") if isinstance(info, dict) else None
-        if not isinstance(connector, str) or not connector:
+        if not isinstance(connector, str) or not connector or connector == own_connector:
             return None
         return (connector, mgmt if isinstance(mgmt, str) else "", True)
 
@@ -260,8 +268,9 @@ def backup_connector(cfg: "BrokerConfig") -> str | None:
 async def _watch_backup(store: SharedStore, node) -> None:
     """The active node follows its waiting backup (``backup.json`` + the backup lock) into
     ``node.shared_backup``; the cluster's members are told when it changes."""
+    own = node.cluster.connector if node.cluster is not None else None
     while True:
-        now = await trio.to_thread.run_sync(store.waiting_backup)
+        now = await trio.to_thread.run_sync(store.waiting_backup, own)
         if now != node.shared_backup:
             node.shared_backup = now
             log.info("ha: %s", f"a backup waits on the shared store: {now[0]}" if now else "no backup waits any more")
@@ -326,8 +335,10 @@ async def run_shared_store(cfg: "BrokerConfig", security, *, task_status=trio.TA
                             while not store.try_backup_lock():
                                 await trio.sleep(POLL_S)
                             connector = backup_connector(cfg)
-                            if connector:   # the active node lists us as its backup (topology)
+                            if connector and not ha.scale_down:   # the active node lists us (topology)
                                 store.write_backup_info(connector, slot.url or "")
+                            else:   # a scale-down backup never serves: nobody's failover target
+                                store.clear_backup_info()
                             status.change("waiting-for-live-lock", "this node is the pair's waiting backup")
                         else:
                             status.change("waiting-for-live-lock", "primary started", active=False)
@@ -337,6 +348,8 @@ async def run_shared_store(cfg: "BrokerConfig", security, *, task_status=trio.TA
                     break
                 try:
                     store.set_state(LIVE)
+                    if backup:
+                        store.clear_backup_info()     # no longer waiting: the next spare writes its own
                     store.release_backup_lock()   # the next spare backup may wait now
                     status.node_id = dd.node_id
                     if backup and ha.scale_down:

@@ -245,6 +245,11 @@ class ClusterMembership:
 
 
 # -- source = "discovery": what a discovery group heard → pool targets ------------------------
+#: how long a discovery pool keeps the slot of a member that served a node id now served from
+#: another address (a backup took it over), while the new member is probed (a cluster pool's
+#: leave-after-ms default)
+PAIR_HOLD_S = 30.0
+
 def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -332,22 +337,33 @@ def _diff(old: Iterable[Target], new: Iterable[Target]) -> MembershipChange:
 class DiscoveryMembership:
     """The targets a discovery pool holds for each announced node id (pure state): what a
     changed announcement replaces and an expired one removes. ``known``: node id → its targets
-    (the node's own first, then its backups), as the last change left them."""
+    (the node's own first, then its backups), as the last change left them. ``held``: slots
+    kept after a takeover (slot → node id, since; see ``observe``), removed by ``expire``."""
 
     known: dict[str, tuple[Target, ...]] = field(default_factory=dict)
+    held: dict[str, tuple[str, float]] = field(default_factory=dict)
 
-    def observe(self, kind: str, a: Announcement) -> tuple[MembershipChange, str | None]:
+    def observe(self, kind: str, a: Announcement, now: float = 0.0) -> tuple[MembershipChange, str | None]:
         """One change of the discovery group's table (``added``, ``changed``, ``removed``: an
         entry not refreshed within the refresh timeout) → the pool change, and why (part of)
         the announcement cannot be a target (None if all of it can). ``removed`` removes every
         slot of the node id; ``added``/``changed`` make its slots exactly what the announcement
         names (:func:`announced_targets`): slots no longer named leave, new ones join (not
         ready: probed before they get connections), moved ones leave and join again, a role
-        change keeps its slot (``updated``)."""
+        change keeps its slot (``updated``).
+
+        A takeover — the node id now served from another address (its backup announces it), the
+        member that served it no longer named — keeps that member's slot, not ready, for
+        :data:`PAIR_HOLD_S` (``expire``): the pair stays a pair, failing over, until the new
+        member's probe says active, instead of shrinking to one unready member whose keys would
+        be re-placed."""
         old = self.known.get(a.node_id, ())
+        held_here = [slot for slot, (node, _since) in self.held.items() if node == a.node_id]
         if kind == "removed":
             self.known.pop(a.node_id, None)
-            return MembershipChange(removed=tuple(t.slot for t in old)), None
+            for slot in held_here:
+                del self.held[slot]
+            return MembershipChange(removed=tuple(t.slot for t in old) + tuple(held_here)), None
         if kind not in ("added", "changed"):
             raise ValueError(f"unknown discovery change {kind!r}")
         targets, why = announced_targets(a, old)
@@ -355,11 +371,34 @@ class DiscoveryMembership:
             self.known[a.node_id] = targets
         else:
             self.known.pop(a.node_id, None)
-        return _diff(old, targets), why
+        change = _diff(old, targets)
+        names = {t.slot for t in targets}
+        removed = list(change.removed)
+        for slot in held_here:
+            if slot in names:   # named again (its _diff add follows this removal): no longer held
+                del self.held[slot]
+                removed.append(slot)
+        serving = {(t.host, t.port) for t in targets if not t.backup}
+        for t in old:
+            if (serving and not t.backup and t.slot not in names and (t.host, t.port) not in serving
+                    and t.slot in removed):
+                removed.remove(t.slot)
+                self.held[t.slot] = (a.node_id, now)
+        return MembershipChange(change.added, tuple(dict.fromkeys(removed)), change.updated), why
+
+    def expire(self, now: float) -> MembershipChange:
+        """The held slots whose time is up leave."""
+        gone = tuple(slot for slot, (_node, since) in self.held.items() if now - since >= PAIR_HOLD_S)
+        for slot in gone:
+            del self.held[slot]
+        return MembershipChange(removed=gone)
 
     def slots(self) -> dict[str, list[str]]:
-        """Node id → the slots it holds in the pool."""
-        return {node_id: [t.slot for t in ts] for node_id, ts in self.known.items()}
+        """Node id → the slots it holds in the pool (held ones last)."""
+        out = {node_id: [t.slot for t in ts] for node_id, ts in self.known.items()}
+        for slot, (node_id, _since) in self.held.items():
+            out.setdefault(node_id, []).append(slot)
+        return out
 
 
 def discovery_change(kind: str, a: Announcement,

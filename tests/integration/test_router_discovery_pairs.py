@@ -164,14 +164,17 @@ def scenario(work: Path) -> None:
         assert after["action"] == "proxied" and after["outcome"] == "OK", after
         assert after["target_address"] == f"127.0.0.1:{backup.port}", after
         assert after["target_name"] == backup_slot and after["target_node_id"] == node_id, after
-        # it announces the node id from its own address now: its slot is the node's member
+        # it announces the node id from its own address now: its slot is the node's member; the dead
+        # primary's slot is held, not ready, for PAIR_HOLD_S (the pair stays a pair while the new
+        # member is probed; router.core.membership.DiscoveryMembership)
         def followed():
             ts = targets()
-            t = ts.get(backup_slot)
-            return set(ts) == {backup_slot} and t["ready"] and not t["backup"] and t["pair"] == node_id
+            t, old = ts.get(backup_slot), ts.get(node_id)
+            return (set(ts) == {backup_slot, node_id} and t["ready"] and not t["backup"] and t["pair"] == node_id
+                    and not old["ready"])
         wait_until(followed, 10, "the backup's slot follows its announcement (the node itself, ready)")
         m = pool()["membership"]
-        assert m["slots"] == {node_id: [backup_slot]} and m["backups"] == {} and m["left"] == 0, m
+        assert m["slots"] == {node_id: [backup_slot, node_id]} and m["backups"] == {} and m["left"] == 0, m
         assert router.get("/api/v1/counters")[1]["routers"]["main"].get("failover_wait_timeouts", 0) == 0
         print(f"backup active {took_over:.2f} s after the SIGKILL; routed to the backup at "
               f"{after['target_address']}")

@@ -2,6 +2,7 @@
 
 import hashlib
 import hmac
+import re
 import struct
 
 import pytest
@@ -231,3 +232,14 @@ async def test_a_broadcast_too_big_with_its_backups_announces_the_node_without_t
     a = decode_announcement(data, "k")
     assert (a.node_id, a.connectors, a.backups) == ("node-a", ("amqp://h:5672",), ())
     assert counters["backups_left_out"] >= 1 and counters["sent"] >= 1
+
+
+@pytest.mark.parametrize("backup, says", [
+    (("tcp://h:1", "", True), "is not an amqp:// or amqps:// URL"),
+    (("amqp://h:1", "ftp://h:2", True), "is not http(s)://"),
+])
+def test_a_backup_listeners_would_refuse_is_not_encoded(backup, says):
+    # every listener would drop the whole packet (the node with it): the broadcaster sends the
+    # node without its backups instead (broker.cluster.udp.broadcast)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        encode_announcement(Announcement("n", "c", "", ("amqp://h:5672",), 1, (backup,)))

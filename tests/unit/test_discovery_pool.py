@@ -14,7 +14,7 @@ import trio
 from broker.cluster.discovery import Announcement, encode_announcement
 from broker.tomlconfig import ConfigError
 from router.config import load_router_config
-from router.core.membership import (DiscoveryMembership, MembershipChange, announced_target, announced_targets,
+from router.core.membership import (PAIR_HOLD_S, DiscoveryMembership, MembershipChange, announced_target, announced_targets,
                                     discovery_change)
 from router.core.policies.base import Target
 from router.core.pool import FollowContext, Pool
@@ -119,9 +119,14 @@ def test_the_backup_that_took_over_keeps_its_slot():
     # the primary is dead; its backup serves n1 and announces it, from its own address, no backup
     change, why = m.observe("changed", Announcement("n1", "c1", "http://127.0.0.1:8001", ("amqp://127.0.0.1:7001",),
                                                     9))
-    assert why is None and names(change) == ([], ["n1"], [("n1@127.0.0.1:7001", False)])
+    # the dead primary's slot is held (not removed) while the backup's is probed: the pair stays
+    # a pair, failing over, instead of one unready member whose keys would be re-placed
+    assert why is None and names(change) == ([], [], [("n1@127.0.0.1:7001", False)])
     assert m.known["n1"] == (Target("n1", "127.0.0.1", 7001, False, "http://127.0.0.1:8001",
                                     "n1@127.0.0.1:7001", "n1", False),)
+    assert m.held == {"n1": ("n1", 0.0)} and m.slots() == {"n1": ["n1@127.0.0.1:7001", "n1"]}
+    assert m.expire(PAIR_HOLD_S - 0.1) == MembershipChange()
+    assert m.expire(PAIR_HOLD_S) == MembershipChange(removed=("n1",)) and m.held == {}
     # the old primary comes back as its backup: a new member, named by its address
     change, _ = m.observe("changed", Announcement("n1", "c1", "http://127.0.0.1:8001", ("amqp://127.0.0.1:7001",),
                                                   10, (("amqp://127.0.0.1:5001", "http://127.0.0.1:6001", False),)))
@@ -163,7 +168,7 @@ def test_the_source_forms_pairs_from_announced_backups():
     pool.report_probe("n1", False, None, None, 0.3, error="refused")
     pool.report_probe("n1@127.0.0.1:7001", True, "n1", 0, 0.3)
     assert hear(Announcement("n1", "c1", "http://127.0.0.1:8001", (B1[0],), 3), 0.4)
-    assert members() == [("n1@127.0.0.1:7001", "n1", False, True)]
+    assert members() == [("n1", "n1", False, False), ("n1@127.0.0.1:7001", "n1", False, True)]  # n1 held
     assert pool.ready_target("n1").port == 7001
     # expiry takes every slot of the node id
     hear(ann(seq=4, backups=(B1,)), 0.5)
@@ -294,3 +299,23 @@ def test_a_discovery_group_table_needs_source_discovery(tmp_path):
         load(tmp_path, BASE.replace('source = "discovery"\n', '[[routers.main.pool.targets]]\nhost = "h"\n'
                                                                'port = 1\n') + DG)
     assert ei.value.path == "routers.main.pool.discovery-group" and "unknown key" in ei.value.message
+
+
+def test_a_takeover_keeps_the_pair_failing_over_until_the_new_member_is_ready():
+    # the backup announces the node id before its probe says active: the pair must not shrink to
+    # one unready member (its cached keys would be re-placed), it stays failing over
+    src = DiscoverySource([], {**GROUP, "refresh-timeout-ms": 1000, "cluster": "c1"})
+    pool = Pool()
+
+    def hear(a, now):
+        ev = src.group.receive(encode_announcement(a), now)
+        return src.apply(pool, *ev) if ev is not None and ev[0] != "refreshed" else False
+
+    hear(ann(backups=(B1,)), 0.0)
+    pool.report_probe("n1", True, "n1", 0, 0.1)
+    pool.report_probe("n1@127.0.0.1:7001", False, "n1", None, 0.1, error="passive backup")
+    pool.report_probe("n1", False, None, None, 0.2, error="refused")          # the primary dies
+    hear(Announcement("n1", "c1", "http://127.0.0.1:8001", (B1[0],), 3), 0.3)  # its backup took over
+    assert pool.failing_over("n1") is not None and len(pool.pairs()[0]["members"]) == 2
+    pool.report_probe("n1@127.0.0.1:7001", True, "n1", 0, 0.4)                 # probed: active
+    assert pool.failing_over("n1") is None and pool.ready_target("n1").port == 7001

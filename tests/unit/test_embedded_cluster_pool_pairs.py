@@ -74,3 +74,29 @@ def test_own_backups_and_a_backup_at_the_members_address_are_not_targets():
     c.member_backups["me"] = (("amqp://h:900", "", True),)        # this node's own backup
     c.member_backups["a"] = (("amqp://h:100", "", True), ("bad connector", "", True))
     assert _view(src.targets(0.0)) == [("a", 100, "a", False)]
+
+
+def test_a_down_member_with_backups_leaves_after_the_grace_and_one_without_a_backup_in_sync_at_once():
+    src, c = _source()
+    c.member("a", 100)
+    c.member("b", 200)
+    c.member_backups["a"] = (("amqp://h:300", "", True),)
+    c.member_backups["b"] = (("amqp://h:400", "", False),)    # a replication backup still syncing
+    src.targets(0.0)
+    c.connected -= {"a", "b"}                                  # both die; nobody takes over
+    assert _view(src.targets(1.0)) == [("a", 100, "a", False), ("a@h:300", 300, "a", True),
+                                      ("b@h:400", 400, "b", True)]
+    assert src.next_expiry(1.0) == PAIR_LEAVE_AFTER_S
+    later = 1.0 + PAIR_LEAVE_AFTER_S
+    assert _view(src.targets(later)) == [("a@h:300", 300, "a", True), ("b@h:400", 400, "b", True)]
+    assert src.next_expiry(later) is None                      # nothing left to wait for: no busy loop
+    assert _view(src.targets(later + 100)) == [("a@h:300", 300, "a", True), ("b@h:400", 400, "b", True)]
+
+
+def test_one_node_id_at_one_address_under_two_schemes_keeps_its_name():
+    src, c = _source()
+    c.member("a", 100)
+    c.member_backups["a"] = (("amqps://h:100", "", True),)    # the member's own host:port, TLS
+    assert _view(src.targets(0.0)) == [("a", 100, "a", False)]
+    c.member_backups.pop("a")
+    assert _view(src.targets(1.0)) == [("a", 100, "a", False)]
