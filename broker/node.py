@@ -293,16 +293,15 @@ class Node:
         or a shared-store node with a backup waiting on its files, Artemis's
         ``failover-server-list`` (docs/ha.md)."""
         props = self.cluster.open_properties() if self.cluster is not None else {}
-        repl = self.replication
-        if repl is not None:
-            fsl = repl.failover_server_list()
-            if fsl:
-                props = {**props, "failover-server-list": fsl}
+        if self.replication is not None:
+            fsl = self.replication.failover_server_list()
         elif self.shared_backup is not None:   # a shared-store backup waiting on our files
             from broker.ha.replication import failover_server_list
             fsl = failover_server_list([self.shared_backup[0]])
-            if fsl:
-                props = {**props, "failover-server-list": fsl}
+        else:
+            fsl = []
+        if fsl:
+            props = {**props, "failover-server-list": fsl}
         return props
 
     def _duplicate_detected(self, address: str, transactional: bool) -> None:

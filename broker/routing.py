@@ -50,7 +50,7 @@ from broker.errors import RemoteProtocolError
 from router.config import RouterConfig, TargetConfig
 from router.core.decide import Decision, Outcome
 from router.core.keys import ConnectionInfo
-from router.core.membership import parse_connector
+from router.core.membership import PAIR_HOLD_S, host_port, parse_connector
 from router.core.policies.base import Target
 from router.core.pool import FollowContext, Pool
 from router.net.edge.route import refusal_text
@@ -66,9 +66,6 @@ log = logging.getLogger("lodestone.broker.routing")
 __all__ = ["EmbeddedRouting", "ClusterPoolSource"]
 
 RECV_BYTES = 65536
-#: how long a member of an HA pair that is no longer listed stays in an embedded cluster pool
-#: (the router process's ``leave-after-ms`` default)
-PAIR_LEAVE_AFTER_S = 30.0
 
 
 def parse_connector_or_none(url: str | None) -> tuple[str, int, bool] | None:
@@ -108,28 +105,27 @@ class ClusterPoolSource:
     def _wake(self) -> None:
         self._changed.set()
 
-    def _members(self, now: float | None = None) -> list[tuple[str, str, int, bool, str | None, bool]]:
+    def _members(self, now: float) -> list[tuple[str, str, int, bool, str | None, bool]]:
         """``(node id, host, port, tls, management URL, backup)`` of the pool now: the live
         members, a member with a backup in sync also while its bridge is down (its probe
-        fails: not ready) for at most :data:`PAIR_LEAVE_AFTER_S`, and the backups the members told this node of (``ClusterNode.member_backups``)
-        — except one that took its node id over (it is the live member at that address)."""
+        fails: not ready) for at most :data:`PAIR_HOLD_S`, and the backups the members told
+        this node of (``ClusterNode.member_backups``) — except one that took its node id over (it is the live member at that address)."""
         cluster = self.node.cluster
         if cluster is None:
             return []
         members = cluster.live_members()
         live = {node_id for node_id, _c, _m in members}
-        now = time.monotonic() if now is None else now
         for node_id in list(self._down_since):
             if node_id in live:
                 del self._down_since[node_id]
         for node_id in sorted(set(cluster.member_backups) - live - {self.node.node_id}):
             # a member that went down with a backup in sync: its backup may take over, so it
-            # stays (not ready) and its pair fails over — for PAIR_LEAVE_AFTER_S at most
+            # stays (not ready) and its pair fails over — for PAIR_HOLD_S at most
             if not any(in_sync for _c, _m, in_sync in cluster.member_backups[node_id]):
                 continue
             since = self._down_since.setdefault(node_id, now)
             m = cluster.members.get(node_id)
-            if m is not None and m.connector and now - since < PAIR_LEAVE_AFTER_S:
+            if m is not None and m.connector and now - since < PAIR_HOLD_S:
                 members.append((node_id, m.connector, m.management_url))
         out = []
         for node_id, connector, mgmt in members:
@@ -158,7 +154,7 @@ class ClusterPoolSource:
         one that comes back after it left joins at the end.
         A member of a pair that is no longer listed while another member of it serves (the dead
         primary, once its backup serves the node id from its own address) stays, not ready, for
-        :data:`PAIR_LEAVE_AFTER_S`, so the pair does not shrink to one unready member — which
+        :data:`PAIR_HOLD_S`, so the pair does not shrink to one unready member — which
         would re-place its keys — before the new member's probe says active. Any other member
         leaves at once (Artemis's nodeDown)."""
         now = time.monotonic() if now is None else now
@@ -167,8 +163,7 @@ class ClusterPoolSource:
             name = self._names.get((node_id, host, port))
             if name is None:
                 taken = set(out) | set(self._names.values())
-                addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-                name = node_id if node_id not in taken else f"{node_id}@{addr}"
+                name = node_id if node_id not in taken else f"{node_id}@{host_port(host, port)}"
                 self._names[(node_id, host, port)] = name
             if name in out:
                 continue   # that node id at that address once already (another scheme): the first
@@ -176,12 +171,12 @@ class ClusterPoolSource:
         # pairs with a member serving now (a backup that took the node id over, say): the one that
         # served before is held while the new one is probed
         pairs = {t.pair for t in out.values() if not t.backup}
-        gone = {n for n, since in self._down_since.items() if now - since >= PAIR_LEAVE_AFTER_S}
+        gone = {n for n, since in self._down_since.items() if now - since >= PAIR_HOLD_S}
         for name, t in self._last.items():
             if name not in out and t.pair in pairs and name not in self._departed and t.node_id not in gone:
                 self._departed[name] = (t, now)
         for name, (t, since) in list(self._departed.items()):
-            if name in out or t.pair not in pairs or now - since >= PAIR_LEAVE_AFTER_S:
+            if name in out or t.pair not in pairs or now - since >= PAIR_HOLD_S:
                 del self._departed[name]
             else:
                 out[name] = t
@@ -195,8 +190,8 @@ class ClusterPoolSource:
 
     def next_expiry(self, now: float) -> float | None:
         """Seconds until a departed pair member or a down member leaves (None: none waits)."""
-        times = [since + PAIR_LEAVE_AFTER_S for _t, since in self._departed.values()]
-        times += [since + PAIR_LEAVE_AFTER_S for since in self._down_since.values() if since + PAIR_LEAVE_AFTER_S > now]
+        times = [since + PAIR_HOLD_S for _t, since in self._departed.values()]
+        times += [since + PAIR_HOLD_S for since in self._down_since.values() if since + PAIR_HOLD_S > now]
         if not times:
             return None
         return max(0.0, min(times) - now)

@@ -74,6 +74,23 @@ def start_member(tmp_path: Path, name: str, shared: Path, role: str, *, ha: dict
     return m
 
 
+def start_clustered_primary(tmp_path: Path, made: list) -> tuple:
+    """A live cluster member (``other``, a replication primary on its own) and an active
+    shared-store primary in its cluster, each appended to ``made`` as it starts. Returns
+    ``(other, primary, cluster, shared)``: start its backup with ``start_member(tmp_path,
+    "backup", shared, "backup", cluster=cluster)``."""
+    other = start_replica(tmp_path, "other", "primary", ha={"group-name": "gx"})
+    made.append(other)
+    wait_active(other)
+    cluster = {"name": "test-cluster", "static-connectors": [other.amqp_url], "user": "cluster-user",
+               "password": CLUSTER_PASSWORD, "retry-interval-ms": 100, "max-retry-interval-ms": 500}
+    shared = Path(tmp_path) / "shared-store"
+    primary = start_member(tmp_path, "primary", shared, "primary", cluster=cluster)
+    made.append(primary)
+    wait_active(primary)
+    return other, primary, cluster, shared
+
+
 def start_pair(tmp_path: Path, *, primary_ha: dict | None = None, backup_ha: dict | None = None,
                config: dict | None = None) -> tuple[HaMember, HaMember]:
     shared = Path(tmp_path) / "shared-store"

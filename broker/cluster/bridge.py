@@ -640,9 +640,8 @@ class ClusterNode:
         repl = self.node.replication
         if repl is not None and repl.session is not None and repl.backup_connector:
             out.append((repl.backup_connector, repl.backup_management_url or "", repl.state == "in-sync"))
-        shared = getattr(self.node, "shared_backup", None)
-        if shared is not None:
-            out.append(shared)
+        if self.node.shared_backup is not None:
+            out.append(self.node.shared_backup)
         return tuple(out)
 
     def backups_changed(self) -> None:

@@ -80,6 +80,15 @@ class Announcement:
     backups: tuple[tuple[str, str, bool], ...] = ()
 
 
+def _amqp_url(text: str) -> bool:
+    return text.startswith(("amqp://", "amqps://"))
+
+
+def _http_url(text: str) -> bool:
+    """A management URL: http(s)://, or empty (unknown)."""
+    return not text or text.startswith(("http://", "https://"))
+
+
 def _put(out: list, text: str) -> None:
     raw = text.encode("utf-8")
     if len(raw) > 0xFFFF:
@@ -105,9 +114,9 @@ def encode_announcement(a: Announcement, key: str | None = None) -> bytes:
         out.append(bytes((len(a.backups),)))
         for connector, mgmt, in_sync in a.backups:
             # what every listener would refuse (and drop the whole packet, the node with it)
-            if not connector.startswith(("amqp://", "amqps://")):
+            if not _amqp_url(connector):
                 raise ValueError(f"backup connector {connector[:100]!r} is not an amqp:// or amqps:// URL")
-            if mgmt and not mgmt.startswith(("http://", "https://")):
+            if not _http_url(mgmt):
                 raise ValueError(f"backup management URL {mgmt[:100]!r} is not http(s)://")
             _put(out, connector)
             _put(out, mgmt)
@@ -174,7 +183,7 @@ def decode_announcement(data: bytes, key: str | None = None) -> Announcement:
     connectors = []
     for i in range(n):
         c, pos = text(pos, f"connector {i}")
-        if not (c.startswith("amqp://") or c.startswith("amqps://")):
+        if not _amqp_url(c):
             raise DiscoveryError(f"connector {i} is not an amqp:// or amqps:// URL")
         connectors.append(c)
     backups = []
@@ -187,10 +196,10 @@ def decode_announcement(data: bytes, key: str | None = None) -> Announcement:
             raise DiscoveryError(f"{n} backups (1..{MAX_BACKUPS} when the backups flag is set)")
         for i in range(n):
             c, pos = text(pos, f"backup {i} connector")
-            if not (c.startswith("amqp://") or c.startswith("amqps://")):
+            if not _amqp_url(c):
                 raise DiscoveryError(f"backup {i} connector is not an amqp:// or amqps:// URL")
             bm, pos = text(pos, f"backup {i} management URL", empty=True)
-            if bm and not (bm.startswith("http://") or bm.startswith("https://")):
+            if not _http_url(bm):
                 raise DiscoveryError(f"backup {i} management URL is not http(s)://")
             if pos >= end:
                 raise DiscoveryError(f"backup {i} in-sync flag: truncated")
@@ -200,7 +209,7 @@ def decode_announcement(data: bytes, key: str | None = None) -> Announcement:
             pos += 1
     if pos != end:
         raise DiscoveryError(f"{end - pos} trailing bytes")
-    if mgmt and not (mgmt.startswith("http://") or mgmt.startswith("https://")):
+    if not _http_url(mgmt):
         raise DiscoveryError("management URL is not http(s)://")
     return Announcement(node_id, cluster, mgmt, tuple(connectors), seq, tuple(backups))
 

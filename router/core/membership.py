@@ -81,13 +81,18 @@ class ViewMember:
 
     @property
     def address(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        return host_port(self.host, self.port)
 
     def to_target(self, name: str | None = None) -> Target:
         """The pool target (``name``: its slot, default the node id); ``pair`` is the node id,
         so members that share it form a pair."""
         return Target(self.node_id, self.host, self.port, self.tls, self.management_url,
                       name or self.node_id, self.node_id, self.backup)
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port``, an IPv6 host in brackets (slot names ``<node id>@<host:port>``)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def parse_connector(url: str) -> tuple[str, int, bool]:
@@ -245,14 +250,11 @@ class ClusterMembership:
 
 
 # -- source = "discovery": what a discovery group heard → pool targets ------------------------
-#: how long a discovery pool keeps the slot of a member that served a node id now served from
-#: another address (a backup took it over), while the new member is probed (a cluster pool's
-#: leave-after-ms default)
+#: how long a pool keeps an HA pair member that no longer serves — the slot of a member whose node
+#: id is now served from another address (a backup took it over), while the new member is probed;
+#: a router inside a broker also holds a down member with a backup in sync that long (a cluster
+#: pool's leave-after-ms default)
 PAIR_HOLD_S = 30.0
-
-def _address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
 
 def announced_target(a: Announcement) -> Target:
     """The target of the announcing node itself: named by its node id (name, node id and
@@ -291,7 +293,7 @@ def announced_targets(a: Announcement,
             problems.append(f"{a.node_id} backup {i}: {exc}")
             continue
         if (host, port) in seen:
-            problems.append(f"{a.node_id} backup {i}: {_address(host, port)} is announced twice")
+            problems.append(f"{a.node_id} backup {i}: {host_port(host, port)} is announced twice")
             continue
         seen.add((host, port))
         members.append(Target(a.node_id, host, port, tls, mgmt.rstrip("/") or None, "", a.node_id,
@@ -303,7 +305,7 @@ def announced_targets(a: Announcement,
         name = kept.get((t.host, t.port))
         if name is None:
             name = (a.node_id if not t.backup and a.node_id not in names
-                    else f"{a.node_id}@{_address(t.host, t.port)}")
+                    else f"{a.node_id}@{host_port(t.host, t.port)}")
             names.add(name)
         out.append(dataclasses.replace(t, name=name))
     return tuple(out), "; ".join(problems) or None

@@ -128,17 +128,9 @@ def test_a_spare_backup_waits_behind_the_first(tmp_path, members):
 
 
 def test_a_backup_with_scale_down_moves_the_messages_to_another_node_instead_of_serving(tmp_path, members):
-    from tests.haproc import CLUSTER_PASSWORD, start_replica
+    from tests.haproc import start_clustered_primary
 
-    other = start_replica(tmp_path, "other", "primary", ha={"group-name": "gx"})   # a live cluster member
-    members.append(other)
-    wait_active(other)
-    cluster = {"name": "test-cluster", "static-connectors": [other.amqp_url], "user": "cluster-user",
-               "password": CLUSTER_PASSWORD, "retry-interval-ms": 100, "max-retry-interval-ms": 500}
-    shared = tmp_path / "shared-store"
-    primary = start_member(tmp_path, "primary", shared, "primary", cluster=cluster)
-    members.append(primary)
-    wait_active(primary)
+    other, primary, cluster, shared = start_clustered_primary(tmp_path, members)
     backup = start_member(tmp_path, "backup", shared, "backup", cluster=cluster, ha={"scale-down": True})
     members.append(backup)
     wait_phase(backup, "waiting-for-live-lock")

@@ -14,7 +14,7 @@ import pytest
 from proton.utils import BlockingConnection
 
 from tests.brokerproc import ADMIN, wait_for
-from tests.haproc import (CLIENT, CLUSTER_PASSWORD, start_member, start_replica, wait_active, wait_phase)
+from tests.haproc import CLIENT, start_clustered_primary, start_member, start_replica, wait_active, wait_phase
 from tests.integration.test_ha_replication import FAST_VOTES, three_primaries
 from tests.integration.test_router_cluster_pool import _landed, _pool, _router_toml
 from tests.routerproc import start_router
@@ -113,15 +113,7 @@ def _landed_on(member, router, key: str) -> bool:
 
 
 def test_a_shared_store_backup_is_listed_by_its_primary_and_the_cluster(tmp_path, procs):
-    other = start_replica(tmp_path, "other", "primary", ha={"group-name": "gx"})
-    procs.append(other)
-    wait_active(other)
-    cluster = {"name": "test-cluster", "static-connectors": [other.amqp_url], "user": "cluster-user",
-               "password": CLUSTER_PASSWORD, "retry-interval-ms": 100, "max-retry-interval-ms": 500}
-    shared = tmp_path / "shared-store"
-    primary = start_member(tmp_path, "primary", shared, "primary", cluster=cluster)
-    procs.append(primary)
-    wait_active(primary)
+    other, primary, cluster, shared = start_clustered_primary(tmp_path, procs)
     node_id = http_json(primary.management_url + "/api/v1/broker", auth=ADMIN)[1]["node_id"]
     assert not _backups(primary, node_id) and _fsl(primary) == []
     backup = start_member(tmp_path, "backup", shared, "backup", cluster=cluster)

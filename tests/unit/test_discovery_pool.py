@@ -144,13 +144,21 @@ def test_discovery_change_with_the_slots_known():
     assert names(change) == ([], ["n1@127.0.0.1:7001"], [])
 
 
-def test_the_source_forms_pairs_from_announced_backups():
+def _source_and_pool():
+    """A discovery source over a real Pool, and ``hear(announcement, now)``: the packet through the
+    group's table into the pool (True if the pool changed)."""
     src = DiscoverySource([], {**GROUP, "refresh-timeout-ms": 1000, "cluster": "c1"})
     pool = Pool()
 
     def hear(a, now):
         ev = src.group.receive(encode_announcement(a), now)
         return src.apply(pool, *ev) if ev is not None and ev[0] != "refreshed" else False
+
+    return src, pool, hear
+
+
+def test_the_source_forms_pairs_from_announced_backups():
+    src, pool, hear = _source_and_pool()
 
     def members():
         return [(st.target.name, st.target.pair, st.target.backup, st.ready) for st in pool.members]
@@ -304,13 +312,7 @@ def test_a_discovery_group_table_needs_source_discovery(tmp_path):
 def test_a_takeover_keeps_the_pair_failing_over_until_the_new_member_is_ready():
     # the backup announces the node id before its probe says active: the pair must not shrink to
     # one unready member (its cached keys would be re-placed), it stays failing over
-    src = DiscoverySource([], {**GROUP, "refresh-timeout-ms": 1000, "cluster": "c1"})
-    pool = Pool()
-
-    def hear(a, now):
-        ev = src.group.receive(encode_announcement(a), now)
-        return src.apply(pool, *ev) if ev is not None and ev[0] != "refreshed" else False
-
+    _src, pool, hear = _source_and_pool()
     hear(ann(backups=(B1,)), 0.0)
     pool.report_probe("n1", True, "n1", 0, 0.1)
     pool.report_probe("n1@127.0.0.1:7001", False, "n1", None, 0.1, error="passive backup")

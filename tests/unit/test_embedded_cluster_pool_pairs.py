@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from broker.routing import PAIR_LEAVE_AFTER_S, ClusterPoolSource
+from broker.routing import ClusterPoolSource
+from router.core.membership import PAIR_HOLD_S
 
 
 class _Cluster:
@@ -58,9 +59,9 @@ def test_a_pair_fails_over_keeps_its_slots_and_the_dead_primary_leaves_after_the
     # same slot for the backup's address, now the member itself; the dead primary stays for the grace
     assert _view(src.targets(2.0)) == [("a", 100, "a", False), ("b", 200, "b", False),
                                       ("a@h:300", 300, "a", False)]
-    assert src.next_expiry(2.0) == PAIR_LEAVE_AFTER_S
+    assert src.next_expiry(2.0) == PAIR_HOLD_S
     assert src.status()["departed"] == ["a"]
-    assert _view(src.targets(2.0 + PAIR_LEAVE_AFTER_S)) == [("b", 200, "b", False), ("a@h:300", 300, "a", False)]
+    assert _view(src.targets(2.0 + PAIR_HOLD_S)) == [("b", 200, "b", False), ("a@h:300", 300, "a", False)]
     assert src.next_expiry(40.0) is None
     # the old primary comes back as a backup at its old address: its old slot name
     c.member_backups["a"] = (("amqp://h:100", "http://h:101", True),)
@@ -86,8 +87,8 @@ def test_a_down_member_with_backups_leaves_after_the_grace_and_one_without_a_bac
     c.connected -= {"a", "b"}                                  # both die; nobody takes over
     assert _view(src.targets(1.0)) == [("a", 100, "a", False), ("a@h:300", 300, "a", True),
                                       ("b@h:400", 400, "b", True)]
-    assert src.next_expiry(1.0) == PAIR_LEAVE_AFTER_S
-    later = 1.0 + PAIR_LEAVE_AFTER_S
+    assert src.next_expiry(1.0) == PAIR_HOLD_S
+    later = 1.0 + PAIR_HOLD_S
     assert _view(src.targets(later)) == [("a@h:300", 300, "a", True), ("b@h:400", 400, "b", True)]
     assert src.next_expiry(later) is None                      # nothing left to wait for: no busy loop
     assert _view(src.targets(later + 100)) == [("a@h:300", 300, "a", True), ("b@h:400", 400, "b", True)]
