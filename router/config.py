@@ -77,6 +77,7 @@ class AcceptorConfig:
     idle_timeout_s: float = 0              # 0 = none
     tcp_user_timeout_ms: int = 30000       # TCP_USER_TIMEOUT on both sockets; 0 = the OS's
     connect_retries: int = 2               # proxy: other brokers tried when the chosen one fails first
+    upstream_close_grace_ms: int = 1000    # proxy: the client's time to close after its broker ended
     tls_handshake_timeout_ms: int = 5000
     sasl_mechanisms: tuple[str, ...] = ("PLAIN", "EXTERNAL")
     anonymous: bool = False
@@ -292,6 +293,7 @@ def _acceptor(t: Table) -> AcceptorConfig:
         idle_timeout_s=idle, tls_handshake_timeout_ms=t.int("tls-handshake-timeout-ms", 5000, min=1),
         tcp_user_timeout_ms=t.int("tcp-user-timeout-ms", 30000, min=0, max=2**31 - 1),
         connect_retries=t.int("connect-retries", 2, min=0, max=16),
+        upstream_close_grace_ms=t.int("upstream-close-grace-ms", 1000, min=0, max=60000),
         sasl_mechanisms=tuple(mechs), anonymous=t.bool("anonymous", False), limits=source_limits_from(t),
         upstream_proxy_protocol=t.bool("upstream-proxy-protocol", False))
     t.done()

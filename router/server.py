@@ -79,6 +79,7 @@ def acceptor_settings(acc: AcceptorConfig) -> AcceptorSettings:
         upstream_connect_timeout_s=acc.connect_timeout_ms / 1000,
         tcp_user_timeout_ms=acc.tcp_user_timeout_ms,
         connect_retries=acc.connect_retries,
+        upstream_close_grace_s=acc.upstream_close_grace_ms / 1000,
         idle_timeout_s=acc.idle_timeout_s or None,
         upstream_ssl_context=upstream_ctx,
         upstream_tls=acc.upstream_tls,

@@ -24,6 +24,18 @@ The general pump: one nursery, two pump tasks (client → upstream "up", upstrea
   close_notify), which is what AMQP peers expect after a Close anyway.
 * a broken peer (reset, TLS error) ends both directions at once.
 
+**The broker ends first** (its Close and EOF, or just its EOF when it died): nothing the client
+sends can reach anybody any more, and a client that waits for its transport to close (proton
+does after ``amqp:connection:forced``: it reconnects only once the socket is gone) would wait
+for ever on a half-closed socket. So the router ends the client connection as a broker would:
+the EOF is passed on, the client → broker direction stops (whatever the client sends from then
+on is read and dropped, never written to the gone broker), the client gets
+``upstream_close_grace_s`` to answer with its own EOF (a normal close, ``closed``), and then its
+socket is closed both ways with a reset (``upstream_closed``), so its next read or write fails
+at once. The trigger is the broker's end of stream alone: no frame is parsed after the handshake,
+and the splice path is unchanged. When the client ends first, the half-close stays as it is: the
+broker is given its time to answer.
+
 Splice fast path: when both ends are plain TCP sockets and the OS has ``os.splice`` (Linux), each
 direction starts by copying with plain ``read``/``write`` on the file descriptors (no trio
 stream layers); once a read fills the whole 64 KiB buffer the direction is carrying bulk data and
@@ -50,8 +62,10 @@ import trio
 from router.net.fastio import FastSocketStream
 
 DEFAULT_CHUNK_BYTES = 65536
+DEFAULT_UPSTREAM_CLOSE_GRACE_S = 1.0  # upstream-close-grace-ms: the client's time to close after its broker did
 _TLS_CLOSE_S = 1.0  # how long a TLS close_notify may take before we just drop the socket
 _PIPE_SIZE = 1 << 20
+LINGER_RESET = b"\x01\x00\x00\x00\x00\x00\x00\x00"  # struct linger {l_onoff = 1, l_linger = 0}: close sends a reset
 _F_SETPIPE_SZ = 1031  # linux/fcntl.h; not in Python's fcntl module before 3.10 on every build
 _SPLICE_FLAGS = getattr(os, "SPLICE_F_MOVE", 1) | getattr(os, "SPLICE_F_NONBLOCK", 2)
 # A peer or the network broke the connection (read/write/splice/shutdown on a socket): that
@@ -67,6 +81,7 @@ class EndReason(enum.Enum):
     CLIENT_ERROR = "client_error"      # the client reset / broke the connection
     UPSTREAM_ERROR = "upstream_error"  # the broker reset / broke the connection
     IDLE_TIMEOUT = "idle_timeout"      # no bytes either way for idle_timeout_s
+    UPSTREAM_CLOSED = "upstream_closed"  # the broker ended first; the client did not follow within the grace
     CANCELLED = "cancelled"            # we stopped it (drain deadline, shutdown)
 
 
@@ -79,7 +94,8 @@ class PumpStats:
     reason: EndReason = EndReason.CLOSED
     first_eof: str | None = None   # "client" or "upstream": who closed first
     spliced: bool = False          # True once a direction switched to kernel splice (bulk traffic)
-    error: str | None = None       # what broke, when reason is *_ERROR
+    error: str | None = None       # what broke, when reason is *_ERROR (or how, for upstream_closed)
+    dropped_up: int = 0            # client bytes read and dropped after the broker had ended
 
 
 def splice_available() -> bool:
@@ -221,11 +237,14 @@ def _detail(exc: BaseException) -> str:
 
 async def pump(client: trio.abc.Stream, upstream: trio.abc.Stream, *, idle_timeout_s: float | None,
                chunk_bytes: int = DEFAULT_CHUNK_BYTES, use_splice: bool = True,
-               stats: PumpStats | None = None) -> PumpStats:
-    """Move bytes both ways until both sides closed, one broke, or nothing moved for
-    ``idle_timeout_s``. Never raises for peer behaviour; returns what happened (``stats``, if
-    given, is filled in as bytes move, so a caller that is cancelled still has the counts). The
-    caller closes both streams afterwards (``aclose_forcefully``)."""
+               stats: PumpStats | None = None,
+               upstream_close_grace_s: float = DEFAULT_UPSTREAM_CLOSE_GRACE_S) -> PumpStats:
+    """Move bytes both ways until both sides closed, one broke, nothing moved for
+    ``idle_timeout_s``, or the broker ended first and the client did not follow within
+    ``upstream_close_grace_s`` (see the module docstring). Never raises for peer behaviour;
+    returns what happened (``stats``, if given, is filled in as bytes move, so a caller that is
+    cancelled still has the counts). The caller closes both streams afterwards
+    (``aclose_forcefully``); a client left to the grace has its socket set to reset on close."""
     stats = stats if stats is not None else PumpStats()
     csock, usock = _plain_socket(client), _plain_socket(upstream)
     plain = csock is not None and usock is not None
@@ -256,21 +275,26 @@ async def pump(client: trio.abc.Stream, upstream: trio.abc.Stream, *, idle_timeo
                 state = None
         if state is not None:
             (up_done, up_pending, up_bulk), (down_done, down_pending, down_bulk) = state
-            async with trio.open_nursery() as nursery:
-                if spliced:
-                    if not up_done:
-                        nursery.start_soon(_guard, stats, nursery, _splice_dir, csock, usock, "client", "upstream",
-                                           refresh, up_pending, up_bulk)
-                    if not down_done:
-                        nursery.start_soon(_guard, stats, nursery, _splice_dir, usock, csock, "upstream", "client",
-                                           refresh, down_pending, down_bulk)
-                else:
-                    if not up_done:
-                        nursery.start_soon(_guard, stats, nursery, _stream_dir, client, upstream, "client", "upstream",
-                                           refresh, chunk_bytes, up_pending)
-                    if not down_done:
-                        nursery.start_soon(_guard, stats, nursery, _stream_dir, upstream, client, "upstream", "client",
-                                           refresh, chunk_bytes, down_pending)
+            if down_done and not up_done and stats.first_eof == "upstream":
+                # the broker ended first, in the first phase: only the client's grace is left
+                await _client_grace(client, csock, upstream_close_grace_s, chunk_bytes, stats)
+            else:
+                async with trio.open_nursery() as nursery:
+                    flow = _Flow(nursery, client, csock, upstream_close_grace_s, chunk_bytes, stats)
+                    if spliced:
+                        if not up_done:
+                            nursery.start_soon(flow.up, _splice_dir, csock, usock, "client", "upstream",
+                                               refresh, up_pending, up_bulk)
+                        if not down_done:
+                            nursery.start_soon(_guard, stats, nursery, _splice_dir, usock, csock, "upstream",
+                                               "client", refresh, down_pending, down_bulk, flow)
+                    else:
+                        if not up_done:
+                            nursery.start_soon(flow.up, _stream_dir, client, upstream, "client", "upstream",
+                                               refresh, chunk_bytes, up_pending)
+                        if not down_done:
+                            nursery.start_soon(_guard, stats, nursery, _stream_dir, upstream, client, "upstream",
+                                               "client", refresh, chunk_bytes, down_pending, flow)
     if scope.cancelled_caught and stats.reason is EndReason.CLOSED:
         stats.reason = EndReason.IDLE_TIMEOUT
     return stats
@@ -322,6 +346,8 @@ async def _pump_small(poller: SharedPoller, csock, usock, stats: PumpStats, refr
                     done[fd] = True
                     if done[dfd]:
                         return None
+                    if fd == ufd:  # the broker ended first: the client's grace (see pump)
+                        return (False, b"", False), (True, b"", False)
                     continue
                 refresh()
                 try:
@@ -370,6 +396,61 @@ async def _guard(stats: PumpStats, nursery: trio.Nursery, fn, *args) -> None:
         nursery.cancel_scope.cancel()
 
 
+class _Flow:
+    """What the two directions of one two-task pump share: the client → broker direction runs
+    in a scope of its own, which the broker → client direction cancels when the broker ended
+    first, and then the client's grace (``_client_grace``) runs in its place."""
+
+    __slots__ = ("nursery", "client", "csock", "grace_s", "chunk_bytes", "stats", "up_scope")
+
+    def __init__(self, nursery: trio.Nursery, client, csock, grace_s: float, chunk_bytes: int,
+                 stats: PumpStats) -> None:
+        self.nursery = nursery
+        self.client = client
+        self.csock = csock
+        self.grace_s = grace_s
+        self.chunk_bytes = chunk_bytes
+        self.stats = stats
+        self.up_scope = trio.CancelScope()
+
+    async def up(self, fn, *args) -> None:
+        with self.up_scope:
+            await _guard(self.stats, self.nursery, fn, *args)
+
+    def upstream_ended(self) -> None:
+        """The broker → client direction reached the broker's EOF and passed it on."""
+        if self.stats.first_eof != "upstream":
+            return  # the client had ended first: both directions are done, a normal close
+        self.up_scope.cancel()
+        self.nursery.start_soon(_client_grace, self.client, self.csock, self.grace_s, self.chunk_bytes,
+                                self.stats)
+
+
+async def _client_grace(client, csock, grace_s: float, chunk_bytes: int, stats: PumpStats) -> None:
+    """The broker has ended and the client has its EOF: read (and drop) what the client still
+    sends until its own EOF, for at most ``grace_s``. A client still there after that is
+    closed both ways: a plain socket is set to reset on close (``SO_LINGER`` 0), so a client
+    that only writes (proton waiting for its transport to close) fails its next write at once."""
+    with trio.move_on_after(grace_s):
+        while True:
+            try:
+                data = await client.receive_some(chunk_bytes)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return  # the client reset or is gone: nothing is left to close gently
+            if not data:
+                return  # the client closed too: a normal end
+            stats.dropped_up += len(data)
+    if stats.reason is EndReason.CLOSED:
+        stats.reason = EndReason.UPSTREAM_CLOSED
+        stats.error = (f"upstream: ended the connection first; the client did not close within {grace_s:g} s "
+                       f"({stats.dropped_up} bytes from it dropped); closed by the router")
+    if csock is not None:
+        try:
+            csock.setsockopt(_stdlib_socket.SOL_SOCKET, _stdlib_socket.SO_LINGER, LINGER_RESET)
+        except OSError:
+            pass
+
+
 def _count(stats: PumpStats, src_name: str, n: int) -> None:
     if src_name == "client":
         stats.bytes_up += n
@@ -378,8 +459,8 @@ def _count(stats: PumpStats, src_name: str, n: int) -> None:
 
 
 async def _stream_dir(src: trio.abc.Stream, dst: trio.abc.Stream, src_name: str, dst_name: str,
-                      refresh, chunk_bytes: int, pending: bytes = b"", *, stats: PumpStats,
-                      nursery: trio.Nursery) -> None:
+                      refresh, chunk_bytes: int, pending: bytes = b"", flow: _Flow | None = None, *,
+                      stats: PumpStats, nursery: trio.Nursery) -> None:
     if pending:  # read by _pump_small, not yet written
         try:
             await dst.send_all(pending)
@@ -417,6 +498,8 @@ async def _stream_dir(src: trio.abc.Stream, dst: trio.abc.Stream, src_name: str,
             await dst.send_eof()
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise _Broken(dst_name, "send_eof " + _detail(exc)) from None
+        if flow is not None:
+            flow.upstream_ended()
     else:
         # A TLS stream cannot be half-closed: close it gracefully (close_notify, bounded wait),
         # then end both directions.
@@ -430,7 +513,8 @@ async def _stream_dir(src: trio.abc.Stream, dst: trio.abc.Stream, src_name: str,
 
 
 async def _splice_dir(src, dst, src_name: str, dst_name: str, refresh, pending: bytes = b"",
-                      bulk: bool = False, *, stats: PumpStats, nursery: trio.Nursery) -> None:
+                      bulk: bool = False, flow: _Flow | None = None, *, stats: PumpStats,
+                      nursery: trio.Nursery) -> None:
     sfd, dfd = src.fileno(), dst.fileno()
     if pending:  # read by _pump_small, not yet written
         await _write_all(dst, dfd, pending, dst_name)
@@ -461,6 +545,8 @@ async def _splice_dir(src, dst, src_name: str, dst_name: str, refresh, pending: 
     if stats.first_eof is None:
         stats.first_eof = src_name
     _shutdown(dst, dst_name)
+    if flow is not None:
+        flow.upstream_ended()
 
 
 async def _write_all(dst, dfd: int, data: bytes, dst_name: str) -> None:

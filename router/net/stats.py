@@ -43,6 +43,8 @@ COUNTER_NAMES: dict[str, str] = {
     "proxy_idle_timeout": "proxied connections closed after idle-timeout without traffic",
     "proxy_client_error": "proxied connections the client broke (reset)",
     "proxy_upstream_error": "proxied connections the broker broke (reset)",
+    "proxy_upstream_closed": "proxied connections the broker ended first whose client did not close within "
+                             "upstream-close-grace-ms (closed by the router)",
     "proxy_cancelled": "proxied connections cut at the drain deadline or shutdown",
     "internal_error": "connections closed because of a bug (logged with a traceback)",
     "refused_source_connections": "clients refused (amqp:resource-limit-exceeded): their address "

@@ -34,6 +34,7 @@ tell the client why; flush ``data_to_send()`` first, then write ``reply``, then 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from broker.amqp.frames import (
@@ -47,6 +48,7 @@ from broker.amqp.frames import (
     Open,
     close_frames,
     decode_performative,
+    encode_frame,
 )
 from broker.amqp.sasl import (
     AmqpHeaderReceived,
@@ -93,6 +95,35 @@ class Detected:
         an ``auto`` acceptor redirects it instead of proxying."""
         caps = self.open.desired_capabilities
         return caps is not None and FOLLOWS_REDIRECT in caps
+
+    def proxied_bytes(self) -> bytes:
+        """``client_bytes`` as a proxied connection replays them to its broker: the Open without
+        ``lodestone:follows-redirect``. A broker redirects (failback, scale-down, its management
+        close) only clients that announced it, and a proxied client must come back through the
+        router, never be sent past it: without the capability the broker closes it with
+        ``amqp:connection:forced`` and the client reconnects to the router. Unchanged (the same
+        object) for the clients that did not announce it."""
+        if not self.follows_redirect:
+            return self.client_bytes
+        return replace_open(self.client_bytes, dataclasses.replace(
+            self.open, desired_capabilities=tuple(c for c in self.open.desired_capabilities
+                                                  if c != FOLLOWS_REDIRECT) or None))
+
+
+def replace_open(client_bytes: bytes, new_open: Open) -> bytes:
+    """``client_bytes`` (the AMQP header, then frames: empty ones, the Open, anything pipelined
+    after it) with the Open frame re-encoded as ``new_open`` on the same channel."""
+    data = memoryview(client_bytes)
+    off = len(AMQP_HEADER)
+    while off + 8 <= len(data):
+        size = int.from_bytes(data[off:off + 4], "big")
+        doff = data[off + 4]
+        if size > doff * 4:  # not an empty frame: the Open (OpenReader checked it)
+            channel = int.from_bytes(data[off + 6:off + 8], "big")
+            frame = encode_frame(FRAME_AMQP, channel, new_open)
+            return bytes(data[:off]) + frame + bytes(data[off + size:])
+        off += size
+    raise ValueError("no Open frame in the handshake bytes")
 
 
 # Decoded Opens by frame body: a client reconnecting sends the same Open byte for byte, and

@@ -27,6 +27,7 @@ from router.net.edge.context import (
     EdgeContext,
     close,
     close_now,
+    reset_on_close,
 )
 from router.core.decide import Outcome
 from router.net.edge.errors import EdgeError, UpstreamError, reply_frames
@@ -283,7 +284,8 @@ class Acceptor:
                 c.upstream.close()
                 c.upstream = None
             await self._refuse(c, timeout_error(self.settings.router, c.decision.target, ph == PH_REPLAY))
-        # PH_LINGER: the client did not close within close_linger_s; nothing to count
+        elif ph == PH_LINGER:  # the client did not close within close_linger_s: nothing to count
+            reset_on_close(c.client)
 
     # -- the one place an EdgeError becomes the wire reply --------------------------------------
     async def _refuse(self, c: ConnState, err: EdgeError, scope: trio.CancelScope | None = None) -> None:
@@ -323,8 +325,10 @@ class Acceptor:
                 scope.deadline = trio.current_time() + linger
                 await redirect_mod.read_until_eof(client)
             else:
-                with trio.move_on_after(linger):
+                with trio.move_on_after(linger) as lingered:
                     await redirect_mod.read_until_eof(client)
+                if lingered.cancelled_caught:
+                    reset_on_close(client)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import ssl
 import time
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ class AcceptorSettings:
     tcp_user_timeout_ms: int = 0                # TCP_USER_TIMEOUT on the client's and the broker's socket
     connect_retries: int = 0                    # brokers tried after the first fails (connect-retries)
     idle_timeout_s: float | None = 300.0
+    upstream_close_grace_s: float = proxy_mod.DEFAULT_UPSTREAM_CLOSE_GRACE_S  # upstream-close-grace-ms
     close_linger_s: float = 1.0
     max_handshake_bytes: int = 65536
     upstream_ssl_context: ssl.SSLContext | None = None
@@ -121,6 +123,18 @@ class ConnState:
     decision: Decision | None = None
     decision_us: int = 0
     leftover: bytes = b""       # broker bytes after its sasl-outcome, for the client
+
+
+def reset_on_close(stream) -> None:
+    """A plain client that did not end its side in time is closed with a TCP reset: a proton
+    client waiting for its transport to close (after ``amqp:connection:forced``, which it does
+    not answer) then fails its next write, where after a FIN it would need two (its first,
+    a heartbeat half the Open's idle-time-out later, only draws the reset)."""
+    if type(stream) is fastio.FastSocketStream and not stream._closed:
+        try:
+            stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, proxy_mod.LINGER_RESET)
+        except OSError:
+            pass
 
 
 def close_now(stream) -> bool:

@@ -4,8 +4,10 @@ outcome) to the client, then ``router.net.proxy.pump`` both ways until one side 
 The pump owns the idle deadline (``idle_timeout_s``, re-armed lazily inside
 ``router.net.proxy``); it runs after the connection's phase scope, so a drain deadline of the
 handlers nursery cancels it (``proxy_cancelled``). From here on the broker speaks for itself:
-its Open, and its Close with its error, reach the client byte for byte. One routing-log
-``close`` line and one ``proxy_*`` counter per connection.
+its Open, and its Close with its error, reach the client byte for byte; once it has ended its
+stream the client gets ``upstream_close_grace_s`` (``upstream-close-grace-ms``) to close too, and
+is then closed by the router (``router.net.proxy``). One routing-log ``close`` line and one
+``proxy_*`` counter per connection.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ END_COUNTER = {proxy_mod.EndReason.CLOSED: "proxy_closed",
                proxy_mod.EndReason.IDLE_TIMEOUT: "proxy_idle_timeout",
                proxy_mod.EndReason.CLIENT_ERROR: "proxy_client_error",
                proxy_mod.EndReason.UPSTREAM_ERROR: "proxy_upstream_error",
+               proxy_mod.EndReason.UPSTREAM_CLOSED: "proxy_upstream_closed",
                proxy_mod.EndReason.CANCELLED: "proxy_cancelled"}
 
 
@@ -38,7 +41,8 @@ async def run_pump(s: AcceptorSettings, c: ConnState, on_closed) -> None:
                 return
             result.bytes_down = len(c.leftover)
         await proxy_mod.pump(c.client, c.upstream, idle_timeout_s=s.idle_timeout_s,
-                             chunk_bytes=s.chunk_bytes, use_splice=s.use_splice, stats=result)
+                             chunk_bytes=s.chunk_bytes, use_splice=s.use_splice, stats=result,
+                             upstream_close_grace_s=s.upstream_close_grace_s)
     except BaseException as exc:
         # drain deadline / shutdown: a bare Cancelled from the one-task pump, or a group of
         # them from the two-task pump's nursery (trio's strict exception groups)

@@ -150,10 +150,11 @@ class Upstream:
         upstream = c.upstream
         target = c.decision.target
         try:
+            client_bytes = detected.proxied_bytes()  # without lodestone:follows-redirect
             if detected.sasl_init_bytes is None:
-                await upstream.send_all(detected.client_bytes)
+                await upstream.send_all(client_bytes)
                 return
-            await upstream.send_all(detected.sasl_init_bytes + detected.client_bytes)
+            await upstream.send_all(detected.sasl_init_bytes + client_bytes)
             data = await upstream.receive_some(RECEIVE_BYTES)
             for prefix in _UPSTREAM_OK_PREFIXES:
                 if data.startswith(prefix):
