@@ -16,6 +16,7 @@ The node-wide series (connections, events, journal) are fresh on every scrape.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import TYPE_CHECKING
 
@@ -46,6 +47,7 @@ __all__ = ["make_handler", "MANAGEMENT_ADDRESS", "openapi_document"]
 #: member's view of the cluster): everything else needs a users-file user with ``manage``
 CLUSTER_READABLE = frozenset({"/api/v1/broker", "/api/v1/cluster", "/api/v1/ha"})
 COLOCATED_PATH = "/api/v1/ha/colocated"   # another primary asks this node to host its backup
+CLOSE_PATH = "/api/v1/connections/close"   # close (redirect) client connections: a router's drain
 
 
 async def _principal(node: "Node", request: Request):
@@ -347,6 +349,8 @@ def make_handler(node: "Node"):
             return json_response(body, status)
         if method == "POST" and path == "/api/v1/addresses":
             return _create_address(node, principal, request.json())
+        if method == "POST" and path == CLOSE_PATH:
+            return _close_connections(node, request.json())
         if method == "DELETE":
             for prefix, kind in (("/api/v1/queues/", "queue"), ("/api/v1/addresses/", "address")):
                 if path.startswith(prefix):
@@ -406,6 +410,33 @@ def _create_address(node: "Node", principal, body) -> Response:
                          201)
 
 
+def _close_connections(node: "Node", body) -> Response:
+    """``POST /api/v1/connections/close`` (docs/broker.md, "Closing client connections"): the
+    selected client connections are closed — ``amqp:connection:redirect`` to ``redirect`` for
+    those that follow redirects, the rest ended without a Close (``unmodified``
+    ``end-of-stream``, the default) or with ``amqp:connection:forced`` — spread at
+    ``rate-per-second``. Answers 202 at once with the plan; the closes run in the background."""
+    from broker.core.departures import END_OF_STREAM, FORCED, CloseRequestError, parse_close_request
+
+    try:
+        req = parse_close_request(body)
+    except CloseRequestError as exc:
+        raise HttpError(400, str(exc)) from None
+    if not node.active or node.connection_nursery is None:
+        raise HttpError(503, "this node is not active: it serves no client connection")
+    plan = node.plan_departures(req.selector, req.target, "closed by the management API", req.unmodified)
+    node.connection_nursery.start_soon(functools.partial(node.depart, plan, rate_per_second=req.rate_per_second))
+    redirected = sum(1 for d in plan if d.info is not None)
+    rate = req.rate_per_second
+    return json_response({
+        "selected": len(plan), "redirected": redirected,
+        "forced": sum(1 for d in plan if d.condition == FORCED),
+        "ended": sum(1 for d in plan if d.condition == END_OF_STREAM),
+        "redirect": str(req.target) if req.target is not None else None, "rate_per_second": rate,
+        "duration_s": round((len(plan) - 1) / rate, 3) if rate and plan else 0.0,
+        "connections": [{"id": d.conn_id, "condition": d.condition} for d in plan]}, 202)
+
+
 def _delete(node: "Node", principal, kind: str, name: str) -> Response:
     core = node.core
     if kind == "queue":
@@ -453,6 +484,21 @@ def openapi_document() -> dict:
         "source": s_str, "tls": s_bool, "opened_at": {"type": "string", "format": "date-time"}}}
     health = {"type": "object", "properties": {"status": {"enum": ["ok", "starting", "passive"]}, "active": s_bool,
                                                "node_id": s_str}}
+    close_request = {
+        "type": "object", "additionalProperties": False,
+        "description": "exactly one selector: container-id, user or all",
+        "properties": {"container-id": s_str, "user": s_str, "all": {"type": "boolean", "enum": [True]},
+                       "redirect": {"type": "string", "description": "host:port ([v6]:port) of the node "
+                                                                      "redirect-capable clients go to"},
+                       "rate-per-second": {"type": "number", "exclusiveMinimum": True, "minimum": 0},
+                       "unmodified": {"type": "string", "enum": ["end-of-stream", "amqp:connection:forced"],
+                                      "description": "what clients that do not follow redirects get (default "
+                                                     "end-of-stream: no Close, the socket is closed)"}}}
+    close_plan = {"type": "object", "properties": {
+        "selected": s_int, "redirected": s_int, "forced": s_int, "ended": s_int, "redirect": {"type": "string", "nullable": True},
+        "rate_per_second": {"type": "number", "nullable": True}, "duration_s": {"type": "number"},
+        "connections": {"type": "array", "items": {"type": "object", "properties": {
+            "id": s_str, "condition": {"enum": ["amqp:connection:redirect", "amqp:connection:forced", "end-of-stream"]}}}}}}
     secured = [{"basic": []}]
     # a templated path must declare its parameter (OpenAPI 3.0 §4.7.12, "Path Templating")
     name_param = {"name": "name", "in": "path", "required": True, "schema": s_str}
@@ -506,6 +552,18 @@ def openapi_document() -> dict:
                                                             "404": {"description": "hosts no colocated backups"}}}},
             "/api/v1/connections": {"get": {"summary": "open AMQP connections", "security": secured,
                                             "responses": ok({"type": "array", "items": conn})}},
+            CLOSE_PATH: {"post": {
+                "summary": "close client connections: amqp:connection:redirect to `redirect` for clients whose "
+                           "Open desired lodestone:follows-redirect; the rest ended without a Close "
+                           "(`unmodified` end-of-stream, the default) or with amqp:connection:forced; "
+                           "spread at rate-per-second (answers at once; the closes run in the background)",
+                "security": secured,
+                "requestBody": {"required": True, "content": {"application/json": {"schema": close_request}}},
+                "responses": {"202": {"description": "the selected connections; closing has begun",
+                                      "content": {"application/json": {"schema": close_plan}}},
+                              "400": {"description": "bad body (the message names the field)"},
+                              "403": {"description": "lacks the manage permission"},
+                              "503": {"description": "this node is not active"}}}},
             "/metrics": {"get": {"summary": "Prometheus text exposition (Basic auth with manage unless "
                                             "[management] metrics-auth = false)", "security": secured,
                                  "responses": {

@@ -31,6 +31,15 @@ from broker.activity import ActivityLog, iso_utc
 from broker.amqp.host import EngineSettings
 from broker.auth import LoginGate
 from broker.core.addresses import Broker
+from broker.core.departures import (
+    END_OF_STREAM,
+    ConnectionFacts,
+    Departure,
+    Selector,
+    Target,
+    close_offsets,
+    plan_departures,
+)
 from broker.core.deliveries import DEFAULT_PRIORITY, Message
 from broker.core.duplicates import DuplicateIds
 from broker.core.filters import compile_queue_filter
@@ -493,3 +502,54 @@ class Node:
         for e in list(self.engines.values()):
             e.abort("amqp:connection:forced", "broker shutting down")
             e.wake()
+
+    # -- telling clients where to go (broker.core.departures) ---------------------------------
+    def plan_departures(self, selector: Selector, target: Target | None, why: str,
+                        unmodified: str = END_OF_STREAM) -> list[Departure]:
+        """Which open client connections ``selector`` picks and what each gets:
+        ``amqp:connection:redirect`` to ``target`` for those that follow redirects, else
+        ``unmodified`` (an end of stream without a Close, by default; broker.core.departures).
+        The cluster user's connections are never picked."""
+        from broker.cluster.bridge import CLUSTER_ROLE
+
+        facts = []
+        for e in self.engines.values():
+            if not e.opened or e.closed:
+                continue
+            internal = e.client or CLUSTER_ROLE in getattr(e.principal, "roles", ())
+            facts.append(ConnectionFacts(e.conn_id, e.container_id, e.user, e.follows_redirect, internal))
+        return plan_departures(facts, selector, target, why, unmodified)
+
+    async def depart(self, departures: list[Departure], *, rate_per_second: float | None = None,
+                     wait_s: float = 0.0) -> int:
+        """Close each connection of ``departures`` as planned, spread at ``rate_per_second``
+        (all at once without), then wait up to ``wait_s`` until they are gone; returns how many
+        were still open when their turn came. A closed connection's socket is closed right
+        after our Close (the driver's half-close, a short linger and a reset), an ended one's
+        without a Close, so that every client sees it gone at once (broker.core.departures)."""
+        closed = 0
+        start = trio.current_time()
+        for d, offset in zip(departures, close_offsets(len(departures), rate_per_second)):
+            if offset:
+                await trio.sleep_until(start + offset)
+            e = self.engines.get(d.conn_id)
+            if e is None or e.closed:
+                continue
+            closed += 1
+            self.counters["connections_redirected" if d.info is not None else
+                          "connections_ended" if d.condition == END_OF_STREAM else "connections_forced"] += 1
+            log.info("connection closed to move its client", extra={"fields": {
+                "conn": e.conn_id, "container_id": e.container_id, "user": e.user,
+                "condition": d.condition, "description": d.description}})
+            e.departing = True
+            if d.condition == END_OF_STREAM:
+                e.drop()
+            else:
+                e.abort(d.condition, d.description, d.info)
+            e.wake()
+        if wait_s > 0:
+            ids = {d.conn_id for d in departures}
+            with trio.move_on_after(wait_s):
+                while any(i in self.engines for i in ids):
+                    await trio.sleep(0.02)
+        return closed

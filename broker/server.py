@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from broker.activity import ActivityLog
+from broker.core.departures import ALL, Target, target_from_connector
 from broker.logsetup import print_listening
 from broker.node import Node
 
@@ -205,8 +206,12 @@ async def serve_active(cfg: "BrokerConfig", security, datadir, stop: trio.Event,
                     if cfg.ha.scale_down and node.cluster is not None and reason == "stop" and not scale_down_only:
                         # Artemis live-only scale-down: stop taking clients, let them go, move
                         # every message to another node, then stop
+                        # every other node; clients that follow redirects are sent to the node
+                        # the messages go to (docs/ha.md, "Telling clients where to go")
                         for scope in listeners:
                             scope.cancel()
+                        await node.depart(node.plan_departures(ALL, scale_down_redirect(node), "scaling down"),
+                                          wait_s=SHUTDOWN_GRACE_S)
                         node.shutdown_connections()
                         with trio.move_on_after(SHUTDOWN_GRACE_S):
                             while node.engines:
@@ -226,6 +231,20 @@ async def serve_active(cfg: "BrokerConfig", security, datadir, stop: trio.Event,
         if journal is not None:
             journal.close()
     return reason
+
+
+def scale_down_redirect(node: Node) -> Target | None:
+    """Where a live-only node scaling down sends clients that follow redirects: the node its
+    messages go to (``ClusterNode.scale_down_target``, as connected now), at the connector its
+    hello named, with that member's in-sync backups as the failover list; None if none yet."""
+    cluster = node.cluster
+    bridge = cluster.scale_down_target() if cluster is not None else None
+    if bridge is None:
+        return None
+    member = cluster.members.get(bridge.node_id)
+    connector = member.connector if member is not None and member.connector else bridge.url
+    backups = [c for c, _mgmt, in_sync in cluster.member_backups.get(bridge.node_id, ()) if in_sync]
+    return target_from_connector(connector, backups)
 
 
 async def _in_scope(scope: trio.CancelScope, fn, *args, task_status=trio.TASK_STATUS_IGNORED) -> None:

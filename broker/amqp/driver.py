@@ -36,6 +36,7 @@ from __future__ import annotations
 import itertools
 import logging
 import ssl
+import struct
 from typing import TYPE_CHECKING
 
 import trio
@@ -71,6 +72,9 @@ __all__ = ["serve_amqp", "handle_connection", "make_ssl_context"]
 
 HANDSHAKE_TIMEOUT_S = 10.0  # the default of [amqp] handshake-timeout-s
 LINGER_S = 2.0
+#: the linger of a connection closed to send its client elsewhere (Node.depart): long enough
+#: for the Close to be read, short so that a client waiting for the socket to fail sees it fail
+DEPARTED_LINGER_S = 0.2
 REFUSAL_TIMEOUT_S = 2.0  # a connection over a limit gets this long to hear its refusal
 _conn_ids = itertools.count(1)
 
@@ -186,8 +190,14 @@ async def handle_connection(node: "Node", acceptor: "AcceptorConfig", sock_strea
                 if leftover is None:  # redirected or refused: the reply is written
                     await (_linger(sock_stream) if stream is sock_stream else _linger_tls(stream))
                     return
-        await _pump(node, stream, conn_id, principal, source, ctx is not None, leftover, acceptor)
-        await (_linger(sock_stream) if stream is sock_stream else _linger_tls(stream))
+        engine = await _pump(node, stream, conn_id, principal, source, ctx is not None, leftover, acceptor)
+        # a client we sent elsewhere (engine.departing) may never answer our Close (a proton
+        # client on amqp:connection:forced waits for the socket to fail): close it soon, with a
+        # reset if it is still there, so that its next write fails and it reconnects
+        if stream is sock_stream:
+            await _linger(sock_stream, DEPARTED_LINGER_S if engine.departing else LINGER_S, reset=engine.departing)
+        else:
+            await _linger_tls(stream, DEPARTED_LINGER_S if engine.departing else LINGER_S)
     except trio.TooSlowError:
         node.counters["handshake_timeout"] += 1
         log.info("handshake timeout", extra={"fields": {"conn": conn_id, "source": source}})
@@ -319,21 +329,35 @@ async def _read_proxy_header(node: "Node", stream: trio.SocketStream, source: st
         return None
 
 
-async def _linger(stream: trio.SocketStream) -> None:
-    """Half-close our side and drain the client's bytes until it closes (bounded by LINGER_S)."""
-    with trio.move_on_after(LINGER_S):
-        await stream.send_eof()
-        while await stream.receive_some(RECV_BYTES):
-            pass
+async def _linger(stream: trio.SocketStream, linger_s: float = LINGER_S, *, reset: bool = False) -> None:
+    """Half-close our side and drain the client's bytes until it closes (bounded by ``linger_s``).
+
+    ``reset``: a client still there after ``linger_s`` gets a TCP reset when the caller closes
+    the socket (SO_LINGER 0). A proton reactor client stops reading at our Close and, on
+    ``amqp:connection:forced`` (which it does not answer), learns that the socket is gone only
+    when a write fails: after a reset its next heartbeat fails, after a FIN only the one after."""
+    done = False
+    try:
+        with trio.move_on_after(linger_s):
+            await stream.send_eof()
+            while await stream.receive_some(RECV_BYTES):
+                pass
+            done = True
+    finally:   # (also when the node's shutdown cancels the linger)
+        if reset and not done:
+            try:
+                stream.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_LINGER, struct.pack("ii", 1, 0))
+            except OSError:
+                pass
 
 
-async def _linger_tls(stream: trio.SSLStream) -> None:
+async def _linger_tls(stream: trio.SSLStream, linger_s: float = LINGER_S) -> None:
     """TLS: read until the client's close_notify or EOF (bounded by LINGER_S), then send ours.
 
     A TLS session cannot be half-closed, so this reads first; closing with the client's last
     frames unread would reset the connection and could destroy the Close we just wrote.
     """
-    with trio.move_on_after(LINGER_S):
+    with trio.move_on_after(linger_s):
         try:
             while await stream.receive_some(RECV_BYTES):
                 pass
@@ -452,7 +476,7 @@ async def _decide(node: "Node", ev: AuthRequested, source_ip: str, cn: str | Non
 
 
 async def _pump(node: "Node", stream, conn_id: str, principal, source: str, tls: bool, leftover: bytes,
-                acceptor: "AcceptorConfig | None" = None) -> None:
+                acceptor: "AcceptorConfig | None" = None) -> AmqpEngine:
     wakeup = Wakeup()
     engine = AmqpEngine(node, conn_id=conn_id, principal=principal, source=source, tls=tls, wake=wakeup.set,
                         anycast_prefix=acceptor.anycast_prefix if acceptor is not None else "",
@@ -468,3 +492,4 @@ async def _pump(node: "Node", stream, conn_id: str, principal, source: str, tls:
     finally:
         engine.finish()
         node.engine_finished(engine)
+    return engine

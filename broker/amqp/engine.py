@@ -66,10 +66,10 @@ from typing import TYPE_CHECKING, Callable
 import cproton
 from cproton_ffi import ffi, lib
 from proton import Collector, Condition, Connection, Data, Delivery, Endpoint, Event, Link, Message, Terminus, Transport
-from proton import TransportException, symbol
+from proton import TransportException, int32, symbol
 
-from broker.amqp.codec import Described, UInt, ULong, decode as amqp_decode, encode as amqp_encode
-from broker.amqp.frames import close_frames
+from broker.amqp.codec import Described, Int, Symbol, UInt, ULong, decode as amqp_decode, encode as amqp_encode
+from broker.amqp.frames import FOLLOWS_REDIRECT, close_frames
 from broker.amqp.host import INTERNAL_PREFIX
 from broker.amqp.txn import TXN_STATE as _TXN_STATE, TxnCoordinator, is_coordinator
 from broker.errors import DecodeError
@@ -84,7 +84,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("lodestone.broker.amqp")
 
-__all__ = ["AmqpEngine", "message_header", "message_meta", "with_delivery_count", "message_duplicate_id",
+__all__ = ["AmqpEngine", "to_proton", "message_header", "message_meta", "with_delivery_count", "message_duplicate_id",
            "may_carry_duplicate_id"]
 
 UNAUTHORIZED = "amqp:unauthorized-access"
@@ -618,6 +618,21 @@ def read_transfer(link, d) -> bytes:
     return bytes(buf)
 
 
+def to_proton(value):
+    """A value built with :mod:`broker.amqp.codec` types (``Symbol``, ``Int``, in maps and
+    lists; :func:`broker.amqp.frames.redirect_info`, ``failover_server_entries``) as proton
+    encodes the same AMQP types (``symbol``, ``int32``)."""
+    if isinstance(value, Symbol):
+        return symbol(str(value))
+    if isinstance(value, Int):
+        return int32(int(value))
+    if isinstance(value, dict):
+        return {to_proton(k): to_proton(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_proton(v) for v in value]
+    return value
+
+
 # -- the engine ------------------------------------------------------------------------------
 
 class AmqpEngine:
@@ -675,6 +690,15 @@ class AmqpEngine:
         self._session = None   # client mode: the session our owned links use
         self.on_open: Callable[["AmqpEngine"], None] | None = None  # client mode: told after the host
         self.remote_properties = None  # client mode: the peer's Open properties
+        #: the client's Open desired ``lodestone:follows-redirect`` (frames.FOLLOWS_REDIRECT): a
+        #: failback, scale-down or management close may send it ``amqp:connection:redirect``
+        self.follows_redirect = False
+        #: closed to send its client elsewhere (Node.depart): the driver closes the socket soon
+        #: after our Close instead of lingering for the client's answer
+        self.departing = False
+        #: ended without a Close (Node.depart, broker.core.departures.END_OF_STREAM): the pump
+        #: writes nothing more and the driver closes the socket
+        self.dropped = False
         self.before_output: Callable[[], None] | None = None  # see take_output
         if client:
             conn = self.connection
@@ -778,7 +802,7 @@ class AmqpEngine:
         """This side is ending the connection: a Close of ours (an error, shutdown, the idle
         timeout), a transport error, or done. What is left to write must go out within a grace
         period: a peer that reads nothing (a silent partition) must not hold the connection."""
-        if self.closed or self._fail_open is not None or self.transport.condition is not None:
+        if self.closed or self.dropped or self._fail_open is not None or self.transport.condition is not None:
             return True
         return bool(self.connection.state & Endpoint.LOCAL_CLOSED)
 
@@ -788,14 +812,25 @@ class AmqpEngine:
         self.process()
         return deadline
 
-    def abort(self, condition: str, description: str) -> None:
-        """Close the connection from our side with an error (e.g. shutdown, store failure)."""
+    def drop(self) -> None:
+        """End the connection without a Close, as a broker that stops would: the pump writes
+        nothing more (what proton still holds is discarded) and the driver closes the socket.
+        Every client treats that as a lost connection and reconnects at once; after a Close with
+        ``amqp:connection:forced`` a proton client waits for its next heartbeat instead."""
+        if self.closed:
+            return
+        self.dropped = True
+        self.wake()
+
+    def abort(self, condition: str, description: str, info: dict | None = None) -> None:
+        """Close the connection from our side with an error (e.g. shutdown, store failure);
+        ``info``: the error's info map, codec types (a redirect's, ``frames.redirect_info``)."""
         if self.closed:
             return
         if not self.opened:
             self.fail_before_open(condition, description)
             return
-        self.connection.condition = Condition(condition, description)
+        self.connection.condition = Condition(condition, description, to_proton(info) if info else None)
         self.connection.close()
         self.process()
 
@@ -908,6 +943,8 @@ class AmqpEngine:
             return
         self.container_id = conn.remote_container
         conn.remote_hostname  # noqa: B018 - decoding it checks its UTF-8 (we do not use it)
+        caps = conn.remote_desired_capabilities
+        self.follows_redirect = bool(caps) and FOLLOWS_REDIRECT in [str(c) for c in caps]
         conn.container = self.host.container_id
         conn.offered_capabilities = [symbol("ANONYMOUS-RELAY")]
         props = {symbol("product"): "lodestone", symbol("node-id"): self.host.node_id}

@@ -29,6 +29,7 @@ import struct
 from dataclasses import dataclass, fields
 from dataclasses import replace as dataclasses_replace
 from typing import Any, ClassVar
+from urllib.parse import urlsplit
 
 from broker.amqp.codec import (
     Array,
@@ -52,6 +53,7 @@ __all__ = [
     "failed_open", "artemis_redirect_description", "artemis_rejected_description",
     "artemis_not_ready_description", "ARTEMIS_FAILED_OPEN_CONTAINER_ID",
     "MIN_MAX_FRAME_SIZE", "FOLLOWS_REDIRECT", "CLUSTER_MEMBERS", "MAX_CLUSTER_MEMBERS",
+    "REDIRECT", "FAILOVER_SERVER_LIST", "redirect_info", "failover_server_entries",
 ]
 
 #: §2.2 protocol headers: "AMQP" + protocol-id + major + minor + revision.
@@ -552,6 +554,45 @@ CLUSTER_MEMBERS = "lodestone:cluster-members"
 MAX_CLUSTER_MEMBERS = 256
 
 
+REDIRECT = "amqp:connection:redirect"
+FAILOVER_SERVER_LIST = "failover-server-list"
+
+
+def failover_server_entries(connectors) -> list:
+    """Artemis's ``failover-server-list`` entries (``AMQPConnectionContext``, an Open property;
+    also in our redirects) for connectors ``amqp[s]://host:port`` — others are left out: maps
+    with the symbol keys ``network-host``, ``scheme``, ``hostname``, ``port``."""
+    out = []
+    for c in connectors:
+        parts = urlsplit(c)
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if parts.hostname and port:
+            out.append({Symbol("network-host"): parts.hostname, Symbol("scheme"): parts.scheme,
+                        Symbol("hostname"): parts.hostname, Symbol("port"): Int(port)})
+    return out
+
+
+def redirect_info(host: str, port: int, *, hostname: str | None = None, failover=()) -> dict:
+    """The info map of an ``amqp:connection:redirect`` error (§2.8.17), as Artemis writes it
+    and the router and the broker send it: ``{port, network-host}``, plus ``hostname`` (the
+    virtual host for the client's Open) when given, plus ``failover-server-list`` (entries of
+    :func:`failover_server_entries` for the ``failover`` connectors: the new node's backups)
+    when there are any. Values are codec types (:mod:`broker.amqp.codec`)."""
+    # Key order as Artemis puts them on the wire: AMQPRoutingHandler fills a java.util.HashMap,
+    # whose iteration order (bucket = String.hashCode spread, 16 buckets) is "port" (5) then
+    # "network-host" (7); proton-j encodes the map in that order.
+    info: dict = {Symbol("port"): Int(port), Symbol("network-host"): str(host)}
+    if hostname is not None:
+        info[Symbol("hostname")] = str(hostname)
+    entries = failover_server_entries(failover)
+    if entries:
+        info[Symbol(FAILOVER_SERVER_LIST)] = entries
+    return info
+
+
 def redirect_frames(
     host: str,
     port: int,
@@ -568,13 +609,7 @@ def redirect_frames(
     ``amqp:connection:redirect``, ``description`` and info ``{network-host: host, port: port}``
     (plus ``hostname`` — the virtual host the client should put in its Open — only when given).
     """
-    # Key order as Artemis puts them on the wire: AMQPRoutingHandler fills a java.util.HashMap,
-    # whose iteration order (bucket = String.hashCode spread, 16 buckets) is "port" (5) then
-    # "network-host" (7); proton-j encodes the map in that order.
-    info: dict = {Symbol("port"): Int(port), Symbol("network-host"): str(host)}
-    if hostname is not None:
-        info[Symbol("hostname")] = str(hostname)
-    err = Error(Symbol("amqp:connection:redirect"), description, info)
+    err = Error(Symbol(REDIRECT), description, redirect_info(host, port, hostname=hostname))
     return (
         (AMQP_HEADER if include_header else b"")
         + _failed_open(container_id)

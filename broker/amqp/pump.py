@@ -49,6 +49,9 @@ async def pump_engine(engine: "AmqpEngine", stream, wakeup: Wakeup, *, leftover:
         async def writer() -> None:
             while True:
                 await wakeup.wait()
+                if engine.dropped:  # ended without a Close (AmqpEngine.drop): nothing more is written
+                    nursery.cancel_scope.cancel()
+                    return
                 out = engine.take_output()
                 if out:
                     await stream.send_all(out)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from broker.core.departures import ALL, Target, target_from_connector
 from broker.ha.protocol import ACKS_ADDRESS, FAILBACK, HELLO, RECORDS_ADDRESS, SYNCED, Hello, encode
 from broker.ha.replication import ReplicationSink, ReplicationSource
 from broker.ha.shared_store import HaStatus
@@ -152,6 +153,17 @@ async def find_live_self(cfg: "BrokerConfig", host, node_id: str, stop: trio.Eve
     return None
 
 
+def failback_redirect(node, cfg: "BrokerConfig") -> Target | None:
+    """Where an activated backup handing its node id back sends clients that follow redirects:
+    the failing-back primary's connector (its hello), with this node as its failover when it
+    stays the pair's backup (``restart-backup``)."""
+    s = node.replication.failback_session if node.replication is not None else None
+    if s is None or s.hello is None:
+        return None
+    own = node.cluster.connector if node.cluster is not None and cfg.ha.restart_backup else None
+    return target_from_connector(s.hello.connector, [own] if own else [])
+
+
 async def primary_quorum_check(node, cfg: "BrokerConfig") -> bool:
     """After losing an in-sync backup: may this primary keep serving? (vote-on-replication-failure)"""
     ha, ccfg = cfg.ha, cfg.cluster
@@ -184,7 +196,7 @@ async def run_replicated(cfg: "BrokerConfig", security, *, stop: trio.Event | No
     from broker.http import serve_http
     from broker.logsetup import print_listening
     from broker.node import Node
-    from broker.server import ManagementSlot, _hostport, serve_active
+    from broker.server import SHUTDOWN_GRACE_S, ManagementSlot, _hostport, serve_active
     from broker.store.datadir import open_data_dir
 
     ha = cfg.ha
@@ -284,6 +296,12 @@ async def run_replicated(cfg: "BrokerConfig", security, *, stop: trio.Event | No
 
                         async def on_deactivate(node) -> None:
                             if handing_over.is_set() and node.replication is not None:
+                                # clients first (no send may land after the last record handed
+                                # over): those that follow redirects to the primary, the rest
+                                # forced; then the hand-over itself
+                                await node.depart(node.plan_departures(ALL, failback_redirect(node, cfg),
+                                                                       "failing back to the primary"),
+                                                  wait_s=SHUTDOWN_GRACE_S)
                                 await node.replication.hand_over(cfg.cluster.call_timeout_ms / 1000.0)
 
                         reason = await serve_active(cfg, security, datadir, stop, deactivate=deactivate,

@@ -560,18 +560,11 @@ class ReplicationSource:
 
 
 def failover_server_list(connectors) -> list:
-    """Artemis's ``failover-server-list`` entries for backup connectors (``amqp[s]://host:port``;
-    others are left out): symbol keys ``network-host``, ``scheme``, ``hostname``, ``port``."""
-    from urllib.parse import urlsplit
-
-    from proton import int32, symbol
-    out = []
-    for c in connectors:
-        parts = urlsplit(c)
-        if parts.hostname and parts.port:
-            out.append({symbol("network-host"): parts.hostname, symbol("scheme"): parts.scheme,
-                        symbol("hostname"): parts.hostname, symbol("port"): int32(parts.port)})
-    return out
+    """Artemis's ``failover-server-list`` entries for backup connectors, as proton values
+    (``frames.failover_server_entries``: ``amqp[s]://host:port`` only)."""
+    from broker.amqp.engine import to_proton
+    from broker.amqp.frames import failover_server_entries
+    return to_proton(failover_server_entries(connectors))
 
 
 def _release(waiters: dict) -> None:

@@ -23,7 +23,9 @@ failure; a primary coming back must get it). It activates with the pair's node i
 
 **A primary** writes ``F`` (asking an active backup with ``allow-failback`` to hand over), then
 polls for the live lock, writes ``L`` and activates. An active backup with ``allow-failback``
-watches ``ha.state``; on ``F`` it closes every client (``amqp:connection:forced``), flushes and
+watches ``ha.state``; on ``F`` it closes every client (``amqp:connection:redirect`` to the primary's connector, which it wrote to
+``primary.json`` before ``F``, for clients that follow redirects; ``amqp:connection:forced``
+for the rest: docs/ha.md "Telling clients where to go"), flushes and
 closes the journal, releases the live lock and — with ``restart-backup`` — waits again as a
 backup. Without ``allow-failback`` the restarted primary waits (it is then the spare).
 
@@ -171,6 +173,28 @@ class SharedStore:
             return None
         return (connector, mgmt if isinstance(mgmt, str) else "", True)
 
+    def write_primary_info(self, connector: str | None) -> None:
+        """Where the primary will serve (written before it asks for failback): an active backup
+        handing over redirects its clients there. No connector: the file is removed."""
+        if not connector:
+            try:
+                (self.path / "primary.json").unlink()
+            except FileNotFoundError:
+                pass
+            return
+        tmp = self.path / "primary.json.tmp"
+        tmp.write_text(json.dumps({"connector": connector, "pid": os.getpid()}))
+        os.replace(tmp, self.path / "primary.json")
+
+    def primary_connector(self) -> str | None:
+        """The connector of ``primary.json`` (None: none, unreadable)."""
+        try:
+            info = json.loads((self.path / "primary.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        c = info.get("connector") if isinstance(info, dict) else None
+        return c if isinstance(c, str) and c else None
+
     def node_id(self) -> str | None:
         """The pair's node id, if the primary has ever started (read without a lock)."""
         try:
@@ -284,7 +308,8 @@ async def run_shared_store(cfg: "BrokerConfig", security, *, task_status=trio.TA
     from broker.http import serve_http
     from broker.logsetup import print_listening
     from broker.node import Node
-    from broker.server import ManagementSlot, _hostport, serve_active
+    from broker.core.departures import ALL, target_from_connector
+    from broker.server import SHUTDOWN_GRACE_S, ManagementSlot, _hostport, serve_active
 
     ha = cfg.ha
     store = SharedStore(cfg.data_dir)
@@ -321,6 +346,7 @@ async def run_shared_store(cfg: "BrokerConfig", security, *, task_status=trio.TA
             if backup or not ha.wait_for_activation:
                 await open_management()
             if not backup:
+                store.write_primary_info(backup_connector(cfg))   # where the backup sends its clients
                 store.set_state(FAILING_BACK)   # an active backup with allow-failback hands over
             while not stop.is_set():
                 dd = None
@@ -385,11 +411,21 @@ async def run_shared_store(cfg: "BrokerConfig", security, *, task_status=trio.TA
                             node.ha = status
                             node.ha_store = store
 
+                        async def on_deactivate(node) -> None:
+                            # the primary is failing back: clients that follow redirects go to it
+                            # (primary.json), the rest are forced
+                            own = node.cluster.connector if node.cluster is not None else backup_connector(cfg)
+                            target = target_from_connector(store.primary_connector(),
+                                                           [own] if own and ha.restart_backup else [])
+                            await node.depart(node.plan_departures(ALL, target, "failing back to the primary"),
+                                              wait_s=SHUTDOWN_GRACE_S)
+
                         async def serve(task_status=trio.TASK_STATUS_IGNORED) -> None:
                             nonlocal reason
                             reason = await serve_active(cfg, security, dd, stop, deactivate=deactivate,
                                                         management=slot if slot.url else None,
-                                                        on_node=on_node, task_status=task_status)
+                                                        on_node=on_node, on_deactivate=on_deactivate,
+                                                        task_status=task_status)
                             an.cancel_scope.cancel()
                         reason = "stop"
                         node = await an.start(serve)
