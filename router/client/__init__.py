@@ -12,8 +12,9 @@ desired capabilities (``lodestone:follows-redirect``, :data:`FOLLOWS_REDIRECT`):
   :mod:`router.client.balanced` (pure rules in :mod:`router.client.topology`);
 * management-API lookups (connect straight to the broker the router names, fall back to the
   front door): :class:`TargetLookup`, :func:`connect_via_management` — :mod:`router.client.lookup`;
-* surviving a broker failover (reconnect, re-create links, resend with ``_AMQ_DUPL_ID``):
-  :class:`FailoverConnection` — :mod:`router.client.failover`.
+* surviving a broker failover (reconnect, re-create links and temporary queues, resend with
+  ``_AMQ_DUPL_ID``, report lost non-durable messages as :class:`NonDurableLost`, tell a failure
+  listener): :class:`FailoverConnection` — :mod:`router.client.failover`.
 
 The rules (bounded hops, loop detection, retries of a router that is not ready) live in the pure
 :mod:`router.client.hops`; the rhea module ``clients/node/lodestone-redirect.js`` follows the
@@ -25,7 +26,8 @@ from router.client.blocking import RouterRefusedClosed, _open_once, connect_foll
 from router.client.balanced import ClusterConnector
 from router.client.errors import NoBrokerReachable, RedirectError, RedirectLoop, RouterRefused, TooManyRedirects
 from router.client.events import RedirectFollower, RedirectingContainer, connect
-from router.client.failover import DUPLICATE_ID, DeliveryLost, FailoverConnection, FailoverError
+from router.client.failover import (DISCONNECT, DUPLICATE_ID, FAILOVER, RECONNECTED, BrokerIdentity, DeliveryLost,
+                                    FailoverConnection, FailoverError, FailoverEvent, NonDurableLost, RetrySchedule)
 from router.client.hops import ESTABLISHMENT_FAILED, FORCED, REDIRECT, HopPlan
 from router.client.lookup import TargetLookup, connect_via_management
 from router.client.topology import POLICIES, Member, Topology, UrlListError, parse_urls
@@ -36,5 +38,6 @@ __all__ = [
     "TargetLookup", "connect_via_management", "HopPlan",
     "RedirectError", "RedirectLoop", "TooManyRedirects", "RouterRefused", "RouterRefusedClosed",
     "ClusterConnector", "Topology", "Member", "POLICIES", "parse_urls", "UrlListError", "NoBrokerReachable",
-    "FailoverConnection", "FailoverError", "DeliveryLost", "DUPLICATE_ID",
+    "FailoverConnection", "FailoverError", "DeliveryLost", "DUPLICATE_ID", "NonDurableLost", "FailoverEvent",
+    "BrokerIdentity", "RetrySchedule", "FAILOVER", "RECONNECTED", "DISCONNECT",
 ]

@@ -11,14 +11,14 @@ the module is skipped, and says so loudly.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
+
+from tests.nodeclients import node_executable
 from proton import Message
 from proton.utils import BlockingConnection
 
@@ -31,17 +31,7 @@ NODE_DIR = Path(__file__).resolve().parents[2] / "clients" / "node"
 
 @pytest.fixture(scope="module")
 def node():
-    exe = shutil.which("node")
-    if exe is None:
-        msg = ("NODE IS NOT INSTALLED: the rhea client tests are SKIPPED. Run `bash etc/run-tests.sh` "
-               "(it installs nodejs and npm) or install them yourself.")
-        print("\n" + "!" * 20 + " " + msg + " " + "!" * 20, file=sys.stderr)
-        pytest.skip(msg)
-    if not (NODE_DIR / "node_modules" / "rhea").is_dir():
-        npm = shutil.which("npm")
-        assert npm is not None, "node is installed but npm is not: cannot install rhea"
-        subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=NODE_DIR, check=True, timeout=300)
-    return exe
+    return node_executable("rhea client tests")
 
 
 @pytest.fixture(scope="module")

@@ -18,14 +18,11 @@ rhea sends no SASL when it is given no user name, so the broker's acceptor allow
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
-
 import pytest
-
-from example_programs import (ADDRESS, CLIENT_OUTPUT, NODE_MODULES, RHEA_EXAMPLES, depth, drain, examples_broker,
+from example_programs import (ADDRESS, CLIENT_OUTPUT, RHEA_EXAMPLES, depth, drain, examples_broker,
                               lines, node_env, proton_cmd, proton_url, run, running, wait_consumers)
+
+from tests.nodeclients import node_executable
 
 pytestmark = pytest.mark.slow
 
@@ -34,17 +31,7 @@ SENT = ["sent red-panda", "sent green-grasshopper", "sent red-squirrel", "sent b
 
 @pytest.fixture(scope="module")
 def node():
-    exe = shutil.which("node")
-    if exe is None:
-        msg = ("NODE IS NOT INSTALLED: the rhea example tests are SKIPPED. Run `bash etc/run-tests.sh` "
-               "(it installs nodejs and npm) or install them yourself.")
-        print("\n" + "!" * 20 + " " + msg + " " + "!" * 20, file=sys.stderr)
-        pytest.skip(msg)
-    if not all((NODE_MODULES / pkg).is_dir() for pkg in ("rhea", "minimist")):
-        npm = shutil.which("npm")
-        assert npm is not None, "node is installed but npm is not: cannot install rhea and minimist"
-        subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=NODE_MODULES.parent, check=True, timeout=300)
-    return exe
+    return node_executable("rhea example tests")
 
 
 @pytest.fixture
