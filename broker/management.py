@@ -490,7 +490,7 @@ def openapi_document() -> dict:
         "properties": {"container-id": s_str, "user": s_str, "all": {"type": "boolean", "enum": [True]},
                        "redirect": {"type": "string", "description": "host:port ([v6]:port) of the node "
                                                                       "redirect-capable clients go to"},
-                       "rate-per-second": {"type": "number", "exclusiveMinimum": True, "minimum": 0},
+                       "rate-per-second": {"type": "number", "minimum": 0.01, "maximum": 100000},
                        "unmodified": {"type": "string", "enum": ["end-of-stream", "amqp:connection:forced"],
                                       "description": "what clients that do not follow redirects get (default "
                                                      "end-of-stream: no Close, the socket is closed)"}}}

@@ -32,6 +32,7 @@ from broker.amqp.host import EngineSettings
 from broker.auth import LoginGate
 from broker.core.addresses import Broker
 from broker.core.departures import (
+    ALL,
     END_OF_STREAM,
     ConnectionFacts,
     Departure,
@@ -520,6 +521,16 @@ class Node:
             facts.append(ConnectionFacts(e.conn_id, e.container_id, e.user, e.follows_redirect, internal))
         return plan_departures(facts, selector, target, why, unmodified)
 
+    async def depart_all(self, target: Target | None, why: str, wait_s: float) -> None:
+        """Move every client connection (failback, scale-down: the listeners are closed): plan,
+        close and wait up to ``wait_s``, then again for any connection that finished its
+        handshake meanwhile (at most three rounds), so that no client is left serving."""
+        for _ in range(3):
+            plan = self.plan_departures(ALL, target, why)
+            if not plan:
+                return
+            await self.depart(plan, wait_s=wait_s)
+
     async def depart(self, departures: list[Departure], *, rate_per_second: float | None = None,
                      wait_s: float = 0.0) -> int:
         """Close each connection of ``departures`` as planned, spread at ``rate_per_second``
@@ -542,11 +553,14 @@ class Node:
                 "conn": e.conn_id, "container_id": e.container_id, "user": e.user,
                 "condition": d.condition, "description": d.description}})
             e.departing = True
-            if d.condition == END_OF_STREAM:
-                e.drop()
-            else:
-                e.abort(d.condition, d.description, d.info)
-            e.wake()
+            try:
+                if d.condition == END_OF_STREAM:
+                    e.drop()
+                else:
+                    e.abort(d.condition, d.description, d.info)
+                e.wake()
+            except Exception:   # one connection's trouble must not stop the others' departure
+                log.exception("closing connection %s to move its client failed", e.conn_id)
         if wait_s > 0:
             ids = {d.conn_id for d in departures}
             with trio.move_on_after(wait_s):

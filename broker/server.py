@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from broker.activity import ActivityLog
-from broker.core.departures import ALL, Target, target_from_connector
+from broker.core.departures import Target, target_from_connector
 from broker.logsetup import print_listening
 from broker.node import Node
 
@@ -204,14 +204,13 @@ async def serve_active(cfg: "BrokerConfig", security, datadir, stop: trio.Event,
                             scope.cancel()
                         await on_deactivate(node)
                     if cfg.ha.scale_down and node.cluster is not None and reason == "stop" and not scale_down_only:
-                        # Artemis live-only scale-down: stop taking clients, let them go, move
-                        # every message to another node, then stop
-                        # every other node; clients that follow redirects are sent to the node
-                        # the messages go to (docs/ha.md, "Telling clients where to go")
+                        # Artemis live-only scale-down: stop taking clients, let them go (those
+                        # that follow redirects to the node the messages go to, the others' ended
+                        # without a Close: docs/ha.md, "Telling clients where to go"), move every
+                        # message to another node, then stop
                         for scope in listeners:
                             scope.cancel()
-                        await node.depart(node.plan_departures(ALL, scale_down_redirect(node), "scaling down"),
-                                          wait_s=SHUTDOWN_GRACE_S)
+                        await node.depart_all(scale_down_redirect(node), "scaling down", SHUTDOWN_GRACE_S)
                         node.shutdown_connections()
                         with trio.move_on_after(SHUTDOWN_GRACE_S):
                             while node.engines:

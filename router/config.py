@@ -293,7 +293,7 @@ def _acceptor(t: Table) -> AcceptorConfig:
         idle_timeout_s=idle, tls_handshake_timeout_ms=t.int("tls-handshake-timeout-ms", 5000, min=1),
         tcp_user_timeout_ms=t.int("tcp-user-timeout-ms", 30000, min=0, max=2**31 - 1),
         connect_retries=t.int("connect-retries", 2, min=0, max=16),
-        upstream_close_grace_ms=t.int("upstream-close-grace-ms", 1000, min=0, max=60000),
+        upstream_close_grace_ms=t.int("upstream-close-grace-ms", 1000, min=50, max=60000),
         sasl_mechanisms=tuple(mechs), anonymous=t.bool("anonymous", False), limits=source_limits_from(t),
         upstream_proxy_protocol=t.bool("upstream-proxy-protocol", False))
     t.done()

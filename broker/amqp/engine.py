@@ -713,7 +713,10 @@ class AmqpEngine:
 
     # -- bytes in / out ------------------------------------------------------------------------
     def push(self, data: bytes) -> None:
-        """Feed bytes read from the socket, then handle every resulting event."""
+        """Feed bytes read from the socket, then handle every resulting event (none once the
+        connection was dropped: what a client sends after that is not acted on)."""
+        if self.dropped:
+            return
         t = self.transport
         while data:
             try:

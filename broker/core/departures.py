@@ -45,6 +45,7 @@ END_OF_STREAM = "end-of-stream"
 UNMODIFIED = (END_OF_STREAM, FORCED)   # what clients that do not follow redirects may get
 SELECTORS = ("container-id", "user", "all")
 MAX_RATE_PER_SECOND = 100000.0
+MIN_RATE_PER_SECOND = 0.01   # one close every 100 s: slower would outlive any drain
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,7 @@ def parse_target(text: str, field: str = "redirect") -> Target:
             raise CloseRequestError(field, f"{text!r} must be host:port ([v6-address]:port for IPv6)")
     if not host or any(ch.isspace() or ch in "/@?#" for ch in host):
         raise CloseRequestError(field, f"{text!r} has no valid host")
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+    if not (port_text.isascii() and port_text.isdigit()) or not 0 < int(port_text) < 65536:
         raise CloseRequestError(field, f"{text!r}: port must be 1-65535")
     return Target(host, int(port_text))
 
@@ -183,7 +184,7 @@ def parse_target(text: str, field: str = "redirect") -> Target:
 def parse_close_request(body) -> CloseRequest:
     """Check a ``POST /api/v1/connections/close`` body: exactly one selector (``container-id``
     or ``user``, a non-empty string, or ``all``: true), an optional ``redirect`` ``host:port``,
-    an optional ``rate-per-second`` (a number > 0) and an optional ``unmodified``
+    an optional ``rate-per-second`` (a number from 0.01 to 100000) and an optional ``unmodified``
     (:data:`UNMODIFIED`). Raises :class:`CloseRequestError`."""
     if not isinstance(body, dict):
         raise CloseRequestError("body", "expected a JSON object with one of container-id, user, all")
@@ -209,8 +210,9 @@ def parse_close_request(body) -> CloseRequest:
     rate = body.get("rate-per-second")
     if rate is not None:
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) \
-                or not 0 < rate <= MAX_RATE_PER_SECOND:
-            raise CloseRequestError("rate-per-second", f"{rate!r} must be a number > 0 and ≤ {MAX_RATE_PER_SECOND:g}")
+                or not MIN_RATE_PER_SECOND <= rate <= MAX_RATE_PER_SECOND:
+            raise CloseRequestError("rate-per-second", f"{rate!r} must be a number from {MIN_RATE_PER_SECOND:g} "
+                                                       f"to {MAX_RATE_PER_SECOND:g}")
         rate = float(rate)
     unmodified = body.get("unmodified", END_OF_STREAM)
     if unmodified not in UNMODIFIED:

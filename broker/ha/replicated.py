@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from broker.core.departures import ALL, Target, target_from_connector
+from broker.core.departures import Target, target_from_connector
 from broker.ha.protocol import ACKS_ADDRESS, FAILBACK, HELLO, RECORDS_ADDRESS, SYNCED, Hello, encode
 from broker.ha.replication import ReplicationSink, ReplicationSource
 from broker.ha.shared_store import HaStatus
@@ -298,10 +298,9 @@ async def run_replicated(cfg: "BrokerConfig", security, *, stop: trio.Event | No
                             if handing_over.is_set() and node.replication is not None:
                                 # clients first (no send may land after the last record handed
                                 # over): those that follow redirects to the primary, the rest
-                                # forced; then the hand-over itself
-                                await node.depart(node.plan_departures(ALL, failback_redirect(node, cfg),
-                                                                       "failing back to the primary"),
-                                                  wait_s=SHUTDOWN_GRACE_S)
+                                # ended without a Close; then the hand-over itself
+                                await node.depart_all(failback_redirect(node, cfg), "failing back to the primary",
+                                                      SHUTDOWN_GRACE_S)
                                 await node.replication.hand_over(cfg.cluster.call_timeout_ms / 1000.0)
 
                         reason = await serve_active(cfg, security, datadir, stop, deactivate=deactivate,

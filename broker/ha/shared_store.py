@@ -24,8 +24,8 @@ failure; a primary coming back must get it). It activates with the pair's node i
 **A primary** writes ``F`` (asking an active backup with ``allow-failback`` to hand over), then
 polls for the live lock, writes ``L`` and activates. An active backup with ``allow-failback``
 watches ``ha.state``; on ``F`` it closes every client (``amqp:connection:redirect`` to the primary's connector, which it wrote to
-``primary.json`` before ``F``, for clients that follow redirects; ``amqp:connection:forced``
-for the rest: docs/ha.md "Telling clients where to go"), flushes and
+``primary.json`` before ``F``, for clients that follow redirects; the others' connections
+ended without a Close: docs/ha.md "Telling clients where to go"), flushes and
 closes the journal, releases the live lock and — with ``restart-backup`` — waits again as a
 backup. Without ``allow-failback`` the restarted primary waits (it is then the spare).
 
@@ -308,7 +308,7 @@ async def run_shared_store(cfg: "BrokerConfig", security, *, task_status=trio.TA
     from broker.http import serve_http
     from broker.logsetup import print_listening
     from broker.node import Node
-    from broker.core.departures import ALL, target_from_connector
+    from broker.core.departures import target_from_connector
     from broker.server import SHUTDOWN_GRACE_S, ManagementSlot, _hostport, serve_active
 
     ha = cfg.ha
@@ -413,12 +413,11 @@ async def run_shared_store(cfg: "BrokerConfig", security, *, task_status=trio.TA
 
                         async def on_deactivate(node) -> None:
                             # the primary is failing back: clients that follow redirects go to it
-                            # (primary.json), the rest are forced
+                            # (primary.json), the rest have their connections ended without a Close
                             own = node.cluster.connector if node.cluster is not None else backup_connector(cfg)
                             target = target_from_connector(store.primary_connector(),
                                                            [own] if own and ha.restart_backup else [])
-                            await node.depart(node.plan_departures(ALL, target, "failing back to the primary"),
-                                              wait_s=SHUTDOWN_GRACE_S)
+                            await node.depart_all(target, "failing back to the primary", SHUTDOWN_GRACE_S)
 
                         async def serve(task_status=trio.TASK_STATUS_IGNORED) -> None:
                             nonlocal reason

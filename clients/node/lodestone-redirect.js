@@ -35,7 +35,7 @@
  * reconnectAttempts more (-1: no limit), retryInterval ms before the second, each next wait
  * retryIntervalMultiplier times the last, at most maxRetryInterval ms; initialConnectAttempts
  * counts the same way for the first connection (Artemis's URL parameter names; Artemis counts
- * reconnectAttempts = N as N tries in all). Without these options rhea's own reconnect options
+ * differently: its reconnectAttempts = N is N tries in all). Without these options rhea's own reconnect options
  * (reconnect, initial_reconnect_delay, max_reconnect_delay, reconnect_limit) space the tries, as
  * before. connection.lodestone_events (an EventEmitter) emits, after a lost connection:
  * 'failover' (another broker process: a backup, a restarted one), 'reconnected' (the same
@@ -241,10 +241,24 @@ function connect(container, options) {
         return nextTry(successful);
     };
 
+    function giveUp() {
+        const error = new Error(`gave up after ${fo.tries} tries (${candidates().map(
+            (a) => `${a.host}:${a.port}`).join(', ')})`);
+        error.name = 'FailoverError';
+        error.tries = fo.tries;
+        emit('disconnect', { type: 'DISCONNECT', url: null, tries: fo.tries, lost: null, temporary_queues: {},
+                             broker: null, cause: fo.lossCause, error, initial: !fo.everOpened });
+        return -1;
+    }
+
     function nextTry(successful) {
         if (fo.opened) {   // the connection was lost: a reconnection starts, its first try at once
             fo.opened = false;
             fo.lossCause = conn.error || 'connection lost';
+            if (!reconnectSchedule && (options.reconnect === false || options.reconnect_limit === 0)) {
+                fo.tries = 0;
+                return giveUp();   // the application asked for no reconnection (rhea's options)
+            }
             fo.temps = new Map();
             for (const link of links()) {
                 // the broker's attach echoes dynamic = true (the local terminus is encoded already)
@@ -272,15 +286,7 @@ function connect(container, options) {
         } else {
             delay = policy(successful);
         }
-        if (delay < 0) {
-            const error = new Error(`gave up after ${fo.tries} tries (${candidates().map(
-                (a) => `${a.host}:${a.port}`).join(', ')})`);
-            error.name = 'FailoverError';
-            error.tries = fo.tries;
-            emit('disconnect', { type: 'DISCONNECT', url: null, tries: fo.tries, lost: null, temporary_queues: {},
-                                 broker: null, cause: fo.lossCause, error, initial: !fo.everOpened });
-            return -1;
-        }
+        if (delay < 0) return giveUp();
         fo.pass = candidates();
         fo.index = 0;
         fo.tries += 1;
@@ -423,8 +429,9 @@ function connect(container, options) {
             }
         } else if (fo.opened) {
             // the broker of an open connection sends us to the node that now serves its data
-            // (failback, scale-down, its management close): a lost connection whose reconnection
-            // starts there, not an error for the application
+            // (failback, scale-down, its management close): handled as rhea handles
+            // amqp:connection:forced (connection_error and connection_close are dispatched, then
+            // the reconnection), which starts there
             const error = frame.performative.error || {};
             const host = lookup(error.info, 'network-host');
             const port = Number(lookup(error.info, 'port'));

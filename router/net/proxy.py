@@ -29,7 +29,7 @@ sends can reach anybody any more, and a client that waits for its transport to c
 does after ``amqp:connection:forced``: it reconnects only once the socket is gone) would wait
 for ever on a half-closed socket. So the router ends the client connection as a broker would:
 the EOF is passed on, the client → broker direction stops (whatever the client sends from then
-on is read and dropped, never written to the gone broker), the client gets
+on is read and dropped, not written to the gone broker), the client gets
 ``upstream_close_grace_s`` to answer with its own EOF (a normal close, ``closed``), and then its
 socket is closed both ways with a reset (``upstream_closed``), so its next read or write fails
 at once. The trigger is the broker's end of stream alone: no frame is parsed after the handshake,
@@ -55,6 +55,7 @@ import os
 import select
 import socket as _stdlib_socket
 import ssl
+import struct
 from dataclasses import dataclass
 
 import trio
@@ -65,7 +66,7 @@ DEFAULT_CHUNK_BYTES = 65536
 DEFAULT_UPSTREAM_CLOSE_GRACE_S = 1.0  # upstream-close-grace-ms: the client's time to close after its broker did
 _TLS_CLOSE_S = 1.0  # how long a TLS close_notify may take before we just drop the socket
 _PIPE_SIZE = 1 << 20
-LINGER_RESET = b"\x01\x00\x00\x00\x00\x00\x00\x00"  # struct linger {l_onoff = 1, l_linger = 0}: close sends a reset
+LINGER_RESET = struct.pack("ii", 1, 0)  # struct linger {l_onoff = 1, l_linger = 0}: close sends a reset
 _F_SETPIPE_SZ = 1031  # linux/fcntl.h; not in Python's fcntl module before 3.10 on every build
 _SPLICE_FLAGS = getattr(os, "SPLICE_F_MOVE", 1) | getattr(os, "SPLICE_F_NONBLOCK", 2)
 # A peer or the network broke the connection (read/write/splice/shutdown on a socket): that
@@ -399,9 +400,10 @@ async def _guard(stats: PumpStats, nursery: trio.Nursery, fn, *args) -> None:
 class _Flow:
     """What the two directions of one two-task pump share: the client → broker direction runs
     in a scope of its own, which the broker → client direction cancels when the broker ended
-    first, and then the client's grace (``_client_grace``) runs in its place."""
+    first; the same task then runs the client's grace (``_client_grace``), so that only one task
+    ever reads the client (trio's own streams allow no second reader)."""
 
-    __slots__ = ("nursery", "client", "csock", "grace_s", "chunk_bytes", "stats", "up_scope")
+    __slots__ = ("nursery", "client", "csock", "grace_s", "chunk_bytes", "stats", "up_scope", "ended")
 
     def __init__(self, nursery: trio.Nursery, client, csock, grace_s: float, chunk_bytes: int,
                  stats: PumpStats) -> None:
@@ -412,18 +414,21 @@ class _Flow:
         self.chunk_bytes = chunk_bytes
         self.stats = stats
         self.up_scope = trio.CancelScope()
+        self.ended = False
 
     async def up(self, fn, *args) -> None:
+        """The client → broker direction; once the broker has ended first, the client's grace."""
         with self.up_scope:
             await _guard(self.stats, self.nursery, fn, *args)
+        if self.ended:
+            await _client_grace(self.client, self.csock, self.grace_s, self.chunk_bytes, self.stats)
 
     def upstream_ended(self) -> None:
         """The broker → client direction reached the broker's EOF and passed it on."""
         if self.stats.first_eof != "upstream":
             return  # the client had ended first: both directions are done, a normal close
+        self.ended = True
         self.up_scope.cancel()
-        self.nursery.start_soon(_client_grace, self.client, self.csock, self.grace_s, self.chunk_bytes,
-                                self.stats)
 
 
 async def _client_grace(client, csock, grace_s: float, chunk_bytes: int, stats: PumpStats) -> None:

@@ -100,8 +100,9 @@ class Detected:
         """``client_bytes`` as a proxied connection replays them to its broker: the Open without
         ``lodestone:follows-redirect``. A broker redirects (failback, scale-down, its management
         close) only clients that announced it, and a proxied client must come back through the
-        router, never be sent past it: without the capability the broker closes it with
-        ``amqp:connection:forced`` and the client reconnects to the router. Unchanged (the same
+        router, never be sent past it: without the capability the broker ends its connection
+        without a Close (or with ``amqp:connection:forced``, when its management call asks for
+        that) and the client reconnects to the router. Unchanged (the same
         object) for the clients that did not announce it."""
         if not self.follows_redirect:
             return self.client_bytes

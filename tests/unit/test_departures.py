@@ -90,6 +90,7 @@ def test_good_bodies():
     ({"all": True, "redirect": 5}, "redirect"), ({"all": True, "rate-per-second": -1}, "rate-per-second"),
     ({"all": True, "rate-per-second": True}, "rate-per-second"),
     ({"all": True, "rate-per-second": float("inf")}, "rate-per-second"), ({"all": True, "x": 1}, "x"),
+    ({"all": True, "rate-per-second": 1e-300}, "rate-per-second"), ({"all": True, "redirect": "h:\u00b2"}, "redirect"),
     ({"all": True, "unmodified": "amqp:connection:redirect"}, "unmodified"), ({"all": True, "unmodified": 1}, "unmodified"),
 ])
 def test_bad_bodies_name_the_field(body, field):

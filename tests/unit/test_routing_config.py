@@ -99,6 +99,8 @@ def test_persisted_defaults_to_embedded(tmp_path):
      "acceptors[0].tls-key", "go together"),
     ("[[acceptors]]\nname = 'a'\nport = 1\nrouter = 'r'\ntcp-user-timeout-ms = -1",
      "acceptors[0].tcp-user-timeout-ms", "-1 must be >= 0"),
+    ("[[acceptors]]\nname = 'a'\nport = 1\nrouter = 'r'\nupstream-close-grace-ms = 0",
+     "acceptors[0].upstream-close-grace-ms", "0 must be >= 50"),
 ])
 def test_errors_name_file_key_value(tmp_path, extra, path, msg):
     base = MINIMAL

@@ -215,3 +215,61 @@ async def test_tls_client_is_closed_within_the_grace():
     assert client["received"] == len(CLOSE_FRAMES)
     assert client["failed_at"] - broker["broker_closed_at"] <= GRACE_S + 0.5
     assert router["stats"].first_eof == "upstream"
+
+
+async def test_trio_streams_client_writing_as_the_broker_ends():
+    """The two-task pump over trio's own streams (which allow one reader at a time), the client
+    writing all the while the broker ends: the client → broker task itself runs the grace, so
+    the client is read by one task only, and it is closed within the grace."""
+    client_app, client_side = await _socket_pair()
+    upstream_side, broker_app = await _socket_pair()
+    cs = trio.SocketStream(trio.socket.from_stdlib_socket(client_side))
+    us = trio.SocketStream(trio.socket.from_stdlib_socket(upstream_side))
+    router, broker = {}, {}
+    failed = {}
+
+    async def chatty_client():
+        stream = fastio.FastSocketStream(client_app)
+        while True:
+            try:
+                await stream.send_all(EMPTY_FRAME)
+            except trio.BrokenResourceError:
+                failed["at"] = trio.current_time()
+                break
+            await trio.sleep(0.005)
+        stream.close()
+
+    async def run_router():
+        t0 = trio.current_time()
+        router["stats"] = await proxy.pump(cs, us, idle_timeout_s=30, use_splice=False,
+                                           upstream_close_grace_s=GRACE_S)
+        router["pump_s"] = trio.current_time() - t0
+        client_side.close()
+        upstream_side.close()
+
+    async def broker_side():
+        # reads the client's frames all along; after 0.3 s sends its Close and ends its side
+        # (a half-close: the router's writes still succeed, so only the EOF tells it)
+        stream = fastio.FastSocketStream(broker_app)
+
+        async def drain():
+            while await stream.receive_some(65536):
+                pass
+
+        async with trio.open_nursery() as inner:
+            inner.start_soon(drain)
+            await trio.sleep(0.3)
+            await stream.send_all(CLOSE_FRAMES)
+            await stream.send_eof()
+            broker["broker_closed_at"] = trio.current_time()
+        stream.close()
+
+    with trio.fail_after(GRACE_S + 5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_router)
+            nursery.start_soon(chatty_client)
+            nursery.start_soon(broker_side)
+    stats = router["stats"]
+    assert stats.reason is EndReason.UPSTREAM_CLOSED, (stats.reason, stats.error)
+    assert stats.first_eof == "upstream" and stats.dropped_up > 0
+    assert failed["at"] - broker["broker_closed_at"] <= GRACE_S + 0.5
