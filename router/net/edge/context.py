@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
 import ssl
 import time
 from dataclasses import dataclass, field
@@ -13,6 +12,7 @@ from typing import Any, Callable, Protocol
 
 import trio
 
+from broker import trioutil
 from broker.auth import LoginGate
 from broker.core.limits import OncePer, SourceLimits
 from broker.core.security import SecurityConfig
@@ -131,10 +131,7 @@ def reset_on_close(stream) -> None:
     not answer) then fails its next write, where after a FIN it would need two (its first,
     a heartbeat half the Open's idle-time-out later, only draws the reset)."""
     if type(stream) is fastio.FastSocketStream and not stream._closed:
-        try:
-            stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, proxy_mod.LINGER_RESET)
-        except OSError:
-            pass
+        trioutil.reset_on_close(stream.socket)
 
 
 def close_now(stream) -> bool:
