@@ -2,23 +2,7 @@
 
 from __future__ import annotations
 
-import socket
-import struct
-
 import trio
-
-_LINGER_RESET = struct.pack("ii", 1, 0)  # struct linger {l_onoff = 1, l_linger = 0}
-
-
-def reset_on_close(sock) -> None:
-    """Make the coming close of ``sock`` (a stdlib or trio socket) send a TCP reset instead of a
-    FIN (``SO_LINGER`` 0): a peer that only writes — a proton client waiting for its transport to
-    close after ``amqp:connection:forced`` — fails its next write at once. A socket already gone
-    is left alone."""
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
-    except OSError:
-        pass
 
 
 class Wakeup:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import itertools
 import logging
 import ssl
+import struct
 from typing import TYPE_CHECKING
 
 import trio
@@ -58,7 +59,7 @@ from broker.core.limits import Admission, source_key
 from broker.core.security import Principal
 from broker.errors import NotThisProtocol, RemoteProtocolError
 from broker.proxyproto import ProxyHeaderReader, ProxyProtocolError
-from broker.trioutil import Wakeup, reset_on_close
+from broker.trioutil import Wakeup
 from router.net.tls import capture_sni, sni_of
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -344,7 +345,10 @@ async def _linger(stream: trio.SocketStream, linger_s: float = LINGER_S, *, rese
             done = True
     finally:   # (also when the node's shutdown cancels the linger)
         if reset and not done:
-            reset_on_close(stream)
+            try:
+                stream.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_LINGER, struct.pack("ii", 1, 0))
+            except OSError:
+                pass
 
 
 async def _linger_tls(stream: trio.SSLStream, linger_s: float = LINGER_S) -> None:

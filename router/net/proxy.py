@@ -55,17 +55,18 @@ import os
 import select
 import socket as _stdlib_socket
 import ssl
+import struct
 from dataclasses import dataclass
 
 import trio
 
-from broker.trioutil import reset_on_close
 from router.net.fastio import FastSocketStream
 
 DEFAULT_CHUNK_BYTES = 65536
 DEFAULT_UPSTREAM_CLOSE_GRACE_S = 1.0  # upstream-close-grace-ms: the client's time to close after its broker did
 _TLS_CLOSE_S = 1.0  # how long a TLS close_notify may take before we just drop the socket
 _PIPE_SIZE = 1 << 20
+LINGER_RESET = struct.pack("ii", 1, 0)  # struct linger {l_onoff = 1, l_linger = 0}: close sends a reset
 _F_SETPIPE_SZ = 1031  # linux/fcntl.h; not in Python's fcntl module before 3.10 on every build
 _SPLICE_FLAGS = getattr(os, "SPLICE_F_MOVE", 1) | getattr(os, "SPLICE_F_NONBLOCK", 2)
 # A peer or the network broke the connection (read/write/splice/shutdown on a socket): that
@@ -282,17 +283,19 @@ async def pump(client: trio.abc.Stream, upstream: trio.abc.Stream, *, idle_timeo
                 async with trio.open_nursery() as nursery:
                     flow = _Flow(nursery, client, csock, upstream_close_grace_s, chunk_bytes, stats)
                     if spliced:
-                        up = (_splice_dir, csock, usock, "client", "upstream", refresh, up_pending, up_bulk)
-                        down = (_splice_dir, usock, csock, "upstream", "client", refresh, down_pending, down_bulk,
-                                flow)
+                        if not up_done:
+                            nursery.start_soon(flow.up, _splice_dir, csock, usock, "client", "upstream",
+                                               refresh, up_pending, up_bulk)
+                        if not down_done:
+                            nursery.start_soon(_guard, stats, nursery, _splice_dir, usock, csock, "upstream",
+                                               "client", refresh, down_pending, down_bulk, flow)
                     else:
-                        up = (_stream_dir, client, upstream, "client", "upstream", refresh, chunk_bytes, up_pending)
-                        down = (_stream_dir, upstream, client, "upstream", "client", refresh, chunk_bytes,
-                                down_pending, flow)
-                    if not up_done:
-                        nursery.start_soon(flow.up, *up)
-                    if not down_done:
-                        nursery.start_soon(_guard, stats, nursery, *down)
+                        if not up_done:
+                            nursery.start_soon(flow.up, _stream_dir, client, upstream, "client", "upstream",
+                                               refresh, chunk_bytes, up_pending)
+                        if not down_done:
+                            nursery.start_soon(_guard, stats, nursery, _stream_dir, upstream, client, "upstream",
+                                               "client", refresh, chunk_bytes, down_pending, flow)
     if scope.cancelled_caught and stats.reason is EndReason.CLOSED:
         stats.reason = EndReason.IDLE_TIMEOUT
     return stats
@@ -447,7 +450,10 @@ async def _client_grace(client, csock, grace_s: float, chunk_bytes: int, stats: 
         stats.error = (f"upstream: ended the connection first; the client did not close within {grace_s:g} s "
                        f"({stats.dropped_up} bytes from it dropped); closed by the router")
     if csock is not None:
-        reset_on_close(csock)
+        try:
+            csock.setsockopt(_stdlib_socket.SOL_SOCKET, _stdlib_socket.SO_LINGER, LINGER_RESET)
+        except OSError:
+            pass
 
 
 def _count(stats: PumpStats, src_name: str, n: int) -> None:

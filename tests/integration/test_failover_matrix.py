@@ -322,59 +322,59 @@ EVENT_TARGET = {"kill-primary": "broker-1", "failback": "broker-1", "kill-no-bac
 RESTART_AFTER_S = 1.0       # lodestone-local's first restart back-off
 
 
-def _settling(settle) -> tuple[threading.Event, dict]:
-    """Run ``settle(info)`` in a thread (it waits for the event's end state and records it in
-    ``info``); the returned event is set once it is done."""
-    done, info = threading.Event(), {}
-
-    def run():
-        settle(info)
-        done.set()
-    threading.Thread(target=run, daemon=True).start()
-    return done, info
-
-
 def _kill_primary(dep: Deployment) -> tuple[float, threading.Event, dict]:
+    done, info = threading.Event(), {}
     t = time.time()
     dep.brokers["broker-1"].kill()
 
-    def settle(info):
+    def settle():
         wait(lambda: dep.ha("broker-1-backup")["active"], 60, "the backup active")
         info["settled"] = time.time()
-    return (t, *_settling(settle))
+        done.set()
+    threading.Thread(target=settle, daemon=True).start()
+    return t, done, info
 
 
 def _failback(dep: Deployment) -> tuple[float, threading.Event, dict]:
+    done, info = threading.Event(), {}
     t = time.time()
 
-    def settle(info):
+    def settle():
         dep.brokers["broker-1"].start()          # listens (amqp) once it has the node id back
         info["settled"] = time.time()
         wait(lambda: not dep.ha("broker-1-backup")["active"], 30, "the backup passive again")
-    return (t, *_settling(settle))
+        done.set()
+    threading.Thread(target=settle, daemon=True).start()
+    return t, done, info
 
 
 def _kill_no_backup(dep: Deployment) -> tuple[float, threading.Event, dict]:
+    done, info = threading.Event(), {}
     t = time.time()
     dep.brokers["broker-2"].kill()
 
-    def settle(info):
-        time.sleep(RESTART_AFTER_S)              # lodestone-local's first restart back-off, not a wait for state
+    def settle():
+        time.sleep(RESTART_AFTER_S)
         dep.brokers["broker-2"].start()
         info["settled"] = time.time()
-    return (t, *_settling(settle))
+        done.set()
+    threading.Thread(target=settle, daemon=True).start()
+    return t, done, info
 
 
 def _scale_down(dep: Deployment) -> tuple[float, threading.Event, dict]:
+    done, info = threading.Event(), {}
     b = dep.brokers["broker-3"]
     t = time.time()
     b.proc.send_signal(signal.SIGTERM)
 
-    def settle(info):
+    def settle():
         info["exit"] = b.proc.wait(60)
         info["settled"] = time.time()
         b._release()
-    return (t, *_settling(settle))
+        done.set()
+    threading.Thread(target=settle, daemon=True).start()
+    return t, done, info
 
 
 ACTIONS = {"kill-primary": _kill_primary, "failback": _failback, "kill-no-backup": _kill_no_backup,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import ssl
 import time
 from dataclasses import dataclass, field
@@ -12,7 +13,6 @@ from typing import Any, Callable, Protocol
 
 import trio
 
-from broker import trioutil
 from broker.auth import LoginGate
 from broker.core.limits import OncePer, SourceLimits
 from broker.core.security import SecurityConfig
@@ -131,7 +131,10 @@ def reset_on_close(stream) -> None:
     not answer) then fails its next write, where after a FIN it would need two (its first,
     a heartbeat half the Open's idle-time-out later, only draws the reset)."""
     if type(stream) is fastio.FastSocketStream and not stream._closed:
-        trioutil.reset_on_close(stream.socket)
+        try:
+            stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, proxy_mod.LINGER_RESET)
+        except OSError:
+            pass
 
 
 def close_now(stream) -> bool:
