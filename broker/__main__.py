@@ -2,7 +2,7 @@
 
     lodestone-broker run etc/broker.toml [--amqp-port N] [--management-port N] [--data-dir DIR] [--name NAME]
     lodestone-broker check etc/broker.toml   (validate the config and its users file; exit 0/2)
-    lodestone-broker hash-password [...]     (see broker.core.security.hash_password_main)
+    lodestone-broker hash-password [...]     (see hash_password_main below)
 
 A bad config prints one line naming file, key and value and exits with status 2; a data
 directory held by another process exits with status 1 and says which process holds it.
@@ -12,12 +12,21 @@ SIGTERM and SIGINT shut the node down cleanly (exit status 0).
 from __future__ import annotations
 
 import argparse
+import getpass
 import sys
 from pathlib import Path
+from typing import Sequence
 
-from broker.trioutil import single_leaf
+import trio
 
-__all__ = ["main"]
+from broker.config import ConfigError, apply_overrides, check_anonymous, load_config
+from broker.process import run_node
+from broker.store.errors import DataDirError, JournalCorrupt
+from broker.wire.io.logsetup import setup_logging
+from broker.wire.io.trioutil import single_leaf
+from broker.wire.io.users import hash_password, load_users
+
+__all__ = ["main", "hash_password_main"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,11 +53,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["hash-password"]:
-        from broker.core.security import hash_password_main
         return hash_password_main(argv[1:]) or 0
     args = _parser().parse_args(argv)
-    from broker.config import ConfigError, apply_overrides, load_config
-    from broker.store.errors import DataDirError, JournalCorrupt
 
     if args.command == "check":
         return _check(args.config)
@@ -62,11 +68,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"lodestone-broker: {exc}", file=sys.stderr)
         return 2
-
-    import trio
-
-    from broker.logsetup import setup_logging
-    from broker.server import run_node
 
     setup_logging(cfg.log_level, cfg.log_json)
     try:
@@ -90,8 +91,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _check(path: Path) -> int:
     """``check``: what ``run`` validates before it touches the data directory or a port."""
-    from broker.config import ConfigError, check_anonymous, load_config
-    from broker.core.security import load_users
 
     try:
         cfg = load_config(path)
@@ -109,6 +108,47 @@ def _check(path: Path) -> int:
     if cfg.cluster is not None and cfg.cluster.weak_password:
         print(f"lodestone-broker: warning: [cluster] password is {'a published sample' if cfg.cluster.password_set else 'not set'}; "
               "cluster logins with it are accepted from loopback only", file=sys.stderr)
+    return 0
+
+
+# -- hash-password ------------------------------------------------------------------------------------------
+
+def hash_password_main(argv: Sequence[str] | None = None) -> int:
+    """``lodestone-broker hash-password``: print a scrypt hash for the users file.
+
+    The password comes from ``--stdin`` (first line, for scripts) or is prompted for twice on
+    the terminal. Returns the exit status (0 ok, 2 usage error).
+    """
+    ap = argparse.ArgumentParser(prog="lodestone-broker hash-password",
+                                 description="Print a scrypt password hash for etc/users.toml.")
+    ap.add_argument("--stdin", action="store_true", help="read the password from standard input")
+    ap.add_argument("--n", type=int, default=16384, help="scrypt cost N (power of two; default 16384)")
+    ap.add_argument("--r", type=int, default=8, help="scrypt block size r (default 8)")
+    ap.add_argument("--p", type=int, default=1, help="scrypt parallelism p (default 1)")
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    if args.stdin:
+        password = sys.stdin.readline().rstrip("\r\n")
+    else:
+        try:
+            password = getpass.getpass("password: ")
+            again = getpass.getpass("again: ")
+        except (EOFError, KeyboardInterrupt):
+            print("hash-password: no password given", file=sys.stderr)
+            return 2
+        if password != again:
+            print("hash-password: the passwords differ", file=sys.stderr)
+            return 2
+    if not password:
+        print("hash-password: empty password", file=sys.stderr)
+        return 2
+    try:
+        print(hash_password(password, n=args.n, r=args.r, p=args.p))
+    except ValueError as exc:
+        print(f"hash-password: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

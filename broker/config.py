@@ -1,6 +1,6 @@
 """Broker node configuration: one TOML file → frozen dataclasses.
 
-Read strictly with :mod:`broker.tomlconfig`: unknown keys are rejected and every error names the
+Read strictly with :mod:`broker.wire.io.tomlconfig`: unknown keys are rejected and every error names the
 file, the key path and the value (``etc/broker.toml: acceptors.amqp.port: 70000 must be <= 65535``).
 Paths are relative to the config file's folder. The full reference is in ``docs/configuration.md`` (section "Broker node").
 
@@ -22,13 +22,14 @@ from broker.cluster.settings import HA_ROLES, ColocatedConfig
 from broker.core.filters import SelectorError, compile_queue_filter
 from broker.core.addresses import ANYCAST, MULTICAST, AddressSettings, SettingsResolver, WildcardSettings
 from broker.core.duplicates import DEFAULT_ID_CACHE_SIZE, DEFAULT_MAX_IDS
-from broker.core.limits import SourceLimits, source_limits_from
-from broker.core.wildcards import check_pattern
+from broker.wire.limits import SourceLimits, source_limits_from
+from broker.wire.wildcards import check_pattern
 from broker.store.journal import JournalConfig
-from broker.tomlconfig import ConfigError, Table, open_config
+from broker.wire.io.tomlconfig import ConfigError, Table, open_config
+from router.embed import parse_router_table, parse_routing_log_table
 
 if TYPE_CHECKING:  # pragma: no cover
-    from router.config import RouterConfig, RoutingLogConfig
+    from router.embed import RouterConfig, RoutingLogConfig
 
 __all__ = ["AcceptorConfig", "BrokerConfig", "ResourceLimits", "ResourceLimitSettings", "ConfigError", "load_config", "apply_overrides", "check_anonymous"]
 
@@ -52,7 +53,7 @@ class AcceptorConfig:
     sasl_mechanisms: tuple[str, ...] = ("PLAIN",)
     allow_no_sasl: bool = False  # clients that skip SASL are anonymous; needs [anonymous] in the users file
     max_connections: int = 10000  # Artemis connectionsAllowed; 0 = no limit
-    limits: SourceLimits = SourceLimits()   # per-source limits (broker.core.limits)
+    limits: SourceLimits = SourceLimits()   # per-source limits (broker.wire.limits)
     # peers that must open with a PROXY v2 header (the routers); nobody else's header is honoured
     proxy_protocol_from: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
     # Artemis anycastPrefix / multicastPrefix: an address starting with one names its routing type
@@ -576,7 +577,6 @@ def _routers(root: Table, acceptors: list[AcceptorConfig], cluster: ClusterConfi
              data_dir: Path) -> tuple[dict, "RoutingLogConfig | None"]:
     """``[routers.<name>]`` (the router's own schema, ``router.config``, in embedded mode) and
     ``[routing-log]``; every ``acceptors.<a>.router`` must name one of them."""
-    from router.config import parse_router_table, parse_routing_log_table
 
     routers = {}
     for rname, t in root.tables("routers").items():

@@ -1,4 +1,4 @@
-"""The broker's management HTTP API (routes over :mod:`broker.http`).
+"""The broker's management HTTP API (routes over :mod:`broker.wire.io.http`).
 
 Routes and JSON shapes are the contract in ``docs/architecture.md`` (the router's health checks
 and LEAST_CONNECTIONS policy read ``/health`` and ``/api/v1/broker``). ``/health``,
@@ -24,19 +24,22 @@ import trio
 
 from broker.amqp.host import INTERNAL_PREFIX
 from broker.cluster.bridge import CLUSTER_ROLE
-from broker.core.security import MANAGEMENT_ADDRESS, Principal
-from broker.http import (
+from broker.wire.io.users import MANAGEMENT_ADDRESS, Principal
+from broker.wire.io.http import (
     HttpError,
     Metric,
     Request,
     Response,
-    _escape_label,
+    escape_label,
     basic_auth,
     json_response,
     render_metrics,
 )
 
-from router.management import RouterResources
+from router.embed import RouterResources, routers_openapi_paths
+from broker import VERSION
+from broker.core.filters import SelectorError, compile_queue_filter
+from broker.core.departures import END_OF_STREAM, FORCED, CloseRequestError, parse_close_request
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.node import Node
@@ -95,7 +98,6 @@ def broker_info(node: "Node") -> dict:
 
 
 def _version() -> str:
-    from broker.server import VERSION
     return VERSION
 
 
@@ -158,7 +160,7 @@ def metrics(node: "Node", exporter: "MetricsExporter | None" = None) -> list[Met
                 ({"where": "message"}, c.get("message_decode_error", 0)))),
         Metric("lodestone_broker_events_total", "counter", "broker events by outcome",
                tuple(({"event": k}, v) for k, v in sorted(c.items()))),
-        Metric("lodestone_broker_logins_total", "counter", "password logins by outcome (broker.auth)",
+        Metric("lodestone_broker_logins_total", "counter", "password logins by outcome (broker.wire.io.login)",
                tuple(({"outcome": k}, v) for k, v in sorted(node.login_gate.counters.items()))),
     ]
     ha = getattr(node, "ha", None)
@@ -281,7 +283,7 @@ class MetricsExporter:
                 key = (q.name, q.address)
                 lab = labels.get(key)
                 if lab is None:
-                    lab = labels[key] = f'{{queue="{_escape_label(q.name)}",address="{_escape_label(q.address)}"}} '
+                    lab = labels[key] = f'{{queue="{escape_label(q.name)}",address="{escape_label(q.address)}"}} '
                 depth.append(f"{names[0]}{lab}{q.depth}")
                 consumers.append(f"{names[1]}{lab}{len(q.subs)}")
                 enq.append(f"{names[2]}{lab}{q.enqueued}")
@@ -301,7 +303,7 @@ class MetricsExporter:
 
 
 def make_handler(node: "Node"):
-    """The ``handler(Request) -> Response`` for :func:`broker.http.serve_http`."""
+    """The ``handler(Request) -> Response`` for :func:`broker.wire.io.http.serve_http`."""
     mcfg = node.cfg.management
     exporter = MetricsExporter(node, mcfg.metrics_cache_ms / 1000)
     routers = _EmbeddedRouters(node)
@@ -380,7 +382,6 @@ class _EmbeddedRouters(RouterResources):
 def _create_address(node: "Node", principal, body) -> Response:
     """``POST /api/v1/addresses`` ``{"name", "routing_types", "filter"?}``: declare an address (an
     anycast one gets its queue, with the filter); in a cluster it joins the replicated state."""
-    from broker.core.filters import SelectorError, compile_queue_filter
     if not isinstance(body, dict):
         raise HttpError(400, "expected a JSON object {\"name\", \"routing_types\", \"filter\"}")
     name = body.get("name")
@@ -416,7 +417,6 @@ def _close_connections(node: "Node", body) -> Response:
     those that follow redirects, the rest ended without a Close (``unmodified``
     ``end-of-stream``, the default) or with ``amqp:connection:forced`` — spread at
     ``rate-per-second``. Answers 202 at once with the plan; the closes run in the background."""
-    from broker.core.departures import END_OF_STREAM, FORCED, CloseRequestError, parse_close_request
 
     try:
         req = parse_close_request(body)
@@ -572,6 +572,5 @@ def openapi_document() -> dict:
         },
     }
     # a node with routed acceptors serves the router's own resources (broker.routing)
-    from router.management import openapi_document as router_openapi
-    doc["paths"].update({k: v for k, v in router_openapi()["paths"].items() if k.startswith("/api/v1/routers")})
+    doc["paths"].update(routers_openapi_paths())
     return doc

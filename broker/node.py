@@ -7,7 +7,7 @@ Theory of operation
 open connection and the group-commit waiters. It is the :class:`broker.amqp.host.EngineHost`
 of every engine the node runs — accepted connections (:mod:`broker.amqp.driver`) and the
 connections it dials to peers (:mod:`broker.amqp.peer`) — and the state the management API
-and ``/metrics`` read. :func:`broker.server.run_node` builds one and runs its background tasks
+and ``/metrics`` read. :func:`broker.server.serve_active` builds one and runs its background tasks
 (:meth:`Node.committer`, :meth:`Node.expiry_scanner`, :meth:`Node.activity_flusher`).
 
 Group commit: the core writes journal records (in memory) as it goes; the committer task runs
@@ -29,7 +29,7 @@ import trio
 
 from broker.activity import ActivityLog, iso_utc
 from broker.amqp.host import EngineSettings
-from broker.auth import LoginGate
+from broker.wire.io.login import LoginGate
 from broker.core.addresses import Broker
 from broker.core.departures import (
     ALL,
@@ -44,9 +44,11 @@ from broker.core.departures import (
 from broker.core.deliveries import DEFAULT_PRIORITY, Message
 from broker.core.duplicates import DuplicateIds
 from broker.core.filters import compile_queue_filter
-from broker.core.limits import OncePer, SourceLimiter
+from broker.wire.limits import OncePer, SourceLimiter
 from broker.store.journal import GroupOp
-from broker.trioutil import Wakeup
+from broker.wire.io.trioutil import Wakeup
+from broker.cluster.bridge import CLUSTER_ROLE
+from broker.ha.replication import failover_server_list
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.amqp.engine import AmqpEngine
@@ -197,7 +199,7 @@ class Node:
         self.cluster = None  # broker.cluster.bridge.ClusterNode when [cluster] is configured
         self.routing = None  # broker.routing.EmbeddedRouting when [routers.*] are configured
         self.broadcast_counters: dict[str, dict] = {}  # broadcast group -> sent / send_failed
-        # authentication and per-source admission (broker.auth, broker.core.limits)
+        # authentication and per-source admission (broker.wire.io.login, broker.wire.limits)
         self.login_gate = LoginGate(security, name=cfg.name) if security is not None else None
         self.source_limiters = {a.name: SourceLimiter(a.limits) for a in cfg.acceptors}
         self.acceptor_active: collections.Counter = collections.Counter()
@@ -306,7 +308,6 @@ class Node:
         if self.replication is not None:
             fsl = self.replication.failover_server_list()
         elif self.shared_backup is not None:   # a shared-store backup waiting on our files
-            from broker.ha.replication import failover_server_list
             fsl = failover_server_list([self.shared_backup[0]])
         else:
             fsl = []
@@ -511,7 +512,6 @@ class Node:
         ``amqp:connection:redirect`` to ``target`` for those that follow redirects, else
         ``unmodified`` (an end of stream without a Close, by default; broker.core.departures).
         The cluster user's connections are never picked."""
-        from broker.cluster.bridge import CLUSTER_ROLE
 
         facts = []
         for e in self.engines.values():

@@ -25,7 +25,7 @@ each becomes a ``router.service.RouterService`` — the same shell and the same 
   (``router.sniff.amqp.OpenReader``) and decides. A local decision hands every byte read to the
   engine, which serves the connection as on any acceptor. Any other target gets the native
   redirect (``amqp:connection:redirect``, ``network-host``/``port``) and a refusal gets
-  ``amqp:connection:forced`` with Artemis's descriptions (``broker.amqp.frames``), each after
+  ``amqp:connection:forced`` with Artemis's descriptions (``broker.wire.frames``), each after
   an Open carrying ``amqp:connection-establishment-failed``.
 * **The cluster's own connections are never routed** (Artemis exempts the cluster user): a
   principal with the cluster role goes straight to the engine.
@@ -45,17 +45,16 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from broker.amqp.frames import NEED_DATA, artemis_redirect_description, redirect_frames, refuse_frames
-from broker.errors import RemoteProtocolError
-from router.config import RouterConfig, TargetConfig
+from broker.wire.errors import RemoteProtocolError
+from broker.wire.frames import (NEED_DATA, artemis_redirect_description, close_frames, redirect_frames,
+                                refuse_frames)
 from router.core.decide import Decision, Outcome
 from router.core.keys import ConnectionInfo
 from router.core.membership import PAIR_HOLD_S, host_port, parse_connector
 from router.core.policies.base import Target
 from router.core.pool import FollowContext, Pool
-from router.net.edge.route import refusal_text
-from router.routelog import RouteLog, route_line
-from router.service import RouterService
+from router.embed import (OpenReader, RouteLog, RouterConfig, RouterService, TargetConfig, refusal_text,
+                          route_line)
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.config import AcceptorConfig, BrokerConfig
@@ -301,8 +300,6 @@ class EmbeddedRouting:
         """Route one authenticated client of ``acceptor``. Returns the bytes read so far (AMQP
         header, Open, anything after) when it stays on this broker; None when it was redirected,
         refused or broke the handshake (the reply is written; the caller lingers and closes)."""
-        from broker.amqp.frames import close_frames
-        from router.sniff.amqp import OpenReader
 
         reader = OpenReader(self.cfg.max_frame_bytes)
         reader.receive_data(leftover)

@@ -2,7 +2,8 @@
 
 Theory of operation
 -------------------
-:func:`run_node` opens (and locks) the data directory, opens the journal and rebuilds the core
+:func:`serve_active` (called by :func:`broker.process.run_node` on a data directory it opened and
+locked, or by ``broker.ha`` once a member becomes active) opens the journal and rebuilds the core
 from it (queue definitions from KV records, then every live message), then starts, in one
 nursery: one listener per acceptor, the management HTTP server, the group-commit task and the
 activity-log flusher. It prints ``listening amqp amqp://host:port`` (``amqps`` for TLS) and
@@ -24,60 +25,26 @@ import trio
 
 from broker.activity import ActivityLog
 from broker.core.departures import Target, target_from_connector
-from broker.logsetup import print_listening
+from broker.wire.io.logsetup import print_listening
 from broker.node import Node
+from broker.store.datadir import open_data_dir
+from broker.wire.io.http import HttpError
+from broker.management import make_handler
+from broker.amqp.driver import serve_amqp
+from broker.wire.io.http import serve_http
+from broker.wire.discovery import Announcement
+from broker.wire.io.udp import broadcast
+from broker.cluster.bridge import ClusterNode
+from broker.routing import EmbeddedRouting
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.config import BrokerConfig
 
 log = logging.getLogger("lodestone.broker")
 
-__all__ = ["run_node", "VERSION"]
+__all__ = ["serve_active", "ManagementSlot", "SHUTDOWN_GRACE_S", "hostport"]
 
-VERSION = "0.1.0"
 SHUTDOWN_GRACE_S = 2.0
-
-
-async def run_node(cfg: "BrokerConfig", *, task_status=trio.TASK_STATUS_IGNORED) -> int:
-    """Run a broker node until SIGTERM/SIGINT (or cancellation); returns the exit status (an
-    isolated replication primary: ``broker.ha.replicated.ISOLATED_EXIT``)."""
-    from broker.core import security as security_mod
-    from broker.store.datadir import open_data_dir
-
-    from broker.config import check_anonymous
-
-    security = security_mod.load_users(cfg.users_file)
-    check_anonymous(cfg, security.anonymous_enabled)
-    for w in security.warnings():
-        log.warning("security: %s", w)
-    if cfg.ha.shared_store:  # a primary or backup on a shared data directory (broker.ha)
-        from broker.ha.shared_store import run_shared_store
-        await run_shared_store(cfg, security, task_status=task_status)
-        log.info("node stopped")
-        return 0
-    if cfg.ha.replication:   # a primary or backup replicating its journal (broker.ha)
-        from broker.ha.replicated import run_replicated
-        code = await run_replicated(cfg, security, task_status=task_status)
-        log.info("node stopped")
-        return code
-    datadir = open_data_dir(cfg.data_dir)
-    try:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            stop = trio.Event()
-
-            async def on_signal() -> None:
-                async for sig in signals:
-                    log.info("signal %s: shutting down", signal.Signals(sig).name)
-                    stop.set()
-                    return
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(on_signal)
-                await serve_active(cfg, security, datadir, stop, task_status=task_status)
-                nursery.cancel_scope.cancel()
-    finally:
-        datadir.close()
-    log.info("node stopped")
-    return 0
 
 
 class ManagementSlot:
@@ -92,14 +59,12 @@ class ManagementSlot:
         self.node = None     # the Node behind it
 
     async def __call__(self, request):
-        from broker.http import HttpError
 
         if self.handler is None:
             raise HttpError(503, "starting")
         return await self.handler(request)
 
     def serve(self, node: Node) -> None:
-        from broker.management import make_handler
         self.node = node
         self.handler = make_handler(node)
 
@@ -119,9 +84,6 @@ async def serve_active(cfg: "BrokerConfig", security, datadir, stop: trio.Event,
     backup that took over with ``[ha] scale-down`` — no acceptor listens; the node joins the
     cluster, moves every message to another node and returns ``"scaled-down"``. ``label``:
     prefixes the ``listening`` lines (a colocated backup: ``colocated-<n>-amqp``)."""
-    from broker.amqp.driver import serve_amqp
-    from broker.http import serve_http
-    from broker.management import make_handler
 
     journal = None
     reason = "stop"
@@ -134,7 +96,6 @@ async def serve_active(cfg: "BrokerConfig", security, datadir, stop: trio.Event,
         node.recover()
         node.declare_configured_addresses()
         if cfg.routers:  # before any acceptor listens: a routed acceptor never skips its router
-            from broker.routing import EmbeddedRouting
             node.routing = EmbeddedRouting(node, cfg)
         if cfg.activity.enabled:
             node.activity = ActivityLog(cfg.activity.path or (cfg.data_dir / "activity.jsonl"),
@@ -152,15 +113,15 @@ async def serve_active(cfg: "BrokerConfig", security, datadir, stop: trio.Event,
                         listeners.append(trio.CancelScope())
                         host, port = await services.start(_in_scope, listeners[-1], serve_amqp, node, acc)
                         print_listening(f"{label}-{acc.scheme}" if label else acc.scheme,
-                                        f"{acc.scheme}://{_hostport(host, port)}")
-                        amqp_urls.append(f"{acc.scheme}://{_hostport(host, port)}")
+                                        f"{acc.scheme}://{hostport(host, port)}")
+                        amqp_urls.append(f"{acc.scheme}://{hostport(host, port)}")
                     if management is not None:
                         management.serve(node)
                         mgmt_url = management.url
                     elif cfg.management.enabled:
                         host, port = await services.start(
                             serve_http, make_handler(node), cfg.management.host, cfg.management.port)
-                        mgmt_url = f"http://{_hostport(host, port)}"
+                        mgmt_url = f"http://{hostport(host, port)}"
                         print_listening(f"{label}-management" if label else "management", mgmt_url)
                     if journal is not None:
                         services.start_soon(node.committer)
@@ -255,8 +216,6 @@ async def _in_scope(scope: trio.CancelScope, fn, *args, task_status=trio.TASK_ST
 async def _run_broadcast(node: Node, bg, amqp_urls: list[str], mgmt_url: str) -> None:
     """A broadcast group (Artemis ``broadcast-group``): announce this node over UDP multicast,
     with its HA backups (``ClusterNode.own_backups``) as they are at each period."""
-    from broker.cluster.discovery import Announcement
-    from broker.cluster.udp import broadcast
 
     ccfg = node.cfg.cluster
     if bg.connectors:
@@ -286,7 +245,6 @@ async def _run_broadcast(node: Node, bg, amqp_urls: list[str], mgmt_url: str) ->
 async def _run_cluster(node: Node, ccfg, amqp_urls: list[str], mgmt_url: str, *,
                        task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Join the cluster: bridges to the static connectors, serving the others' cluster links."""
-    from broker.cluster.bridge import ClusterNode
 
     connector = ccfg.connector or amqp_urls[0]
     if connector.rsplit(":", 1)[-1] == "0" and amqp_urls:  # port 0 in the config: the first acceptor of its scheme, as bound
@@ -320,5 +278,5 @@ async def _run_routing(node: Node, cfg: "BrokerConfig", amqp_urls: list[str], mg
     await routing.run(task_status=task_status)
 
 
-def _hostport(host: str, port: int) -> str:
+def hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

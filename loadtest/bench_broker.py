@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from broker.wire.io.users import hash_password
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -60,7 +61,6 @@ class Lodestone:
         self.work = work / name.replace("@", "-")
         self.work.mkdir(parents=True)
         sys.path.insert(0, str(REPO))
-        from broker.core.security import hash_password
         (self.work / "users.toml").write_text(
             f'[users.bench]\npassword = "{hash_password("bench", n=1024)}"\nroles = ["app"]\n\n'
             '[[permissions]]\nmatch = "#"\nsend = ["app"]\nconsume = ["app"]\ncreate-address = ["app"]\n')

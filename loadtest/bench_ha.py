@@ -38,6 +38,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from broker.wire.io.users import hash_password
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -54,7 +55,6 @@ class Node:
         self.work = work / name
         self.work.mkdir(parents=True)
         sys.path.insert(0, str(REPO))
-        from broker.core.security import hash_password
         (self.work / "users.toml").write_text(
             f'[users.bench]\npassword = "{hash_password("bench", n=1024)}"\nroles = ["app", "admin"]\n\n'
             '[[permissions]]\nmatch = "#"\nsend = ["app"]\nconsume = ["app"]\ncreate-address = ["app"]\n'

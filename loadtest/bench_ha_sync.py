@@ -28,13 +28,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_ha import Node, cluster_table, wait_until  # noqa: E402
+from proton import Message
+from proton.handlers import MessagingHandler
+from proton.reactor import Container
+from proton.utils import BlockingConnection
 
 
 def fill(url: str, n: int, size: int) -> float:
     """Send ``n`` durable messages (a window of 500 unsettled); returns the seconds it took."""
-    from proton import Message
-    from proton.handlers import MessagingHandler
-    from proton.reactor import Container
 
     body = b"x" * size
 
@@ -74,8 +75,6 @@ class Probe(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        from proton import Message
-        from proton.utils import BlockingConnection
         try:
             conn = BlockingConnection(self.url, timeout=120, allowed_mechs="PLAIN")
             snd = conn.create_sender("sync.probe")

@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 from proton import Message  # noqa: E402
 from proton.utils import BlockingConnection  # noqa: E402
 
-from broker.core.security import hash_password  # noqa: E402
+from broker.wire.io.users import hash_password  # noqa: E402
 from tests.brokerproc import start_broker, wait_for  # noqa: E402
 from tests.routerproc import start_router, toml_str  # noqa: E402
 from tests.serverproc import http_json  # noqa: E402

@@ -6,7 +6,14 @@ How to run (from the repo root; needs gcc, libssl-dev, haproxy; about 4 minutes 
     .venv/bin/python loadtest/bench_proxy.py                       # everything, 2 rounds
     .venv/bin/python loadtest/bench_proxy.py --tests cps           # connection rate only (~1.5 min)
     .venv/bin/python loadtest/bench_proxy.py --tests cps --targets direct,haproxy,trio-naive,proxy,proxy-w2
+    .venv/bin/python loadtest/bench_proxy.py --baseline-ref main --targets proxy,proxy-tls,redirect-tls
     options: [--rounds 2] [--secs 2.5] [--warmup 0.5] [--conc 50] [--streams 4] [--json out.json] [--no-pin]
+             [--baseline-ref REV]
+
+``--baseline-ref REV`` also runs the router of that git revision (a temporary worktree, same
+config, same pinning) as the targets ``base``, ``base-tls`` and ``redirect-base-tls``, beside
+``proxy``, ``proxy-tls`` and ``redirect-tls``; the table then gives this checkout's CPU per
+connection / per MB against the baseline's, measured in the same run ("CPU vs base").
 
 What runs (all on 127.0.0.1, ports from the OS):
 
@@ -29,7 +36,7 @@ TLS parity (checked with ``openssl s_client -msg``): every TLS target serves the
 ECDSA P-256 certificate and negotiates TLS 1.3, X25519, TLS_AES_256_GCM_SHA384; amqpload never
 resumes (``SSL_OP_NO_TICKET``, no session cache), so every connection is a full handshake
 everywhere. HAProxy 2.6 and the naive proxy send OpenSSL's default two session tickets per
-handshake, the router one (``router.net.tls.server_context``).
+handshake, the router one (``broker.wire.io.tls.server_context``).
 
 CPU pinning (2 cores): load generator + backend on CPU0, the proxy under test on CPU1 (the
 ``-w2`` variant may use both, so it competes with the load generator: read its conn/s as what
@@ -55,20 +62,26 @@ import tempfile
 import time
 from pathlib import Path
 
+import trustme
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
+from broker.wire.codec import Symbol  # noqa: E402 - after the path: run as a script
+from broker.wire.frames import (AMQP_HEADER, FRAME_AMQP, FRAME_SASL, SASL_HEADER, Open, SaslInit,  # noqa: E402
+                                SaslMechanisms, SaslOutcome, encode_frame)
+from tests.brokerproc import write_users_file  # noqa: E402
+
 ALL_TARGETS = ["direct", "haproxy", "trio-naive", "proxy", "proxy-nosplice", "proxy-w2",
                "direct-tls", "haproxy-tls", "trio-naive-tls", "proxy-tls", "proxy-w2-tls", "redirect-tls"]
 ALL_TESTS = ["cps", "bulk-D", "bulk-U"]
+#: with --baseline-ref: the baseline router's target beside each of this checkout's
+BASELINE_OF = {"proxy": "base", "proxy-tls": "base-tls", "redirect-tls": "redirect-base-tls"}
 
 
 def frames_env() -> dict[str, str]:
     """The handshake bytes amqpload sends and expects, encoded with Lodestone's codec."""
-    from broker.amqp.codec import Symbol
-    from broker.amqp.frames import (AMQP_HEADER, FRAME_AMQP, FRAME_SASL, SASL_HEADER, Open, SaslInit,
-                                    SaslMechanisms, SaslOutcome, encode_frame)
 
     hello = (SASL_HEADER + encode_frame(FRAME_SASL, 0, SaslInit("PLAIN", b"\0bench\0bench-pw", None))
              + AMQP_HEADER + encode_frame(FRAME_AMQP, 0, Open(container_id="bench-client")))
@@ -126,13 +139,11 @@ class Bench:
     def build(self) -> None:
         self.bin = self.work / "amqpload"
         subprocess.run(["gcc", "-O2", "-o", str(self.bin), str(HERE / "amqpload.c"), "-lssl", "-lcrypto"], check=True)
-        import trustme
 
         ca = trustme.CA()  # ECDSA P-256 keys
         cert = ca.issue_cert("localhost", "127.0.0.1")
         self.pem = self.work / "server.pem"
         cert.private_key_and_cert_chain_pem.write_to_path(str(self.pem))
-        from tests.brokerproc import write_users_file
 
         self.users = write_users_file(self.work / "users.toml", {"bench": ("bench-pw", ["app"])})
 
@@ -179,7 +190,8 @@ backend be
             _, kind, port = p.stdout.readline().decode().split()
             self.ports["trio-naive" if kind == "plain" else "trio-naive-tls"] = int(port)
 
-    def start_router(self, name: str, backend_port: int, *, workers: int, splice: bool, cpus: str) -> None:
+    def start_router(self, name: str, backend_port: int, *, workers: int, splice: bool, cpus: str,
+                     repo: Path = REPO) -> None:
         cfg = self.work / f"{name}.toml"
         cfg.write_text("\n".join([
             f'users-file = "{self.users}"', f"workers = {workers}",
@@ -198,7 +210,7 @@ backend be
         env = {**os.environ, "LODESTONE_SPLICE": "1" if splice else "0"}
         p = subprocess.Popen(self.cpus(cpus) + [sys.executable, "-m", "router", "run", str(cfg),
                                                 "--log-level", "WARNING", "--drain-timeout-s", "1"],
-                             cwd=REPO, stdout=subprocess.PIPE, stderr=open(self.work / f"{name}.err", "wb"),
+                             cwd=repo, stdout=subprocess.PIPE, stderr=open(self.work / f"{name}.err", "wb"),
                              env=env, preexec_fn=raise_nofile)
         self.procs[name] = p
         urls = {}
@@ -210,8 +222,8 @@ backend be
                 urls[line[1]] = int(line[2].rsplit(":", 1)[1])
         self.ports[name] = urls["plain"]
         self.ports[name + "-tls"] = urls["tls"]
-        if name == "proxy":
-            self.ports["redirect-tls"] = urls["redirect"]
+        if name in ("proxy", "base"):
+            self.ports["redirect-tls" if name == "proxy" else "redirect-base-tls"] = urls["redirect"]
         time.sleep(0.5)  # first probe round
 
     def setup(self, targets: list[str]) -> None:
@@ -229,6 +241,11 @@ backend be
             self.start_router("proxy-nosplice", be, workers=1, splice=False, cpus="1")
         if any(t.startswith("proxy-w2") for t in targets):
             self.start_router("proxy-w2", be, workers=2, splice=True, cpus="0,1")
+        if self.args.baseline_ref:
+            self.baseline_tree = self.work / "baseline"
+            subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(self.baseline_tree),
+                            self.args.baseline_ref], check=True, capture_output=True)
+            self.start_router("base", be, workers=1, splice=True, cpus="1", repo=self.baseline_tree)
 
     def owner(self, target: str) -> str | None:
         """Which process is 'the proxy' for a target (None for direct)."""
@@ -240,6 +257,8 @@ backend be
             return "trio-naive"
         if target == "redirect-tls":
             return "proxy"
+        if target == "redirect-base-tls":
+            return "base"
         return target.removesuffix("-tls")
 
     # -- running -------------------------------------------------------------------------------
@@ -254,7 +273,7 @@ backend be
         cmd += ["-t", f"127.0.0.1:{self.ports[target]}", "-d", str(a.secs), "-w", str(a.warmup)]
         if tls:
             cmd.append("-s")
-        if target == "redirect-tls":
+        if target.startswith("redirect"):
             cmd.append("-r")
         owner = self.owner(target)
         pid = self.procs[owner].pid if owner else None
@@ -275,6 +294,9 @@ backend be
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        if getattr(self, "baseline_tree", None) is not None:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(self.baseline_tree)],
+                           capture_output=True)
         shutil.rmtree(self.work, ignore_errors=True)
 
 
@@ -300,7 +322,7 @@ def wait_port(port: int, timeout: float = 10.0) -> None:
 
 
 def applicable(target: str, test: str) -> bool:
-    return not (target == "redirect-tls" and test != "cps")
+    return not (target.startswith("redirect") and test != "cps")
 
 
 def main() -> int:
@@ -314,8 +336,12 @@ def main() -> int:
     ap.add_argument("--tests", default=",".join(ALL_TESTS))
     ap.add_argument("--no-pin", action="store_true")
     ap.add_argument("--json", help="write the raw results here")
+    ap.add_argument("--baseline-ref", metavar="REV",
+                    help="also run the router of this git revision (a temporary worktree) in the same run")
     a = ap.parse_args()
     targets = a.targets.split(",")
+    if a.baseline_ref:
+        targets += [BASELINE_OF[t] for t in targets if t in BASELINE_OF and BASELINE_OF[t] not in targets]
     tests = a.tests.split(",")
     if shutil.which("haproxy") is None:
         targets = [t for t in targets if not t.startswith("haproxy")]
@@ -352,7 +378,8 @@ def main() -> int:
         summary[(t, test)] = s
 
     print(f"\n{'target':15s} {'test':7s} {'median':>10s} {'unit':7s} {'proxy CPU':>14s} {'vs direct':>9s} "
-          f"{'vs HAProxy':>10s} {'CPU vs HAProxy':>14s} {'CPU vs naive':>12s}")
+          f"{'vs HAProxy':>10s} {'CPU vs HAProxy':>14s} {'CPU vs naive':>12s}"
+          + (f" {'CPU vs base':>11s}" if a.baseline_ref else ""))
     for t in targets:
         for test in tests:
             s = summary.get((t, test))
@@ -372,8 +399,12 @@ def main() -> int:
                 cpu_ratio = f"{s['cpu_per'] / hap['cpu_per']:.2f}x"
             if naive and "cpu_per" in s and "cpu_per" in naive and naive is not s:
                 cpu_naive = f"{s['cpu_per'] / naive['cpu_per']:.2f}x"
+            base = summary.get((BASELINE_OF.get(t, ""), test))
+            cpu_base = (f"{s['cpu_per'] / base['cpu_per']:.2f}x"
+                        if base and "cpu_per" in s and "cpu_per" in base else "")
             print(f"{t:15s} {test:7s} {s['median']:>10.1f} {s['unit']:7s} {cpu:>14s} {vs_direct:>9s} {vs_hap:>10s} "
-                  f"{cpu_ratio:>14s} {cpu_naive:>12s}" + (f"  errors={s['errors']}" if s["errors"] else ""))
+                  f"{cpu_ratio:>14s} {cpu_naive:>12s}" + (f" {cpu_base:>11s}" if a.baseline_ref else "")
+                  + (f"  errors={s['errors']}" if s["errors"] else ""))
     print("\nproxy CPU = the proxy process's CPU time per connection (cps) or per MB (bulk); the fair\n"
           "comparison for TLS, where the load generator's handshakes cap the rate. redirect-tls is compared\n"
           "with haproxy-tls / trio-naive-tls (all: TLS handshake per connection; the redirect never touches\n"

@@ -27,8 +27,8 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "integration"))
 
-from broker.amqp.codec import Symbol  # noqa: E402
-from broker.amqp.frames import (AMQP_HEADER, FRAME_AMQP, FRAME_SASL, SASL_HEADER, Open,  # noqa: E402
+from broker.wire.codec import Symbol  # noqa: E402
+from broker.wire.frames import (AMQP_HEADER, FRAME_AMQP, FRAME_SASL, SASL_HEADER, Open,  # noqa: E402
                                 SaslInit, encode_frame)
 from routing_cache_helpers import RedisServer, TargetSockets  # noqa: E402
 from tests.brokerproc import write_users_file  # noqa: E402

@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from loadtest.gravity_workload import WORKLOAD, run_workload, scaled  # noqa: E402
+from router.config import load_router_config
 
 
 @dataclass
@@ -57,7 +58,6 @@ class Deployment:
 
 
 def read_deployment(etc: Path) -> Deployment:
-    from router.config import load_router_config
 
     cfg = load_router_config(etc / "router.toml")
     acc = next((a for a in cfg.acceptors if a.name == "auto"), cfg.acceptors[0])

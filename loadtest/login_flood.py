@@ -27,7 +27,7 @@ import trio
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from broker.amqp.frames import FRAME_SASL, SASL_HEADER, SaslInit, encode_frame  # noqa: E402
+from broker.wire.frames import FRAME_SASL, SASL_HEADER, SaslInit, encode_frame  # noqa: E402
 
 _ADDRESS_OK = ("127.", "::1")
 

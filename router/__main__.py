@@ -23,7 +23,17 @@ import json
 import sys
 from pathlib import Path
 
-from broker.trioutil import single_leaf
+from broker.wire.io.trioutil import single_leaf
+from broker.wire.io.tomlconfig import ConfigError
+from router.config import load_router_config
+from router.fdlimit import budget_warning, raise_nofile_limit
+from broker.wire.io.logsetup import setup_logging
+from router.workers import default_workers, run_supervisor
+from router.server import DEFAULT_DRAIN_TIMEOUT_S, serve_router
+from broker.wire.io.users import load_users
+from router.dryrun_cli import dry_run_main
+from broker.wire.io.tls import server_context
+import trio
 
 __all__ = ["main"]
 
@@ -57,12 +67,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load(path: Path):
-    from broker.tomlconfig import ConfigError
-    from router.config import load_router_config
 
     cfg = load_router_config(path)
     if cfg.users_file is not None:
-        from broker.core.security import load_users
 
         load_users(cfg.users_file)  # fail now, with the file's own error, not after binding
     for acc in cfg.acceptors:
@@ -76,18 +83,15 @@ def _load(path: Path):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["dry-run"]:
-        from router.dryrun_cli import dry_run_main
 
         return dry_run_main(argv[1:])
     args = _parser().parse_args(argv)
-    from broker.tomlconfig import ConfigError
 
     try:
         cfg = _load(args.config)
         if args.command == "run" and args.workers is not None and args.workers < 0:
             raise ConfigError("<command line>", "--workers", f"{args.workers} must be >= 0")
         if args.command != "check":
-            from router.net.tls import server_context
 
             for acc in cfg.acceptors:  # certificate/key problems are config errors too
                 if acc.tls_cert is not None:
@@ -99,7 +103,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"lodestone-router: {exc}", file=sys.stderr)
         return 2
-    from router.fdlimit import budget_warning, raise_nofile_limit
 
     if args.command == "check":
         print(f"{args.config}: ok ({len(cfg.routers)} router(s), {len(cfg.acceptors)} acceptor(s))")
@@ -110,8 +113,6 @@ def main(argv: list[str] | None = None) -> int:
         if warning:
             print(f"lodestone-router: warning: {warning}", file=sys.stderr)
         return 0
-
-    from broker.logsetup import setup_logging
 
     setup_logging(args.log_level, args.log_json)
     import logging
@@ -130,8 +131,6 @@ def main(argv: list[str] | None = None) -> int:
         return _run(cfg, worker=args.index, workers=args.count, ports=json.loads(args.ports), drain=drain,
                     control_fd=args.control_fd)
 
-    from router.workers import default_workers, run_supervisor
-
     workers = cfg.workers if args.workers is None else args.workers
     if workers == 0:
         workers = default_workers()
@@ -145,9 +144,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(cfg, *, worker: int, workers: int, ports, drain, control_fd: int | None = None) -> int:
-    import trio
-
-    from router.server import DEFAULT_DRAIN_TIMEOUT_S, serve_router
 
     def run() -> int:
         trio.run(lambda: serve_router(cfg, worker=worker, workers=workers, ports=ports, control_fd=control_fd,
@@ -159,7 +155,6 @@ def _run(cfg, *, worker: int, workers: int, ports, drain, control_fd: int | None
 
 def _guard(run) -> int:
     """Run ``run()``; a config error exits 2, an OS error (port in use) 1, Ctrl-C 0."""
-    from broker.tomlconfig import ConfigError
 
     try:
         return run()

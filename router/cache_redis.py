@@ -29,6 +29,8 @@ import trio
 
 from router.errors import CacheBackendError, CacheBackendTimeout
 from router.resp import NEED_DATA, RespError, RespParser, encode_command
+from router.net.fastio import connect_tcp
+from redis.connection import SSLConnection, parse_url
 
 log = logging.getLogger("lodestone.router.redis")
 
@@ -165,7 +167,6 @@ class PipelinedRedisReader:
     """
 
     def __init__(self, url: str, *, prefix: str, timeout_ms: int, connect_timeout_s: float) -> None:
-        from redis.connection import SSLConnection, parse_url
 
         kw = parse_url(url)
         if kw.get("connection_class") is SSLConnection:
@@ -208,7 +209,6 @@ class PipelinedRedisReader:
                 sock.close()
                 raise
             return sock
-        from router.net.fastio import connect_tcp
 
         infos = await trio.socket.getaddrinfo(self._host, self._port, type=socket.SOCK_STREAM)
         last: OSError = OSError(f"{self._host} has no address")

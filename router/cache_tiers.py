@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import trio
 
 from router.errors import CacheBackendError, CacheBackendTimeout
+from router.control import SharedCacheTier
 
 log = logging.getLogger("lodestone.router.service")
 
@@ -128,7 +129,6 @@ class SharedTier:
     claims = True
 
     def __init__(self, link: Any, router: str) -> None:
-        from router.control import SharedCacheTier
 
         self.client = SharedCacheTier(link, router)
         self.router = router

@@ -2,7 +2,7 @@
 
 ``load_router_config(path) -> RouterProcessConfig`` reads the whole router process file (name,
 users file, management, routing log, acceptors, workers, routers). Every error is a
-``broker.tomlconfig.ConfigError`` naming file, dotted key and value, e.g.::
+``broker.wire.io.tomlconfig.ConfigError`` naming file, dotted key and value, e.g.::
 
     etc/router.toml: routers.main.pool.quorum-size: 0 must be > 0
 
@@ -21,11 +21,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 from urllib.parse import parse_qsl, urlsplit
 
-from broker.core.limits import SourceLimits, source_limits_from
-from broker.tomlconfig import ConfigError, Table, open_config
+from broker.wire.limits import SourceLimits, source_limits_from
+from broker.wire.io.tomlconfig import ConfigError, Table, open_config
 
 from router.core.filters import compile_key_filter, compile_local_filter
 from router.core.keys import KeyType
@@ -34,6 +34,8 @@ from router.core.pool import membership_source_names
 from router import cluster_source  # noqa: F401  (registers the "cluster" membership source)
 from router import discovery_source  # noqa: F401  (registers the "discovery" membership source)
 from router.errors import FilterError, MembershipSourceError, PolicyError
+from defusedxml import ElementTree as DET
+from defusedxml.common import DefusedXmlException
 
 ARTEMIS_DEFAULTS = {"key-type": "SOURCE_IP", "check-period": 5000, "quorum-size": 1,
                     "quorum-timeout": 3000, "timeout": 0}
@@ -81,7 +83,7 @@ class AcceptorConfig:
     tls_handshake_timeout_ms: int = 5000
     sasl_mechanisms: tuple[str, ...] = ("PLAIN", "EXTERNAL")
     anonymous: bool = False
-    limits: SourceLimits = SourceLimits()  # per-source limits (broker.core.limits)
+    limits: SourceLimits = SourceLimits()  # per-source limits (broker.wire.limits)
     upstream_proxy_protocol: bool = False  # proxy mode: PROXY v2 header with the client's address
 
 
@@ -642,8 +644,6 @@ def import_artemis_xml(path: str | Path, *, local_target: TargetConfig | None = 
     cluster > discovery > static. Errors are ConfigError
     naming the file and ``connection-routers.<name>.<element>``.
     """
-    from defusedxml import ElementTree as DET
-    from defusedxml.common import DefusedXmlException
 
     p = Path(path)
     try:

@@ -36,6 +36,7 @@ import socket
 from typing import Any, Callable
 
 import trio
+from router.errors import CacheBackendError
 
 log = logging.getLogger("router.control")
 
@@ -195,7 +196,6 @@ class SharedCacheTier:
         self.router = router
 
     async def _ask(self, msg: dict) -> dict:
-        from router.errors import CacheBackendError
 
         try:
             return await self.link.request(msg, timeout_s=30.0)  # the caller sets the real deadline

@@ -6,8 +6,8 @@ Theory of operation
 Lodestone brokers with a broadcast group (``[broadcast-groups.*]``, ``docs/cluster.md``
 "Discovery") announce their node id, cluster name, management URL and connectors over UDP
 multicast. The router listens on the same group address with its own
-:class:`broker.cluster.discovery.DiscoveryGroup` (own node id None: every node is another one)
-and the broker's listener :func:`broker.cluster.udp.listen`; both are imported, not copied.
+:class:`broker.wire.discovery.DiscoveryGroup` (own node id None: every node is another one)
+and the broker's listener :func:`broker.wire.io.udp.listen`; both are imported, not copied.
 Each change of the group's table becomes a pool change (``router.core.membership
 .DiscoveryMembership``, which remembers the slots each node id holds): a node heard for the
 first time joins (not ready: the health probe, through the announced management URL, and the
@@ -36,8 +36,8 @@ from typing import Any
 
 import trio
 
-from broker.cluster.discovery import DiscoveryGroup
-from broker.cluster.udp import listen
+from broker.wire.discovery import DiscoveryGroup
+from broker.wire.io.udp import listen
 from router.core.membership import DiscoveryMembership
 from router.core.policies.base import Target
 from router.core.pool import FollowContext, Pool, register_membership_source

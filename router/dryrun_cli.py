@@ -31,7 +31,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from broker.tomlconfig import ConfigError
+from broker.wire.io.tomlconfig import ConfigError
 
 from .config import load_router_config
 from .core.dryrun import change_pool, dry_run, keys_from_key_list, keys_from_routing_log

@@ -13,6 +13,9 @@ router will run — systemd ``LimitNOFILE``, a container — may differ from whe
 
 from __future__ import annotations
 
+import os
+import resource
+
 #: descriptors per connection, by acceptor mode (proxy: client + broker socket)
 FDS_PER_CONNECTION = {"redirect": 1, "proxy": 2, "auto": 2}
 #: listeners, event loop, log and cache files, management and probe sockets, thread wakeups
@@ -22,10 +25,6 @@ FIXED_OVERHEAD_FDS = 64
 def raise_nofile_limit() -> tuple[int, int, int] | None:
     """Raise the soft RLIMIT_NOFILE to the hard limit. Returns (soft before, soft now, hard),
     or None where there is no such limit."""
-    try:
-        import resource
-    except ImportError:  # pragma: no cover - not Unix
-        return None
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = hard
     if target == resource.RLIM_INFINITY:
@@ -66,3 +65,18 @@ def budget_warning(acceptors, limit: int) -> str | None:
             f"{fits} descriptors are left for connections; beyond that new clients are refused "
             f"(counted as fd_limit_rejected / upstream_fd_exhausted). Raise the hard limit "
             f"(ulimit -n, systemd LimitNOFILE) or lower max-connections")
+
+
+def open_fd_count() -> int | None:
+    """Descriptors this process has open (Linux /proc), or None."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # minus the one listdir holds
+    except OSError:
+        return None
+
+
+def fd_limit() -> int | None:
+    try:
+        return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (OSError, ValueError):
+        return None

@@ -23,7 +23,7 @@ Sooner than check-period (``ProbeKicks``):
 * **a pair failing over** (no member of an HA pair ready, ``Pool.failing_over_slots``): its
   members are probed at once, then every 100 ms doubling to ``FAILOVER_PROBE_MAX_S`` (never
   slower than check-period) until one is ready, so the router routes to the backup as soon as
-  its probe answers ``active``. The HTTP client is ``broker.http``'s (h11 over
+  its probe answers ``active``. The HTTP client is ``broker.wire.io.http``'s (h11 over
 ``trio.open_tcp_stream``, TLS via ``trio.SSLStream`` for https URLs).
 
 With ``workers = N`` only the supervisor probes (``router.workers``): it pushes each probe's
@@ -42,7 +42,7 @@ from urllib.parse import urlsplit
 import h11
 import trio
 
-from broker.http import http_get as _http_get
+from broker.wire.io.http import http_get as _http_get
 from router.core.policies.base import Target
 from router.core.pool import Pool
 
@@ -91,7 +91,7 @@ async def http_get(url: str, *, headers: list[tuple[str, str]] = (), timeout_s: 
                    ssl_context: ssl.SSLContext | None = None) -> tuple[int, bytes]:
     """GET ``url`` over HTTP/1.1 (``Connection: close``); returns (status, body). Raises on error.
 
-    A thin URL front for ``broker.http.http_get`` (one HTTP client in the code base); https URLs
+    A thin URL front for ``broker.wire.io.http.http_get`` (one HTTP client in the code base); https URLs
     use ``ssl_context`` or the system trust store.
     """
     parts = urlsplit(url)

@@ -28,6 +28,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from broker.config import load_config
 
 #: what each router port of etc/router.toml does (the banner; README "The local deployment")
 _ROUTER_PORTS = {
@@ -93,7 +94,7 @@ class Child:
 
 def multicast_probe(group: str, bind_address: str = "0.0.0.0", timeout_s: float = 1.0) -> str | None:
     """Can this host's brokers find each other over UDP multicast? Joins ``group`` on
-    ``bind_address`` as a discovery group does (``broker.cluster.udp``), sends one datagram to it
+    ``bind_address`` as a discovery group does (``broker.wire.io.udp``), sends one datagram to it
     from ``bind_address`` as a broadcast group does, and waits ``timeout_s`` for it to come back.
     None when it did; otherwise why not (one line)."""
     import socket
@@ -137,7 +138,6 @@ def cluster_discovery_args(etc: Path, n: int, mode: str) -> tuple[list[str], str
     multicast works here (``mode`` ``auto``) or is asked for (``multicast``); otherwise
     ``--static-connectors`` with every node's ``[cluster] connector`` (``static``, or ``auto``
     when the probe fails, saying why)."""
-    from broker.config import load_config
 
     cfgs = [load_config(etc / f"broker-{i}.toml") for i in range(1, n + 1)]
     if (etc / "broker-1-backup.toml").exists() and n >= 1:

@@ -1,4 +1,4 @@
-"""The router's management HTTP API (JSON over HTTP/1.1 on ``broker.http``), OpenAPI described.
+"""The router's management HTTP API (JSON over HTTP/1.1 on ``broker.wire.io.http``), OpenAPI described.
 
 Routes (``/openapi.json`` has the full document; docs/router.md has examples):
 
@@ -45,11 +45,13 @@ import trio
 from collections import Counter
 from dataclasses import dataclass, field
 
-from broker.http import HttpError, Metric, Request, Response, json_response, metrics_response, require_basic_auth, serve_http
+from broker.wire.io.http import HttpError, Metric, Request, Response, json_response, metrics_response, require_basic_auth, serve_http
 from router.core.cache import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE
 from router.core.decide import Decision, Outcome
 from router.errors import FilterError
+from router.fdlimit import fd_limit, open_fd_count
 from router.net.stats import COUNTER_NAMES, EdgeStats
+from broker.wire.io.http import basic_auth
 
 log = logging.getLogger("router.management")
 
@@ -82,7 +84,7 @@ class Aggregate:
     open_fds: int | None = None
     fd_limit: int | None = None
     processes: list[dict] | None = field(default=None)
-    logins: dict[str, int] = field(default_factory=dict)   # broker.auth.LoginGate counters
+    logins: dict[str, int] = field(default_factory=dict)   # broker.wire.io.login.LoginGate counters
 
 
 def aggregate_workers(reports: list[dict], services: dict) -> Aggregate:
@@ -289,7 +291,7 @@ class ManagementApi(RouterResources):
     # -- auth ------------------------------------------------------------------------------------
     async def _check(self, user: str, password: str, source: str | None) -> bool:
         """Basic credentials: the ``[management]`` user, else a users-file user with the manage
-        permission. Failures are throttled and delayed like AMQP logins (``broker.auth``)."""
+        permission. Failures are throttled and delayed like AMQP logins (``broker.wire.io.login``)."""
         gate = self.running.edge.login_gate
         m = self.cfg.management
         if m.user is not None:
@@ -313,7 +315,6 @@ class ManagementApi(RouterResources):
     async def _authorize(self, request: Request) -> None:
         if not self._auth_required():
             return
-        from broker.http import basic_auth
 
         creds = basic_auth(request)
         ok = creds is not None and await self._check(creds[0], creds[1], request.client)
@@ -345,8 +346,6 @@ class ManagementApi(RouterResources):
     async def aggregate(self) -> Aggregate:
         """This process's numbers, or (supervisor of several workers) the sum over the workers."""
         r = self.running
-        from router.server import io_status
-
         own = io_status(r)
         if r.supervisor is None:
             return Aggregate(r.edge.stats, {name: dict(getattr(svc, "counters", None) or {})
@@ -389,8 +388,6 @@ class ManagementApi(RouterResources):
         """``/health``: ``ok``, ``degraded`` (still serving, 200: some I/O component — routing
         log, cache file — is failing and being retried; ``degraded`` lists them) or
         ``draining`` (503)."""
-        from router.server import io_status
-
         r = self.running
         failing = list(io_status(r)["failing"])
         if r.supervisor is not None:
@@ -624,3 +621,16 @@ def openapi_document() -> dict:
                                            "acceptor, and each router's counters")},
         },
     }
+
+
+def io_status(running) -> dict:
+    """This process's I/O health: failing components, error counts, descriptor budget."""
+    rl = running.edge.routelog
+    failing = []
+    if rl.error is not None:
+        failing.append({"component": "routing_log", "error": rl.error})
+    for name, svc in running.services.items():
+        for comp, err in getattr(svc, "io_errors", {}).items():
+            failing.append({"component": comp, "router": name, "error": err})
+    return {"failing": failing, "routing_log_write_errors": rl.write_errors,
+            "open_fds": open_fd_count(), "fd_limit": fd_limit()}

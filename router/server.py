@@ -28,13 +28,18 @@ from typing import Any
 
 import trio
 
-from broker.logsetup import print_listening
+from broker.wire.io.logsetup import print_listening
 from router.config import AcceptorConfig, RouterProcessConfig
 from router.net.edge import Acceptor, AcceptorSettings, EdgeContext
 from router.net.listener import ConnectionLimit, listener_port, open_listeners, serve_listeners
 from router.net.stats import EdgeStats
-from router.net.tls import client_context, server_context
+from broker.wire.io.tls import client_context, server_context
 from router.routelog import RouteLog, worker_log_path
+from router.service import build_services
+from broker.wire.io.users import load_users
+from router.control import Link, stream_from_fd
+from router.net.proxy import SharedPoller
+from router.management import io_status, serve_management
 
 log = logging.getLogger("router.server")
 
@@ -110,36 +115,6 @@ def worker_stats(running: RunningRouter) -> dict:
             "logins": dict(running.edge.login_gate.counters) if running.edge.login_gate else {}}
 
 
-def io_status(running: RunningRouter) -> dict:
-    """This process's I/O health: failing components, error counts, descriptor budget."""
-    rl = running.edge.routelog
-    failing = []
-    if rl.error is not None:
-        failing.append({"component": "routing_log", "error": rl.error})
-    for name, svc in running.services.items():
-        for comp, err in getattr(svc, "io_errors", {}).items():
-            failing.append({"component": comp, "router": name, "error": err})
-    return {"failing": failing, "routing_log_write_errors": rl.write_errors,
-            "open_fds": open_fd_count(), "fd_limit": fd_limit()}
-
-
-def open_fd_count() -> int | None:
-    """Descriptors this process has open (Linux /proc), or None."""
-    try:
-        return len(os.listdir("/proc/self/fd")) - 1  # minus the one listdir holds
-    except OSError:
-        return None
-
-
-def fd_limit() -> int | None:
-    try:
-        import resource
-
-        return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    except (ImportError, OSError, ValueError):
-        return None
-
-
 def _control_handler(running_box: dict, services: dict, state_applied: trio.Event):
     """The worker's side of the control channel (see router.control for the messages)."""
 
@@ -196,11 +171,9 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
     (router.workers); a process without ``control_fd`` serves the management API and prints the
     ``listening`` lines. ``task_status.started(RunningRouter)`` once every socket is bound.
     """
-    from router.service import build_services
 
     authenticator = None
     if cfg.users_file is not None:
-        from broker.core.security import load_users
 
         authenticator = load_users(cfg.users_file)
         for w in authenticator.warnings():
@@ -209,7 +182,6 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
     running_box: dict = {}
     state_applied = trio.Event()
     if control_fd is not None:
-        from router.control import Link, stream_from_fd
 
         link = Link(stream_from_fd(control_fd), lambda m: None, name=f"worker {worker} control")
         services = build_services(cfg, shared=link)
@@ -242,7 +214,6 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
                 await system.start(service.run)
             await system.start(routelog.run)
             if any(acc.mode != "redirect" for acc in cfg.acceptors):
-                from router.net.proxy import SharedPoller
 
                 await system.start(SharedPoller().run)
 
@@ -256,7 +227,6 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
                                                  f"{acc.host}:{port}: {exc.strerror}") from None
                     running.ports[acc.name] = listener_port(bound[acc.name])
                 if primary:
-                    from router.management import serve_management
 
                     running.management_address = await system.start(serve_management, running)
             except BaseException:

@@ -53,6 +53,7 @@ import logging
 import os
 import random
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import trio
@@ -65,12 +66,13 @@ from router.core.cache import page as cache_page
 from router.core.decide import Decision, Outcome, ResolvedKey, Router
 from router.core.filters import compile_key_filter, compile_local_filter
 from router.core.keys import ConnectionInfo, KeyResolver
-from router.core.pins import PinTable, load_pins
+from router.core.pins import PinTable, parse_pins
 from router.core.policies import create_policy
 from router.core.policies.base import Target
 from router.core.pool import FollowContext, Pool, create_membership_source
 from router.errors import CacheBackendError, CacheBackendTimeout, PinFileError
 from router.health import REPROBE_MIN_INTERVAL_S, ProbeKicks, run_health_checks
+from router.cache_redis import RedisCache
 
 log = logging.getLogger("lodestone.router.service")
 
@@ -166,7 +168,6 @@ class RouterService:
                 self._load_embedded(cache)
             elif cc.backend == "redis":
                 if redis_cache is None:
-                    from router.cache_redis import RedisCache
                     redis_cache = RedisCache(cc.redis_url, router=self.name,
                                              prefix=cc.redis_key_prefix, timeout_ms=cc.timeout_ms,
                                              socket_timeout_s=max(0.25, cc.redis_timeout_ms / 1e3),
@@ -861,3 +862,19 @@ def build_services(config: RouterProcessConfig, *, rng: random.Random | None = N
     base = rng if rng is not None else random.Random()
     return {name: RouterService(rc, rng=random.Random(base.getrandbits(64)), **kwargs)
             for name, rc in config.routers.items()}
+
+
+def load_pins(path: str | Path, *, bad_lines: list[str] | None = None) -> PinTable:
+    """Read and parse a pins file: the shell side of ``router.core.pins`` (``PinFileError`` if
+    unreadable, or malformed when strict).
+
+    ``bad_lines``: skip malformed lines and collect their messages (see ``parse_pins``).
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return PinTable(source=str(p))  # no pins written yet: an empty table
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PinFileError(f"{p}: cannot read: {exc}") from None
+    return parse_pins(text, str(p), bad_lines=bad_lines)

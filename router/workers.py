@@ -50,6 +50,17 @@ import subprocess
 import sys
 
 import trio
+from router.server import DEFAULT_DRAIN_TIMEOUT_S
+from router.control import ChannelClosed, Link, RemoteFailure, stream_from_socket
+from router.net.edge import EdgeContext
+from router.net.stats import EdgeStats
+from router.routelog import RouteLog
+from router.server import RunningRouter
+from router.service import build_services
+from broker.wire.io.logsetup import print_listening
+from router.management import serve_management
+from router.server import _url
+from broker.wire.io.users import load_users
 
 log = logging.getLogger("router.workers")
 
@@ -102,7 +113,6 @@ class Supervisor:
 
     def __init__(self, config_path: str, cfg, count: int, ports: dict[str, int], *,
                  worker_args: list[str] | None = None, drain_timeout_s: float | None = None) -> None:
-        from router.server import DEFAULT_DRAIN_TIMEOUT_S
 
         self.config_path = config_path
         self.cfg = cfg
@@ -130,7 +140,6 @@ class Supervisor:
 
     async def gather_stats(self) -> list[dict]:
         """Every ready worker's ``stats`` (``router.server.worker_stats``), by worker index."""
-        from router.control import ChannelClosed, RemoteFailure
 
         out: list[dict] = []
 
@@ -150,7 +159,6 @@ class Supervisor:
         """Send a filter (already applied and validated here) to every live worker and wait for
         each to confirm. Returns ``{"applied_workers": [...], "failed_workers": [{worker, error}]}``;
         a worker started later gets the filter in its initial state."""
-        from router.control import ChannelClosed, RemoteFailure
 
         applied: list[int] = []
         failed: list[dict] = []
@@ -207,7 +215,6 @@ class Supervisor:
         raise ValueError(f"unknown control message {op!r}")
 
     def _push_pool(self, name: str) -> None:
-        from router.control import ChannelClosed
 
         msg = {"op": "pool", "router": name, "states": self.services[name].pool_states()}
         for slot in self._live():
@@ -223,7 +230,6 @@ class Supervisor:
 
     async def _keep_worker(self, slot: WorkerSlot) -> None:
         """Run worker ``slot.index``; restart it when it dies unexpectedly (see the docstring)."""
-        from router.control import Link, stream_from_socket
 
         while not self.stopping:
             ours, theirs = socket.socketpair()
@@ -310,16 +316,10 @@ class Supervisor:
     # -- main ------------------------------------------------------------------------------------
     async def run(self) -> int:
         """Run until signalled (exit status 0) or a fatal worker failure (1, or 2)."""
-        from router.net.edge import EdgeContext
-        from router.net.stats import EdgeStats
-        from router.routelog import RouteLog
-        from router.server import RunningRouter
-        from router.service import build_services
 
         cfg = self.cfg
         authenticator = None
         if cfg.users_file is not None:
-            from broker.core.security import load_users
 
             authenticator = load_users(cfg.users_file)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -336,9 +336,6 @@ class Supervisor:
         return self.status
 
     async def _serve(self, signals) -> None:
-        from broker.logsetup import print_listening
-        from router.management import serve_management
-        from router.server import _url
 
         cfg = self.cfg
         async with trio.open_nursery() as system:

@@ -163,7 +163,7 @@ def write_users_file(path: Path, users: dict[str, tuple[str, list[str]]], *,
     ``#``, role ``app`` may send, consume and create addresses. ``anonymous_roles`` enables
     ANONYMOUS with those roles.
     """
-    from broker.core.security import hash_password
+    from broker.wire.io.users import hash_password
 
     if permissions is None:
         permissions = [{"match": "#", "send": ["admin", "app"], "consume": ["admin", "app"],

@@ -7,7 +7,7 @@ node's connection nursery, so shutdown can reach every connection). A connection
 
 1. TLS (acceptors with a ``[tls]`` table): ``trio.SSLStream`` handshake within
    ``[amqp] handshake-timeout-s``; the client certificate, if any, is kept for SASL EXTERNAL.
-2. SASL with the sans-IO :class:`broker.amqp.sasl.SaslServer` (AMQP 1.0 §5.3): PLAIN checks the
+2. SASL with the sans-IO :class:`broker.wire.sasl.SaslServer` (AMQP 1.0 §5.3): PLAIN checks the
    users file, ANONYMOUS and no-SASL only when the node allows anonymous access, EXTERNAL maps
    the certificate's CN. A failed exchange writes the ``sasl-outcome`` and closes; a bad
    protocol header gets our protocol header (§2.2) and a close; a malformed SASL frame (or EOF
@@ -42,9 +42,9 @@ from typing import TYPE_CHECKING
 import trio
 
 from broker.amqp.engine import AmqpEngine
-from broker.amqp.frames import FRAME_SASL, NEED_DATA, SASL_HEADER, SaslOutcome, encode_frame, refuse_frames
+from broker.wire.frames import FRAME_SASL, NEED_DATA, SASL_HEADER, SaslOutcome, encode_frame, refuse_frames
 from broker.amqp.pump import RECV_BYTES, pump_engine
-from broker.amqp.sasl import (
+from broker.wire.sasl import (
     AmqpHeaderReceived,
     AuthFailed,
     AuthRequested,
@@ -55,12 +55,12 @@ from broker.amqp.sasl import (
     parse_plain,
 )
 from broker.cluster.bridge import CLUSTER_ROLE
-from broker.core.limits import Admission, source_key
-from broker.core.security import Principal
-from broker.errors import NotThisProtocol, RemoteProtocolError
-from broker.proxyproto import ProxyHeaderReader, ProxyProtocolError
-from broker.trioutil import Wakeup
-from router.net.tls import capture_sni, sni_of
+from broker.wire.limits import Admission, source_key
+from broker.wire.io.users import Principal
+from broker.wire.errors import NotThisProtocol, RemoteProtocolError
+from broker.wire.proxyproto import ProxyHeaderReader, ProxyProtocolError
+from broker.wire.io.trioutil import Wakeup
+from broker.wire.io.tls import capture_sni, sni_of
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.config import AcceptorConfig
@@ -214,7 +214,7 @@ _DROP = object()
 
 class _Admission:
     """One connection's place in its acceptor's limits (``max-connections``, and the per-source
-    limits of ``broker.core.limits``): taken by :meth:`admit`, given back by :meth:`release`."""
+    limits of ``broker.wire.limits``): taken by :meth:`admit`, given back by :meth:`release`."""
 
     __slots__ = ("node", "acceptor", "key", "state", "authed")
 
@@ -459,7 +459,7 @@ async def _decide(node: "Node", ev: AuthRequested, source_ip: str, cn: str | Non
                 await trio.sleep(security.login.failure_delay_s)
                 return None, f"bad credentials for cluster user {user[:64]!r}"
         # known logins at once; otherwise throttled, fair, on the gate's own threads, and a
-        # refusal only after its delay (broker.auth)
+        # refusal only after its delay (broker.wire.io.login)
         result = await node.login_gate.login(user, password, source_ip)
         if result.principal is not None:
             return result.principal, "ok"

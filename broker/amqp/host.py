@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from broker.config import ResourceLimitSettings
+from broker.wire.frames import INTERNAL_PREFIX
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.amqp.engine import AmqpEngine
@@ -47,10 +48,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from broker.core.addresses import Broker
 
 __all__ = ["EngineSettings", "EngineHost", "INTERNAL_PREFIX"]
-
-#: addresses only the broker itself serves (the cluster's links); a client cannot send to, read
-#: from or create them: an attach to one goes to the host's ``internal_link`` (if it has one)
-INTERNAL_PREFIX = "$lodestone."
 
 
 @dataclass(frozen=True)

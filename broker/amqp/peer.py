@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 A :class:`PeerConnection` keeps one AMQP connection to ``amqp://host:port`` (``amqps`` with a
 CA file) alive for its owner. :meth:`PeerConnection.run` loops: dial (TCP, then TLS), log in with
-the sans-IO :class:`broker.amqp.sasl.SaslClient` (PLAIN with the cluster credential, or
+the sans-IO :class:`broker.wire.sasl.SaslClient` (PLAIN with the cluster credential, or
 ANONYMOUS), then run a client-mode :class:`broker.amqp.engine.AmqpEngine` (its host: the node,
 or any :class:`broker.amqp.host.EngineHost`) with the same socket pump as accepted connections
 (:func:`broker.amqp.pump.pump_engine`: read the socket dry, writer on wake, proton's heartbeats
@@ -49,13 +49,13 @@ from urllib.parse import urlsplit
 import trio
 from proton import Delivery, Link
 
-from broker.amqp.engine import (AmqpEngine, _from_buffer, _pn_delivery, _pn_delivery_remote_state, _pn_delivery_settle,
-                                _pn_delivery_settled, _pn_delivery_updated, _pn_link_advance, _pn_link_credit,
-                                _pn_link_send)
+from broker.amqp.engine import AmqpEngine, _from_buffer
+from broker.amqp.pn import (pn_delivery, pn_delivery_remote_state, pn_delivery_settle, pn_delivery_settled,
+                            pn_delivery_updated, pn_link_advance, pn_link_credit, pn_link_send)
 from broker.amqp.pump import RECV_BYTES, pump_engine
-from broker.amqp.sasl import NEED_DATA, LoginAccepted, LoginRefused, SaslClient
-from broker.errors import RemoteProtocolError
-from broker.trioutil import Wakeup
+from broker.wire.sasl import NEED_DATA, LoginAccepted, LoginRefused, SaslClient
+from broker.wire.errors import RemoteProtocolError
+from broker.wire.io.trioutil import Wakeup
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.amqp.host import EngineHost
@@ -209,14 +209,14 @@ class PeerSender:
 
     def on_raw_delivery(self, d) -> None:
         """A disposition from the peer (raw ``pn_delivery_t*``: this runs once per message)."""
-        if not (_pn_delivery_updated(d) or _pn_delivery_settled(d)):
+        if not (pn_delivery_updated(d) or pn_delivery_settled(d)):
             return
-        remote = _pn_delivery_remote_state(d)
+        remote = pn_delivery_remote_state(d)
         if remote == _RECEIVED:
             return
         token = self._inflight.pop(d, None)
         state = _OUTCOMES.get(remote)
-        _pn_delivery_settle(d)
+        pn_delivery_settle(d)
         if token is None or state is None:
             return
         if state == "accepted" or state == "rejected":
@@ -247,15 +247,15 @@ class PeerSender:
         queued = self._queued
         unacked = self._inflight
         moved = False
-        while queued and _pn_link_credit(raw) > 0:
+        while queued and pn_link_credit(raw) > 0:
             token = queued.popleft()
             body = self.unacked.get(token)
             if body is None:
                 continue
             tag = b"%x" % next(self._tags)
-            d = _pn_delivery(raw, (len(tag), _from_buffer(tag)))
-            _pn_link_send(raw, _from_buffer(body), len(body))
-            _pn_link_advance(raw)
+            d = pn_delivery(raw, (len(tag), _from_buffer(tag)))
+            pn_link_send(raw, _from_buffer(body), len(body))
+            pn_link_advance(raw)
             unacked[d] = token  # keyed by the raw pn_delivery_t* (cffi pointers hash by address)
             self._transferred.add(token)
             self.sent += 1

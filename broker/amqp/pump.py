@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Callable
 
 import trio
 
-from broker.trioutil import Wakeup
+from broker.wire.io.trioutil import Wakeup
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.amqp.engine import AmqpEngine

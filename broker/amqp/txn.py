@@ -54,6 +54,8 @@ from broker.core.deliveries import Outcome
 from broker.core.duplicates import DUPLICATE_ID_PROPERTY, MISSING
 from broker.core.transactions import (DEFAULT_MAX_TRANSACTIONS, TransactionError, TransactionTable,
                                       UnknownTransaction)
+from broker.amqp.message import may_carry_duplicate_id, message_meta
+from broker.amqp.pn import terminus_capabilities as _capabilities
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.amqp.engine import AmqpEngine, ConsumerLink, ProducerLink
@@ -103,7 +105,6 @@ class TxnCoordinator:
 
     # -- attach / detach ---------------------------------------------------------------------
     def attach(self, link: Link) -> None:
-        from broker.amqp.engine import _capabilities
         engine = self.engine
         wanted = _capabilities(link.remote_target)
         bad = sorted(wanted & REFUSED)
@@ -229,7 +230,6 @@ class TxnCoordinator:
     # -- transactional sends ------------------------------------------------------------------
     def on_transfer(self, pl: "ProducerLink", d, data: bytes) -> None:
         """A transfer carrying TransactionalState: hold it in its transaction (§4.4.1)."""
-        from broker.amqp.engine import may_carry_duplicate_id, message_meta
         engine = self.engine
         dw = Delivery.wrap(d)
         state = dw.remote.data or []

@@ -5,7 +5,7 @@ Theory of operation
 :class:`ClusterNode` makes one node part of a cluster (Artemis ``ClusterConnectionImpl``). It
 keeps one outbound :class:`Bridge` per other member — a :class:`broker.amqp.peer.PeerConnection`
 (client-mode engine, SASL PLAIN with the cluster credential, Artemis's retry settings) carrying
-two links (:mod:`broker.cluster.protocol`):
+two links (:mod:`broker.wire.cluster`):
 
 * ``$lodestone.cluster.notifications`` (we receive): the other node's queues and consumers as
   binding notifications. After every (re)connection it sends ``hello``, ``reset`` and a snapshot,
@@ -66,14 +66,15 @@ from urllib.parse import urlsplit
 
 import trio
 
-from broker.amqp.engine import (_pn_delivery_link, _pn_delivery_partial, _pn_delivery_readable, _pn_link_credit,
-                                _pn_link_flow, may_carry_duplicate_id, message_duplicate_id, read_transfer)
-from broker.amqp.frames import CLUSTER_MEMBERS, MAX_CLUSTER_MEMBERS
+from broker.amqp.engine import read_transfer
+from broker.amqp.message import may_carry_duplicate_id, message_duplicate_id
+from broker.amqp.pn import pn_delivery_link, pn_delivery_partial, pn_delivery_readable, pn_link_credit, pn_link_flow
+from broker.wire.frames import CLUSTER_MEMBERS, MAX_CLUSTER_MEMBERS
 from broker.amqp.host import INTERNAL_PREFIX
 from broker.amqp.peer import (PeerConnected, PeerConnectFailed, PeerConnection, PeerDisconnected, PeerGaveUp,
                               PeerLoginRefused, RetrySettings)
-from broker.cluster.discovery import DiscoveryGroup
-from broker.cluster.protocol import (FORWARD_ADDRESS, NOTIFY_ADDRESS, AddressNote, BackupsNote, BindingNote,
+from broker.wire.discovery import DiscoveryGroup
+from broker.wire.cluster import (FORWARD_ADDRESS, NOTIFY_ADDRESS, AddressNote, BackupsNote, BindingNote,
                                      Forwarded, Hello,
                                      ProtocolError, Reset, Unbinding, decode_forwards, decode_note, encode_forward,
                                      encode_note)
@@ -85,8 +86,9 @@ from broker.core.bindings import RemoteBinding
 from broker.core.deliveries import DEFAULT_PRIORITY, Message, Outcome
 from broker.core.duplicates import MISSING, ORIGIN_RECORDS, DuplicateCache, InvalidDuplicateId, duplicate_key
 from broker.core.queues import Subscription
-from broker.errors import DecodeError
-from broker.trioutil import Wakeup
+from broker.wire.errors import DecodeError
+from broker.wire.io.trioutil import Wakeup
+from broker.wire.io.udp import listen
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.amqp.engine import AmqpEngine
@@ -361,14 +363,14 @@ class _ForwardIn:
 
     def on_raw_delivery(self, d) -> None:
         """One forwarded message (raw ``pn_delivery_t*``, read as the engine reads producers')."""
-        if _pn_delivery_partial(d) or not _pn_delivery_readable(d):
+        if pn_delivery_partial(d) or not pn_delivery_readable(d):
             return
-        link = _pn_delivery_link(d)
+        link = pn_delivery_link(d)
         data = read_transfer(link, d)
         self.received += 1
-        credit = _pn_link_credit(link)
+        credit = pn_link_credit(link)
         if credit < FORWARD_CREDIT // 2:
-            _pn_link_flow(link, FORWARD_CREDIT - credit)
+            pn_link_flow(link, FORWARD_CREDIT - credit)
         self.cluster.receive_forward(self, d, data)
 
 
@@ -495,11 +497,10 @@ class ClusterNode:
                 nursery.start_soon(self._initial_wait)
             task_status.started(self)
 
-    # -- discovery (broker.cluster.discovery, broker.cluster.udp) -------------------------------
+    # -- discovery (broker.wire.discovery, broker.wire.io.udp) -------------------------------
     async def _discover(self) -> None:
         """Follow the discovery group: dial members as they are heard; forget one that goes
         silent and is not connected. A group the host cannot join is retried (logged once)."""
-        from broker.cluster.udp import listen
         d = self.discovery_cfg
         logged = False
         while True:

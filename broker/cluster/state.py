@@ -9,7 +9,7 @@ in ``[addresses.<name>]`` of a node's config and those created with ``POST /api/
 Auto-created addresses and subscription queues are per node (they follow their clients) and
 are not replicated.
 
-Each entry is an :class:`~broker.cluster.protocol.AddressNote`: name, routing types, filter,
+Each entry is an :class:`~broker.wire.cluster.AddressNote`: name, routing types, filter,
 ``version`` (the declaring node's wall clock in ms; 0 for an address from a config file) and the
 declaring node's id; a deletion is a tombstone with its own version. Nodes send their whole
 state after every (re)connection (so a node that joins later receives it) and every change as
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from broker.cluster.protocol import AddressNote, encode_note
+from broker.wire.cluster import AddressNote, encode_note
 
 __all__ = ["ClusterState", "merge"]
 

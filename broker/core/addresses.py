@@ -19,7 +19,7 @@ every multicast queue. Unknown addresses are created on first use when the match
 
 Settings are chosen by Artemis-style match (``#`` any number of words, ``*`` exactly one word,
 words separated by ``.``); the most specific match wins, by the same rule as permissions
-(``broker.core.wildcards``).
+(``broker.wire.wildcards``).
 
 :class:`Broker` is the whole core: addresses, queues, message ids, dead-lettering, and
 recovery from the store. It is pure (no clock, no I/O); durability goes through an injected
@@ -55,8 +55,8 @@ from broker.core.bindings import Bindings, ClusterBindings, ConsumersChanged, Re
 from broker.core.deliveries import DEFAULT_PRIORITY, Message
 from broker.core.duplicates import MISSING, DuplicateIds
 from broker.core.queues import ANYCAST, MULTICAST, Queue, QueueHost, Subscription
-from broker.core.wildcards import match_specificity, wildcard_match
-from broker.errors import LodestoneError
+from broker.wire.wildcards import match_specificity, wildcard_match
+from broker.wire.errors import LodestoneError
 
 __all__ = [
     "ANYCAST", "MULTICAST", "Address", "AddressSettings", "AddressNotFound", "Broker", "Store",
@@ -161,7 +161,7 @@ class SettingsResolver:
 
     def for_address(self, address: str) -> AddressSettings:
         """The settings of the most specific matching pattern (the same rule as permissions,
-        ``broker.core.wildcards``); the first in the file wins among equal patterns."""
+        ``broker.wire.wildcards``); the first in the file wins among equal patterns."""
         best = None
         best_key = None
         for pattern, settings in self.rules:

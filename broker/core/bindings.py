@@ -53,6 +53,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Mapping, Protocol
 
 from broker.core.deliveries import Message
+from broker.core.filters import compile_queue_filter
 
 __all__ = ["RemoteBinding", "RemoteEntry", "ClusterBindings", "Bindings", "ConsumersChanged", "LocalBinding"]
 
@@ -174,7 +175,7 @@ class ClusterBindings:
 
     def __init__(self, *, max_hops: int = 1, compile_filter: Callable[[str], Predicate] | None = None):
         if compile_filter is None:
-            from broker.core.filters import compile_queue_filter as compile_filter
+            compile_filter = compile_queue_filter
         self.max_hops = max_hops
         self.compile_filter = compile_filter
         self.by_address: dict[str, dict[str, dict[str, RemoteEntry]]] = {}

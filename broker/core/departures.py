@@ -4,7 +4,7 @@ clients where to go").
 
 Theory of operation
 -------------------
-Pure decisions, no I/O and no clock: the shell (:meth:`broker.node.Node.close_clients`) passes
+Pure decisions, no I/O and no clock: the shell (:meth:`broker.node.Node.plan_departures` and ``depart``) passes
 what it knows of each open connection as a :class:`ConnectionFacts` and gets back one
 :class:`Departure` per connection to close, then closes them at the times :func:`close_offsets`
 gives.
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Iterable
 from urllib.parse import urlsplit
 
-from broker.amqp.frames import REDIRECT, redirect_info
+from broker.wire.frames import REDIRECT, redirect_info
 
 __all__ = ["ConnectionFacts", "Target", "Selector", "CloseRequest", "Departure", "CloseRequestError",
            "FORCED", "END_OF_STREAM", "UNMODIFIED", "ALL", "plan_departures", "target_from_connector", "close_offsets", "parse_close_request", "parse_target", "SELECTORS"]

@@ -50,7 +50,7 @@ import collections
 import hashlib
 from typing import Callable, Iterable
 
-from broker.errors import LodestoneError
+from broker.wire.errors import LodestoneError
 
 __all__ = ["DuplicateCache", "DuplicateIds", "InvalidDuplicateId", "duplicate_key", "MISSING",
            "DUPLICATE_ID_PROPERTY", "ADDRESS_RECORDS", "ORIGIN_RECORDS", "MAX_RAW_KEY_BYTES",

@@ -124,7 +124,7 @@ from datetime import datetime, timezone
 from decimal import Decimal
 from typing import Any, Callable
 
-from broker.amqp.codec import (
+from broker.wire.codec import (
     Byte,
     Char,
     Float,
@@ -139,7 +139,8 @@ from broker.amqp.codec import (
     UShort,
     decode,
 )
-from broker.errors import DecodeError, RemoteProtocolError
+from broker.wire.errors import DecodeError, RemoteProtocolError
+from broker.wire.frames import MAX_SELECTOR_BYTES
 
 __all__ = [
     "SelectorError",
@@ -156,8 +157,6 @@ __all__ = [
 #: The filter's symbolic and numeric descriptors (Artemis ``AmqpSupport.JMS_SELECTOR_*``).
 SELECTOR_FILTER_NAME = Symbol("apache.org:selector-filter:string")
 SELECTOR_FILTER_CODE = ULong(0x0000468C00000004)
-#: Longest selector accepted, in UTF-8 bytes.
-MAX_SELECTOR_BYTES = 64 * 1024
 #: Deepest expression tree (and parser nesting) accepted.
 MAX_DEPTH = 200
 

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from broker.core.deliveries import DEFAULT_PRIORITY, Message, Outcome
 from broker.core.duplicates import MISSING
-from broker.errors import LodestoneError
+from broker.wire.errors import LodestoneError
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.core.addresses import Broker

@@ -28,9 +28,12 @@ import base64
 import dataclasses
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import trio
+from broker.cluster.settings import HaConfig
+from broker.cluster.settings import parse_connector
+from broker.wire.io.http import http_request
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.config import BrokerConfig
@@ -49,7 +52,6 @@ def _offset_url(url: str, offset: int) -> str:
 
 def derive_config(cfg: "BrokerConfig", n: int, requester_connector: str, group: str | None) -> "BrokerConfig":
     """The configuration of this node's ``n``-th colocated backup (see the module doc)."""
-    from broker.cluster.settings import HaConfig
 
     co = cfg.ha.colocated
     off = co.backup_port_offset
@@ -77,7 +79,10 @@ class ColocatedHost:
     """The backups this node hosts for other primaries (``[ha.colocated] max-backups``)."""
 
     def __init__(self, cfg: "BrokerConfig", security, nursery: trio.Nursery, stop: trio.Event,
-                 own_node_id: str) -> None:
+                 own_node_id: str, run_backup: Callable[..., Awaitable[int]]) -> None:
+        """``run_backup``: ``broker.ha.replicated.run_replicated``, handed in by the node that
+        hosts (it runs this host; importing it here would close a circle)."""
+        self.run_backup = run_backup
         self.cfg = cfg
         self.security = security
         self.nursery = nursery
@@ -87,7 +92,6 @@ class ColocatedHost:
 
     def request(self, body: Any) -> tuple[int, dict]:
         """``POST /api/v1/ha/colocated``: host a backup for the node in ``body``."""
-        from broker.cluster.settings import parse_connector
 
         if not isinstance(body, dict):
             return 400, {"error": "body must be a JSON object"}
@@ -121,10 +125,9 @@ class ColocatedHost:
                      "management_port": entry["management_port"]}
 
     async def _run(self, derived: "BrokerConfig", entry: dict) -> None:
-        from broker.ha.replicated import run_replicated
 
         try:
-            await run_replicated(derived, self.security, stop=self.stop, label=f"colocated-{entry['n']}",
+            await self.run_backup(derived, self.security, stop=self.stop, label=f"colocated-{entry['n']}",
                                  on_status=lambda st: entry.__setitem__("status", st))
         except Exception as exc:   # noqa: BLE001 - one hosted backup failing must not stop the node
             log.error("ha: colocated backup %s stopped: %r", derived.name, exc)
@@ -150,8 +153,6 @@ async def request_backups(node, cfg: "BrokerConfig") -> None:
     attempts = 0
     turn = 0
     from urllib.parse import urlsplit
-
-    from broker.http import http_request
 
     while co.backup_request_retries < 0 or attempts <= co.backup_request_retries:
         await trio.sleep(co.backup_request_retry_interval_ms / 1000.0)

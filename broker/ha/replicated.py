@@ -37,7 +37,17 @@ from broker.ha.protocol import ACKS_ADDRESS, FAILBACK, HELLO, RECORDS_ADDRESS, S
 from broker.ha.replication import ReplicationSink, ReplicationSource
 from broker.ha.shared_store import HaStatus
 from broker.ha.vote import ask_backup_vote, ask_primary_vote, vote_with_retries
-from broker.trioutil import Wakeup
+from broker.wire.io.trioutil import Wakeup
+from broker.wire.discovery import DiscoveryGroup
+from broker.wire.io.udp import listen
+from broker.wire.frames import CLUSTER_MEMBERS
+from broker.wire.io.http import serve_http
+from broker.wire.io.logsetup import print_listening
+from broker.node import Node
+from broker.server import SHUTDOWN_GRACE_S, ManagementSlot, hostport, serve_active
+from broker.store.datadir import open_data_dir
+from broker.amqp.peer import PeerConnected, PeerConnection, PeerDisconnected, RetrySettings
+from broker.ha.colocated import ColocatedHost, request_backups
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.config import BrokerConfig
@@ -92,8 +102,6 @@ async def cluster_connectors(cfg: "BrokerConfig") -> list[str]:
     """Where an HA member looks for its pair: ``[cluster] static-connectors``, or the members
     heard on the cluster's discovery group within ``min(initial-wait-timeout-ms,
     DISCOVERY_LISTEN_S)`` (its own node id included: a backup serving it announces it too)."""
-    from broker.cluster.discovery import DiscoveryGroup
-    from broker.cluster.udp import listen
 
     ccfg = cfg.cluster
     urls = list(ccfg.static_connectors)
@@ -121,8 +129,6 @@ async def find_live_self(cfg: "BrokerConfig", host, node_id: str, stop: trio.Eve
     the Open of a cluster node
     names its node id and the live members (``lodestone:cluster-members``). Returns the
     connector serving it, or None."""
-    from broker.amqp.frames import CLUSTER_MEMBERS
-    from broker.amqp.peer import PeerConnected, PeerConnection, RetrySettings
 
     ccfg = cfg.cluster
     for url in await cluster_connectors(cfg):
@@ -193,11 +199,6 @@ async def run_replicated(cfg: "BrokerConfig", security, *, stop: trio.Event | No
     ``stop``/``label``/``on_status``: a colocated backup inside another node's process
     (``broker.ha.colocated``) — stopped with its host, listeners printed as ``<label>-<what>``,
     its status handed to the host."""
-    from broker.http import serve_http
-    from broker.logsetup import print_listening
-    from broker.node import Node
-    from broker.server import SHUTDOWN_GRACE_S, ManagementSlot, _hostport, serve_active
-    from broker.store.datadir import open_data_dir
 
     ha = cfg.ha
     backup = ha.role == "backup"
@@ -231,15 +232,14 @@ async def run_replicated(cfg: "BrokerConfig", security, *, stop: trio.Event | No
                 colocated_host = None
                 co = cfg.ha.colocated
                 if co is not None and co.max_backups > 0:
-                    from broker.ha.colocated import ColocatedHost
-                    colocated_host = ColocatedHost(cfg, security, nursery, stop, datadir.node_id)
+                    colocated_host = ColocatedHost(cfg, security, nursery, stop, datadir.node_id, run_replicated)
                     status.colocated = colocated_host
                 host = passive_node()
                 if (backup or cfg.ha.check_for_live_server) and cfg.management.enabled:
                     # a passive member answers at once (active: false); a plain primary opens
                     # its management API when it serves
                     h, p = await nursery.start(serve_http, slot, cfg.management.host, cfg.management.port)
-                    slot.url = f"http://{_hostport(h, p)}"
+                    slot.url = f"http://{hostport(h, p)}"
                     print_listening(mgmt_label, slot.url)
                 role_backup = backup
                 while not stop.is_set():
@@ -291,7 +291,6 @@ async def run_replicated(cfg: "BrokerConfig", security, *, stop: trio.Event | No
                                                 handing_over if role_backup and cfg.ha.allow_failback else None,
                                                 colocated_host)
                         if co is not None and co.request_backup:
-                            from broker.ha.colocated import request_backups
                             wn.start_soon(_when_active, status, cfg, request_backups)
 
                         async def on_deactivate(node) -> None:
@@ -330,7 +329,6 @@ async def _follow_primaries(cfg: "BrokerConfig", datadir, status: HaStatus, slot
     vote lets it activate, ``"handover"`` once the node handed its id over (a failback), False
     when stopped. ``candidates``: the connectors to try (default: the cluster's); ``failback``:
     ask the node for our node id back once in sync (the original primary, check-for-live-server)."""
-    from broker.amqp.peer import PeerConnection, PeerDisconnected, RetrySettings
 
     ha, ccfg = cfg.ha, cfg.cluster
     own = {ccfg.connector}

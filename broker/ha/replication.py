@@ -47,12 +47,18 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import trio
 
-from broker.amqp.engine import _pn_delivery_link, _pn_delivery_partial, _pn_delivery_readable, read_transfer
+from broker.amqp.engine import read_transfer, to_proton
+from broker.amqp.pn import (pn_delivery_link, pn_delivery_partial, pn_delivery_readable, pn_delivery_settle,
+                            pn_link_credit, pn_link_flow)
 from broker.store.journal.replication import SnapshotOrderError, iter_snapshot
-from broker.trioutil import Wakeup
+from broker.wire.io.trioutil import Wakeup
 from broker.ha.protocol import (ACKS_ADDRESS, FAILBACK, HANDOVER, HELLO, RECORDS, RECORDS_ADDRESS, SNAPSHOT,
                                 SNAPSHOT_END, START, SYNCED, TOPOLOGY, Hello, ProtocolError, Start, Topology,
                                 batches, decode, encode)
+from broker.cluster.bridge import CLUSTER_ROLE
+from broker.wire.frames import failover_server_entries
+from broker.store.journal import Journal
+from broker.store.journal.replication import Snapshot
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.amqp.engine import AmqpEngine
@@ -127,15 +133,14 @@ class _AcksIn:
         self.session.lost("the backup detached its acks link")
 
     def on_raw_delivery(self, d) -> None:
-        if _pn_delivery_partial(d) or not _pn_delivery_readable(d):
+        if pn_delivery_partial(d) or not pn_delivery_readable(d):
             return
-        link = _pn_delivery_link(d)
+        link = pn_delivery_link(d)
         data = read_transfer(link, d)
-        from broker.amqp.engine import _pn_delivery_settle, _pn_link_credit, _pn_link_flow
-        _pn_delivery_settle(d)
-        credit = _pn_link_credit(link)
+        pn_delivery_settle(d)
+        credit = pn_link_credit(link)
         if credit < ACK_CREDIT // 2:
-            _pn_link_flow(link, ACK_CREDIT - credit)
+            pn_link_flow(link, ACK_CREDIT - credit)
         try:
             kind, payload = decode(data)
         except ProtocolError as exc:
@@ -346,7 +351,6 @@ class ReplicationSource:
 
     # -- links (node.internal_link) ----------------------------------------------------------------
     def internal_link(self, engine: "AmqpEngine", link, address: str):
-        from broker.cluster.bridge import CLUSTER_ROLE
 
         principal = engine.principal
         if principal is None or CLUSTER_ROLE not in getattr(principal, "roles", ()):
@@ -562,8 +566,6 @@ class ReplicationSource:
 def failover_server_list(connectors) -> list:
     """Artemis's ``failover-server-list`` entries for backup connectors, as proton values
     (``frames.failover_server_entries``: ``amqp[s]://host:port`` only)."""
-    from broker.amqp.engine import to_proton
-    from broker.amqp.frames import failover_server_entries
     return to_proton(failover_server_entries(connectors))
 
 
@@ -623,8 +625,6 @@ class ReplicationSink:
     def open_fresh(self) -> None:
         import dataclasses
 
-        from broker.store.journal import Journal
-
         if self.journal is not None:
             self.journal.close()
             self.journal = None
@@ -662,7 +662,6 @@ class ReplicationSink:
         elif kind == SNAPSHOT_END:
             if self.start is None or self.in_sync or payload != self.start.through_seq:
                 raise ProtocolError("snapshot end does not match the start")
-            from broker.store.journal.replication import Snapshot
             self.journal.install_snapshot(Snapshot(payload, self.snapshot))
             self.snapshot = []
             self.in_sync = True

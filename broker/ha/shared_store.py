@@ -66,6 +66,12 @@ from typing import TYPE_CHECKING
 import trio
 
 from broker.store.errors import DataDirLocked
+from broker.store.datadir import open_data_dir
+from broker.wire.io.http import serve_http
+from broker.wire.io.logsetup import print_listening
+from broker.node import Node
+from broker.core.departures import target_from_connector
+from broker.server import SHUTDOWN_GRACE_S, ManagementSlot, hostport, serve_active
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.config import BrokerConfig
@@ -250,7 +256,6 @@ class HaStatus:
 async def _acquire_live(store: SharedStore, path: Path, *, backup: bool, status: HaStatus):
     """Poll for the live lock; a backup takes it only when the state says the live node is gone
     (``L``). Returns the open, locked ``DataDir``."""
-    from broker.store.datadir import open_data_dir
 
     while True:
         if backup and store.state() == NOT_STARTED:
@@ -305,11 +310,6 @@ async def _watch_backup(store: SharedStore, node) -> None:
 
 async def run_shared_store(cfg: "BrokerConfig", security, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Run one member of a shared-store pair until SIGTERM/SIGINT (see the module doc)."""
-    from broker.http import serve_http
-    from broker.logsetup import print_listening
-    from broker.node import Node
-    from broker.core.departures import target_from_connector
-    from broker.server import SHUTDOWN_GRACE_S, ManagementSlot, _hostport, serve_active
 
     ha = cfg.ha
     store = SharedStore(cfg.data_dir)
@@ -339,7 +339,7 @@ async def run_shared_store(cfg: "BrokerConfig", security, *, task_status=trio.TA
             async def open_management() -> None:
                 if cfg.management.enabled and not slot.url:
                     host, port = await nursery.start(serve_http, slot, cfg.management.host, cfg.management.port)
-                    slot.url = f"http://{_hostport(host, port)}"
+                    slot.url = f"http://{hostport(host, port)}"
                     print_listening("management", slot.url)
 
             passive_node()

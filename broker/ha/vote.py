@@ -23,15 +23,21 @@ With three or more a majority must agree, so at most one side of a partition ser
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
+import ssl
 from dataclasses import dataclass
 from typing import Iterable
+from urllib.parse import urlsplit
 
 import trio
 
+from broker.wire.io.http import http_get
+
 log = logging.getLogger("lodestone.broker.ha")
+
+#: the largest cluster view read from a peer (the router's health probes use the same limit)
+VIEW_MAX_BYTES = 1 << 20
 
 __all__ = ["votes_needed", "VoteResult", "ask_backup_vote", "ask_primary_vote", "vote_with_retries"]
 
@@ -53,13 +59,15 @@ class VoteResult:
 
 
 async def _view(url: str, credentials: tuple[str, str], timeout_s: float) -> dict | None:
-    from router.health import http_get
-
-    token = base64.b64encode(f"{credentials[0]}:{credentials[1]}".encode()).decode()
+    parts = urlsplit(url)
+    https = parts.scheme == "https"
     try:
         with trio.fail_after(timeout_s):
-            status, body = await http_get(url.rstrip("/") + "/api/v1/cluster",
-                                          headers=[("Authorization", "Basic " + token)], timeout_s=timeout_s)
+            status, body = await http_get(
+                parts.hostname or "localhost", parts.port or (443 if https else 80),
+                parts.path.rstrip("/") + "/api/v1/cluster", auth=credentials, timeout_s=timeout_s,
+                ssl_context=ssl.create_default_context() if https else None,
+                headers=[("Accept", "application/json")], max_body_bytes=VIEW_MAX_BYTES)
     except (OSError, trio.TooSlowError, Exception):   # unreachable: no vote
         return None
     if status != 200:

@@ -8,7 +8,10 @@ link or connection (AMQP 1.0 §2.8.15).
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 class StoreError(Exception):

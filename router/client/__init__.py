@@ -21,7 +21,7 @@ The rules (bounded hops, loop detection, retries of a router that is not ready) 
 same ones. See ``docs/clients.md``.
 """
 
-from broker.amqp.frames import FOLLOWS_REDIRECT
+from broker.wire.frames import FOLLOWS_REDIRECT
 from router.client.blocking import RouterRefusedClosed, _open_once, connect_following_redirects  # noqa: F401
 from router.client.balanced import ClusterConnector
 from router.client.errors import NoBrokerReachable, RedirectError, RedirectLoop, RouterRefused, TooManyRedirects

@@ -29,6 +29,7 @@ from proton.utils import BlockingConnection
 
 from router.client.errors import NoBrokerReachable
 from router.client.topology import Member, Topology, redacted, with_userinfo
+from router.client.discovered import Discoverer, parse_discovery_url
 
 log = logging.getLogger("router.client")
 
@@ -51,7 +52,6 @@ class ClusterConnector:
         self.discoverer = None
         if isinstance(urls, str) and urls.strip().startswith("udp://"):
             # a discovery group (router.client.discovered): the brokers heard are the starting point
-            from router.client.discovered import Discoverer, parse_discovery_url
             self.discoverer = Discoverer(parse_discovery_url(urls))
             urls = "amqp://0.0.0.0:0"  # a placeholder: replaced by what is heard before each plan
         self.topology = Topology(urls, policy=policy, rng=rng)

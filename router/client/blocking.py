@@ -20,7 +20,7 @@ import time
 from proton import Endpoint, symbol
 from proton.utils import BlockingConnection, ConnectionClosed
 
-from broker.amqp.frames import FOLLOWS_REDIRECT
+from broker.wire.frames import FOLLOWS_REDIRECT
 from router.client.errors import RedirectError, RouterRefused
 from router.client.hops import DEFAULT_REFUSAL_BACKOFF_S, ESTABLISHMENT_FAILED, REDIRECT, Follow, GiveUp, \
     HopPlan, Retry, is_failed_open

@@ -5,7 +5,7 @@ listens to the brokers' broadcast groups, as Artemis clients do with a discovery
                      user="app", password="app")
 
 A daemon thread joins the group (a plain blocking UDP socket) and feeds every datagram to the
-broker's own sans-IO table (:class:`broker.cluster.discovery.DiscoveryGroup`: garbage counted and
+broker's own sans-IO table (:class:`broker.wire.discovery.DiscoveryGroup`: garbage counted and
 dropped, entries expire after ``refresh-timeout`` ms). The connector's first ``connect`` waits up to
 ``initial-wait-timeout`` ms for a first broker; every ``connect`` then starts from the brokers heard
 (one connector each, the first announced), and the members an Open lists come on top, as with a URL
@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
-from broker.cluster.discovery import MAX_PACKET, DiscoveryGroup
+from broker.wire.discovery import MAX_PACKET, DiscoveryGroup
 from router.client.topology import Member, UrlListError
 
 __all__ = ["DiscoverySpec", "Discoverer", "parse_discovery_url"]

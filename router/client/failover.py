@@ -77,6 +77,7 @@ from proton import ConnectionException, LinkException, Message, TransportExcepti
 from proton.utils import ConnectionClosed, LinkDetached, SendException
 
 from router.client.topology import parse_urls
+from router.client.blocking import connect_following_redirects
 
 __all__ = ["FailoverConnection", "FailoverSender", "FailoverReceiver", "FailoverError", "DeliveryLost",
            "NonDurableLost", "FailoverEvent", "BrokerIdentity", "RetrySchedule", "DUPLICATE_ID",
@@ -278,7 +279,6 @@ class FailoverConnection:
 
     def _open(self, first: bool = False, why: BaseException | None = None) -> int:
         """Connect (see "Tries" in the module doc); returns the number of tries made."""
-        from router.client.blocking import connect_following_redirects
 
         schedule = self.initial_schedule if first else self.reconnect_schedule
         start = time.monotonic()

@@ -35,6 +35,8 @@ from urllib.parse import quote
 from proton import ProtonException
 
 from router.client.hops import HopPlan
+from router.client.blocking import connect_following_redirects
+from router.client.blocking import RouterRefusedClosed
 
 log = logging.getLogger("router.client")
 
@@ -162,7 +164,6 @@ def connect_via_management(lookup: TargetLookup, front_door: str, *, key: str | 
     (:func:`~router.client.blocking.connect_following_redirects`); when the front door stays
     "not ready", the API is asked once more. The connection's ``lodestone_route`` is
     ``"direct"`` or ``"front-door"``."""
-    from router.client.blocking import connect_following_redirects
 
     key = key if key is not None else kwargs.get("container_id")
     if key is None:
@@ -176,7 +177,6 @@ def connect_via_management(lookup: TargetLookup, front_door: str, *, key: str | 
         except ProtonException as exc:
             lookup.invalidate(key)
             log.info("direct connection to %s failed (%s); using the front door", direct, exc)
-    from router.client.blocking import RouterRefusedClosed
 
     try:
         conn = connect_following_redirects(front_door, **kwargs)

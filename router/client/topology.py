@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
-from broker.amqp.frames import CLUSTER_MEMBERS, MAX_CLUSTER_MEMBERS
+from broker.wire.frames import CLUSTER_MEMBERS, MAX_CLUSTER_MEMBERS
 
 #: The Open property a cluster node lists its live members in (``broker.cluster.bridge``), and
 #: the most entries read from one Open (the broker sends at most as many).

@@ -40,7 +40,7 @@ change (a backup listed later as the primary) without it leaving the pool.
 other known nodes (by management URL), then the configured seeds, without duplicates.
 
 ``source = "discovery"`` has no view to read: the brokers' broadcast groups announce them and the
-router's own :class:`broker.cluster.discovery.DiscoveryGroup` keeps the entries it hears.
+router's own :class:`broker.wire.discovery.DiscoveryGroup` keeps the entries it hears.
 ``DiscoveryMembership`` maps each change of that table to a ``MembershipChange`` and remembers
 which slots each node id holds. An announced node joins (``announced_target``: named by its node
 id, the first connector's address, the announced management URL for probes) with one more
@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 from urllib.parse import urlsplit
 
-from broker.cluster.discovery import Announcement
+from broker.wire.discovery import Announcement
 from router.core.policies.base import Target
 from router.errors import ClusterViewError
 

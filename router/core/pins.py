@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from router.errors import FilterError, PinFileError
 
@@ -98,18 +97,3 @@ def _parse_line(s: str, where: str, exact: dict[str, str],
             patterns.append((Filter(pat), node))
         except FilterError as exc:
             raise PinFileError(f"{where}: {exc}") from None
-
-
-def load_pins(path: str | Path, *, bad_lines: list[str] | None = None) -> PinTable:
-    """Read and parse a pins file (``PinFileError`` if unreadable, or malformed when strict).
-
-    ``bad_lines``: skip malformed lines and collect their messages (see ``parse_pins``).
-    """
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return PinTable(source=str(p))  # no pins written yet: an empty table
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PinFileError(f"{p}: cannot read: {exc}") from None
-    return parse_pins(text, str(p), bad_lines=bad_lines)

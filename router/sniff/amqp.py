@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 The router must learn who a client is and what it asks for before choosing a broker: the SASL
 identity (``sasl-init``) and the ``open`` performative's container-id and hostname. The sniffer
-drives ``broker.amqp.sasl.SaslServer`` for the SASL layer, then reads the client's AMQP header
+drives ``broker.wire.sasl.SaslServer`` for the SASL layer, then reads the client's AMQP header
 and frames up to its Open::
 
     SASL  --(AuthRequested: caller calls accept(user) / reject())-->  AMQP header --> Open
@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from broker.amqp.frames import (
+from broker.wire.frames import (
     AMQP_HEADER,
     DEFAULT_CONTAINER_ID,
     FOLLOWS_REDIRECT,
@@ -50,7 +50,7 @@ from broker.amqp.frames import (
     decode_performative,
     encode_frame,
 )
-from broker.amqp.sasl import (
+from broker.wire.sasl import (
     AmqpHeaderReceived,
     AuthFailed,
     AuthRequested,
@@ -59,7 +59,7 @@ from broker.amqp.sasl import (
     SaslServer,
     parse_plain,
 )
-from broker.errors import (
+from broker.wire.errors import (
     FramingError,
     LocalProtocolError,
     NotThisProtocol,
@@ -91,7 +91,7 @@ class Detected:
 
     @property
     def follows_redirect(self) -> bool:
-        """The client announced ``lodestone:follows-redirect`` (``broker.amqp.frames.FOLLOWS_REDIRECT``):
+        """The client announced ``lodestone:follows-redirect`` (``broker.wire.frames.FOLLOWS_REDIRECT``):
         an ``auto`` acceptor redirects it instead of proxying."""
         caps = self.open.desired_capabilities
         return caps is not None and FOLLOWS_REDIRECT in caps

@@ -33,6 +33,9 @@ if __package__ in (None, ""):  # run as a file (spark-submit spark/jobs/gravity.
 from spark import report  # noqa: E402
 from spark.errors import UsageError  # noqa: E402
 from spark.placement import KeyLoad, address_cross, recommend, skew  # noqa: E402
+from broker.wire.io.tomlconfig import ConfigError
+from router.config import load_router_config
+from router.errors import RouterError
 
 __all__ = ["main", "parse_args", "run", "spark_session", "check_runtime", "Options", "UsageError", "MissingDependency"]
 
@@ -158,9 +161,6 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
 
 def _read_router_config(opts: Options, path: Path) -> None:
     """Key type and static targets' node ids of the chosen router, from the router's own loader."""
-    from broker.tomlconfig import ConfigError
-    from router.config import load_router_config
-    from router.errors import RouterError
 
     if not path.is_file():
         raise UsageError(f"--router-config {path}: no such file")
@@ -257,7 +257,7 @@ def run(spark, opts: Options) -> dict[str, Any]:
     from pyspark import StorageLevel
     from pyspark.sql import functions as F
 
-    from spark import transforms as T
+    from spark import transforms as T  # optional: spark.transforms needs pyspark
 
     prog = Progress(8, opts.quiet)
     spark.conf.set("spark.sql.session.timeZone", "UTC")

@@ -18,7 +18,7 @@ from proton.handlers import MessagingHandler
 from proton.reactor import Container
 from proton.utils import BlockingConnection
 
-from broker.amqp.frames import FOLLOWS_REDIRECT
+from broker.wire.frames import FOLLOWS_REDIRECT
 from router.client.lookup import Answer
 from router.client import (RedirectLoop, RedirectingContainer, RouterRefused, RouterRefusedClosed, TargetLookup,
                            TooManyRedirects, connect, connect_following_redirects, connect_via_management)

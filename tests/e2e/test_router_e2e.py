@@ -369,9 +369,9 @@ def test_plain_proxy_moves_messages_both_ways(env):
 def test_a_broker_side_close_reaches_the_client_with_the_brokers_error(env):
     """After the handshake the proxy is transparent: the broker's own Close (here for a framing
     error the client commits) reaches the client unchanged."""
-    from broker.amqp.frames import AMQP_HEADER, SASL_HEADER, FRAME_SASL, Close, FrameReader, SaslInit, \
+    from broker.wire.frames import AMQP_HEADER, SASL_HEADER, FRAME_SASL, Close, FrameReader, SaslInit, \
         decode_performative, encode_frame, Open
-    from broker.amqp.frames import NEED_DATA
+    from broker.wire.frames import NEED_DATA
 
     port = env.router.port("plain-proxy")
     s = socket.create_connection(("127.0.0.1", port), timeout=10)

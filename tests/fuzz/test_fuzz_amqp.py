@@ -7,8 +7,8 @@ from __future__ import annotations
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from broker.amqp.codec import Symbol, decode, decode_all, encode
-from broker.amqp.frames import (
+from broker.wire.codec import Symbol, decode, decode_all, encode
+from broker.wire.frames import (
     AMQP_HEADER,
     FRAME_AMQP,
     FRAME_SASL,
@@ -20,9 +20,9 @@ from broker.amqp.frames import (
     decode_performative,
     encode_frame,
 )
-from broker.amqp.sasl import AuthRequested, SaslClientReplay, SaslServer
-from broker.amqp.frames import SaslMechanisms, SaslOutcome
-from broker.errors import RemoteProtocolError
+from broker.wire.sasl import AuthRequested, SaslClientReplay, SaslServer
+from broker.wire.frames import SaslMechanisms, SaslOutcome
+from broker.wire.errors import RemoteProtocolError
 from router.sniff.amqp import Detected, HandshakeSniffer
 
 VALID_HANDSHAKE = (

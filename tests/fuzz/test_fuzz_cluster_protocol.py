@@ -1,4 +1,4 @@
-"""Fuzz the cluster link's wire format (broker/cluster/protocol.py): random bytes, mutated valid
+"""Fuzz the cluster link's wire format (broker/wire/cluster.py): random bytes, mutated valid
 encodings and well-formed AMQP values of the wrong shape either decode or raise ProtocolError —
 never anything else (no IndexError, UnicodeError, TypeError...); whatever decodes encodes back to
 the same value; and every valid value the strategies build round-trips. Profiles: ``fast``
@@ -9,9 +9,9 @@ from __future__ import annotations
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from broker.amqp.codec import Described, Symbol, UInt, decode_all, encode
-from broker.cluster.protocol import (AddressNote, encode_forward_generic)
-from broker.cluster.protocol import (FORWARD_DESCRIPTOR, NOTIFY_DESCRIPTOR, BackupsNote, BindingNote, Forwarded,
+from broker.wire.codec import Described, Symbol, UInt, decode_all, encode
+from broker.wire.cluster import (AddressNote, encode_forward_generic)
+from broker.wire.cluster import (FORWARD_DESCRIPTOR, NOTIFY_DESCRIPTOR, BackupsNote, BindingNote, Forwarded,
                                      Hello,
                                      ProtocolError, Reset, Unbinding, decode_forward, decode_note, encode_forward,
                                      encode_note)

@@ -8,7 +8,7 @@ import hmac
 from hypothesis import given
 from hypothesis import strategies as st
 
-from broker.cluster.discovery import (FLAG_BACKUPS, MAX_BACKUPS, Announcement, DiscoveryError, DiscoveryGroup,
+from broker.wire.discovery import (FLAG_BACKUPS, MAX_BACKUPS, Announcement, DiscoveryError, DiscoveryGroup,
                                       decode_announcement, encode_announcement)
 
 texts = st.text(min_size=1, max_size=30)

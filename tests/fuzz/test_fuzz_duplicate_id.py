@@ -10,9 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from proton import Message
 
-from broker.amqp.engine import may_carry_duplicate_id, message_duplicate_id
+from broker.amqp.message import may_carry_duplicate_id, message_duplicate_id
 from broker.core.duplicates import InvalidDuplicateId
-from broker.errors import DecodeError
+from broker.wire.errors import DecodeError
 
 values = st.one_of(st.text(max_size=40), st.binary(max_size=40), st.integers(-2**63, 2**63 - 1), st.booleans(),
                    st.none(), st.floats(allow_nan=False), st.lists(st.integers(0, 9), max_size=3))

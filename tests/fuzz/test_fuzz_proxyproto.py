@@ -7,8 +7,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from broker.errors import RemoteProtocolError
-from broker.proxyproto import NEED_DATA, SIGNATURE, ProxyHeader, ProxyHeaderReader, build_header
+from broker.wire.errors import RemoteProtocolError
+from broker.wire.proxyproto import NEED_DATA, SIGNATURE, ProxyHeader, ProxyHeaderReader, build_header
 
 VALID = [build_header(("192.0.2.7", 40000), ("198.51.100.1", 5672)),
          build_header(("2001:db8::7", 1), ("2001:db8::1", 2)), build_header(None)]

@@ -107,7 +107,7 @@ def balance(work: Path) -> None:
 def flood(work: Path) -> None:
     """Garbage, forged (unsigned, wrongly signed) and made-up announcements are counted and
     dropped; a group flooded with made-up members keeps its real ones."""
-    from broker.cluster.discovery import MAX_ENTRIES, Announcement, encode_announcement
+    from broker.wire.discovery import MAX_ENTRIES, Announcement, encode_announcement
     keyed = {"key": "the-cluster-key"}
     a = node(work, "a", extra=keyed)
     b = node(work, "b", extra=keyed)

@@ -17,8 +17,8 @@ import struct
 
 import pytest
 
-from broker.amqp.codec import Symbol
-from broker.amqp.frames import (AMQP_HEADER, FRAME_AMQP, FRAME_SASL, SASL_HEADER, Close, FrameReader, Open,
+from broker.wire.codec import Symbol
+from broker.wire.frames import (AMQP_HEADER, FRAME_AMQP, FRAME_SASL, SASL_HEADER, Close, FrameReader, Open,
                                 SaslInit, decode_performative, encode_frame)
 from tests.brokerproc import start_broker, wait_for, write_users_file
 from tests.routerproc import start_router, toml_str

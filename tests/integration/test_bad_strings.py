@@ -4,7 +4,7 @@ in proxy mode; a string in a message section the broker does not need passes thr
 (also on redelivery), one it must read (the anonymous relay's ``to``) gets the delivery
 ``rejected`` with ``amqp:decode-error``. A bystander proton client keeps working throughout.
 
-Frames are hand-built with ``broker.amqp.codec``/``frames``: a placeholder string of the same
+Frames are hand-built with ``broker.wire.codec``/``frames``: a placeholder string of the same
 length is encoded and its bytes replaced by invalid UTF-8.
 """
 
@@ -19,8 +19,8 @@ from proton import Delivery, Handler, Message
 from proton.reactor import Container
 from proton.utils import BlockingConnection
 
-from broker.amqp.codec import Described, UInt, ULong, decode
-from broker.amqp.frames import AMQP_HEADER, FRAME_AMQP, FRAME_SASL, SASL_HEADER, Open, SaslInit, encode_frame
+from broker.wire.codec import Described, UInt, ULong, decode
+from broker.wire.frames import AMQP_HEADER, FRAME_AMQP, FRAME_SASL, SASL_HEADER, Open, SaslInit, encode_frame
 from tests.brokerproc import start_broker, wait_for, write_users_file
 from tests.integration.test_broker_badinput import exchange, parse_reply
 from tests.routerproc import start_router, toml_str

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from proton import Message
 from proton.utils import BlockingConnection
 
-from broker.amqp.frames import (
+from broker.wire.frames import (
     AMQP_HEADER,
     FRAME_AMQP,
     FRAME_SASL,

@@ -18,7 +18,7 @@ from proton import symbol
 from proton.handlers import MessagingHandler
 from proton.reactor import Container
 
-from broker.amqp.frames import FOLLOWS_REDIRECT
+from broker.wire.frames import FOLLOWS_REDIRECT
 from tests.brokerproc import ADMIN, start_broker, wait_for
 from tests.serverproc import http_json
 

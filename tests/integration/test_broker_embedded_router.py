@@ -199,9 +199,9 @@ def test_refusals_are_artemis_conditions_and_bad_handshakes_close_one_client(tmp
         conn.close()
         # garbage where the Open should be: this client alone gets a framing error
         import socket
-        from broker.amqp.frames import AMQP_HEADER, SASL_HEADER, encode_frame, FRAME_SASL
-        from broker.amqp.frames import SaslInit
-        from broker.amqp.codec import Symbol
+        from broker.wire.frames import AMQP_HEADER, SASL_HEADER, encode_frame, FRAME_SASL
+        from broker.wire.frames import SaslInit
+        from broker.wire.codec import Symbol
         from proton import symbol  # noqa: F401  (the client library is installed)
         host, port = "127.0.0.1", node.port
         with socket.create_connection((host, port), timeout=10) as s:

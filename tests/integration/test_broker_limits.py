@@ -16,8 +16,8 @@ from proton import Message
 from proton.reactor import DurableSubscription
 from proton.utils import BlockingConnection, LinkDetached
 
-from broker.amqp.codec import Described, UInt, ULong
-from broker.amqp.frames import (
+from broker.wire.codec import Described, UInt, ULong
+from broker.wire.frames import (
     AMQP_HEADER,
     FRAME_AMQP,
     FRAME_SASL,

@@ -147,8 +147,8 @@ def test_garbage_from_the_peer_is_cut_off_with_a_condition_and_retried(tmp_path,
     """A 'broker' that sends garbage: instead of SASL (an HTTP reply), or after a good SASL
     exchange a malformed AMQP frame (a size below the 8-byte frame header, §2.3.1)."""
     node = local_node(tmp_path)
-    from broker.amqp.frames import SASL_HEADER, FRAME_SASL, SaslMechanisms, SaslOutcome, encode_frame
-    from broker.amqp.codec import Symbol
+    from broker.wire.frames import SASL_HEADER, FRAME_SASL, SaslMechanisms, SaslOutcome, encode_frame
+    from broker.wire.codec import Symbol
     stamps = []
     connections = []
     received = []

@@ -20,7 +20,7 @@ from proton.reactor import LinkOption
 from proton.utils import BlockingConnection, LinkDetached
 
 from broker.activity import CLUSTER_FIELDS, SCHEMA_FIELDS
-from broker.amqp.frames import AMQP_HEADER, FRAME_AMQP, FRAME_SASL, SASL_HEADER, Open, SaslInit, encode_frame
+from broker.wire.frames import AMQP_HEADER, FRAME_AMQP, FRAME_SASL, SASL_HEADER, Open, SaslInit, encode_frame
 from tests.brokerproc import REPO, USERS_FILE, start_broker, wait_for, write_users_file
 from tests.integration.test_broker_badinput import parse_reply
 

@@ -9,8 +9,8 @@ import trustme
 from proton import Message
 from proton.utils import BlockingConnection
 
-from broker.amqp.codec import Symbol
-from broker.amqp.frames import AMQP_HEADER, FRAME_AMQP, FRAME_SASL, SASL_HEADER, Open, SaslInit, encode_frame
+from broker.wire.codec import Symbol
+from broker.wire.frames import AMQP_HEADER, FRAME_AMQP, FRAME_SASL, SASL_HEADER, Open, SaslInit, encode_frame
 from tests.brokerproc import start_broker
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ import socket
 import pytest
 from proton.utils import BlockingConnection
 
-from broker.amqp.frames import CLUSTER_MEMBERS
+from broker.wire.frames import CLUSTER_MEMBERS
 from router.client import ClusterConnector, NoBrokerReachable
 from tests.brokerproc import start_broker
 from tests.clusterproc import cluster_view, connect, start_cluster, start_node, wait_mesh, wait_until

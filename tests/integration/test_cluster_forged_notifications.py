@@ -18,7 +18,7 @@ above could fail.
 The fake peer is python-qpid-proton's protocol engine (``Transport``/``Connection``/
 ``Collector``) on a plain socket in a thread. Proton's built-in SASL server offers only
 ANONYMOUS and EXTERNAL (PLAIN needs Cyrus), and A logs in with PLAIN, so the SASL exchange in
-front of it is the repo's sans-IO :class:`broker.amqp.sasl.SaslServer`; everything after the
+front of it is the repo's sans-IO :class:`broker.wire.sasl.SaslServer`; everything after the
 SASL outcome is proton's.
 """
 
@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 import pytest
 from proton import Collector, Connection, Delivery, Event, Message, Timeout, Transport, symbol
 
-from broker.amqp.frames import NEED_DATA
-from broker.amqp.sasl import AmqpHeaderReceived, AuthRequested, SaslServer
-from broker.cluster.protocol import NOTIFY_ADDRESS, BindingNote, Hello, Reset, encode_note
+from broker.wire.frames import NEED_DATA
+from broker.wire.sasl import AmqpHeaderReceived, AuthRequested, SaslServer
+from broker.wire.cluster import NOTIFY_ADDRESS, BindingNote, Hello, Reset, encode_note
 from tests.clusterproc import (CLUSTER_PASSWORD, cluster_view, connect, known_bindings, start_node,
                                wait_known_consumers, wait_mesh, wait_until)
 

@@ -22,8 +22,8 @@ import pytest
 from proton import ConnectionException
 from proton.utils import BlockingConnection
 
-from broker.amqp.codec import Symbol
-from broker.amqp.frames import (
+from broker.wire.codec import Symbol
+from broker.wire.frames import (
     AMQP_HEADER,
     FRAME_AMQP,
     FRAME_SASL,
@@ -259,7 +259,7 @@ def test_router_acceptor_limit_is_answered_in_amqp(tmp_path, users):
 @pytest.fixture(scope="module")
 def real_cost_users(tmp_path_factory) -> Path:
     """Production scrypt cost; ``netonly`` may connect only from 10.0.0.0/8."""
-    from broker.core.security import hash_password
+    from broker.wire.io.users import hash_password
 
     lines = []
     for name, pw, roles, sources in [("app", "app-pw", ["app"], None), ("admin", "admin-pw", ["admin"], None),

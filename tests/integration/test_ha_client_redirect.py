@@ -27,7 +27,7 @@ from proton import symbol
 from proton.handlers import MessagingHandler
 from proton.reactor import Container
 
-from broker.amqp.frames import FOLLOWS_REDIRECT
+from broker.wire.frames import FOLLOWS_REDIRECT
 from tests.haproc import CLIENT, ha_view, receive_all, send, start_replica, wait_active, wait_phase
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]

@@ -54,7 +54,7 @@ def lean_client(monkeypatch, tmp_path):
 @pytest.fixture(scope="module")
 def users(tmp_path_factory) -> Path:
     """A users file at the production scrypt cost: app, admin, and fresh users for first logins."""
-    from broker.core.security import hash_password
+    from broker.wire.io.users import hash_password
 
     lines = []
     entries = {"app": ("app-pw", ["app"]), "admin": ("admin-pw", ["admin"]),

@@ -21,7 +21,7 @@ import trustme
 from proton import ConnectionException, Message
 from proton.utils import BlockingConnection
 
-from broker.amqp.frames import (
+from broker.wire.frames import (
     FRAME_SASL,
     NEED_DATA,
     SASL_HEADER,
@@ -31,7 +31,7 @@ from broker.amqp.frames import (
     decode_performative,
     encode_frame,
 )
-from broker.proxyproto import build_header
+from broker.wire.proxyproto import build_header
 from tests.brokerproc import start_broker, wait_for, write_users_file
 from tests.routerproc import start_router, toml_str
 

@@ -1,7 +1,7 @@
 """``mode = "auto"``: one port serves every client.
 
 A client whose Open announces the desired capability ``lodestone:follows-redirect``
-(``broker.amqp.frames.FOLLOWS_REDIRECT``) gets a native ``amqp:connection:redirect`` to the broker
+(``broker.wire.frames.FOLLOWS_REDIRECT``) gets a native ``amqp:connection:redirect`` to the broker
 the routing core chose; every other client is proxied to that broker. Real router process, two
 real broker processes, raw AMQP frames for both kinds of client, and an unmodified
 python-qpid-proton ``BlockingConnection`` (which announces nothing: proxied, its message arrives).
@@ -18,8 +18,8 @@ import pytest
 from proton import Message
 from proton.utils import BlockingConnection
 
-from broker.amqp.codec import Symbol
-from broker.amqp.frames import (
+from broker.wire.codec import Symbol
+from broker.wire.frames import (
     AMQP_HEADER,
     FOLLOWS_REDIRECT,
     FRAME_AMQP,

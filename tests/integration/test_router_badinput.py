@@ -15,7 +15,7 @@ import pytest
 import trustme
 from proton.utils import BlockingConnection
 
-from broker.amqp.frames import AMQP_HEADER, FRAME_SASL, SASL_HEADER, Open, SaslInit, encode_frame
+from broker.wire.frames import AMQP_HEADER, FRAME_SASL, SASL_HEADER, Open, SaslInit, encode_frame
 from router.client import connect_following_redirects
 from tests.brokerproc import start_broker, wait_for, write_users_file
 from tests.routerproc import start_router, toml_str

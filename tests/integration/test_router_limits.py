@@ -26,8 +26,8 @@ import trio
 from proton import Message
 from proton.utils import BlockingConnection
 
-from broker.amqp.codec import Symbol
-from broker.amqp.frames import (AMQP_HEADER, FRAME_AMQP, FRAME_SASL, SASL_HEADER, Open, SaslInit,
+from broker.wire.codec import Symbol
+from broker.wire.frames import (AMQP_HEADER, FRAME_AMQP, FRAME_SASL, SASL_HEADER, Open, SaslInit,
                                 encode_frame)
 from routing_cache_helpers import TargetSockets
 from router.cache_embedded import EmbeddedCacheStore

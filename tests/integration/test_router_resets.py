@@ -26,8 +26,8 @@ import trustme
 from proton import ConnectionException, Message, SSLDomain
 from proton.utils import BlockingConnection
 
-from broker.amqp.codec import Symbol
-from broker.amqp.frames import (
+from broker.wire.codec import Symbol
+from broker.wire.frames import (
     AMQP_HEADER,
     FRAME_AMQP,
     FRAME_SASL,

@@ -76,7 +76,12 @@ def test_missing_runtime_exits_1_with_one_line_before_spark(logs, case):
     args = [sys.executable, "-m", "spark.jobs.gravity", str(logs / "routing.log"), "--out", str(logs / "o")]
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
     if case == "no-pyspark":
-        args.insert(1, "-S")  # no site-packages: the venv's PySpark is not importable
+        # the Lodestone dependencies installed, PySpark (the optional one) not: a package of that
+        # name ahead on the path that fails to import as a missing one does
+        (logs / "hide" / "pyspark").mkdir(parents=True)
+        (logs / "hide" / "pyspark" / "__init__.py").write_text(
+            'raise ModuleNotFoundError("No module named \'pyspark\'", name="pyspark")\n')
+        env["PYTHONPATH"] = f"{logs / 'hide'}:{REPO}"
         want = "PySpark is not installed in"
     elif case == "no-java":
         (logs / "bin").mkdir()

@@ -11,7 +11,7 @@ import math
 import pytest
 
 from router.core.filters import Filter
-from router.core.pins import load_pins
+from router.service import load_pins
 from spark import transforms as T
 from spark.jobs.gravity import UsageError, parse_args, run
 from tests.spark.gravity_logs import HAND, N1, N2, N3, act, close, route, write, write_hand_case

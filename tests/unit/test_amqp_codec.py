@@ -9,7 +9,7 @@ import uuid
 import proton
 import pytest
 
-from broker.amqp.codec import (
+from broker.wire.codec import (
     MAX_DEPTH,
     Array,
     Byte,
@@ -32,7 +32,7 @@ from broker.amqp.codec import (
     decode_all,
     encode,
 )
-from broker.amqp.frames import (
+from broker.wire.frames import (
     AMQP_HEADER,
     CONNECTION_ESTABLISHMENT_FAILED,
     FRAME_AMQP,
@@ -53,7 +53,7 @@ from broker.amqp.frames import (
     redirect_frames,
     refuse_frames,
 )
-from broker.errors import DecodeError, EncodeError, FramingError, RemoteProtocolError
+from broker.wire.errors import DecodeError, EncodeError, FramingError, RemoteProtocolError
 
 U = uuid.UUID("12345678-9abc-def0-1234-56789abcdef0")
 

@@ -7,9 +7,7 @@ show exactly what the engine asks of its host — and that it asks nothing else.
 
 from __future__ import annotations
 
-import ast
 import collections
-from pathlib import Path
 
 import pytest
 from proton import Collector, Connection, Delivery, Message, Transport
@@ -19,8 +17,6 @@ from broker.amqp.host import EngineHost, EngineSettings
 from broker.core.addresses import Broker
 from broker.node import Node
 from tests.engine_pair import pump
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 class RecordingStore:
@@ -186,20 +182,6 @@ def test_settings_set_the_transport():
     assert e.transport.max_frame_size == 4096
     assert e.transport.idle_timeout == 7.0
     assert e.transport.channel_max == 3
-
-
-@pytest.mark.parametrize("module", ["broker/amqp/engine.py", "broker/amqp/txn.py", "broker/amqp/host.py",
-                                    "broker/amqp/pump.py"])
-def test_engine_modules_do_not_import_the_node(module):
-    tree = ast.parse((REPO / module).read_text())
-    imported = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            imported.add(node.module)
-        elif isinstance(node, ast.Import):
-            imported.update(a.name for a in node.names)
-    assert not imported & {"broker.node", "broker.server", "broker.management", "broker.amqp.driver"}
-    assert ".node." not in (REPO / module).read_text().replace("broker.node.Node", "")
 
 
 # -- client mode: two engines, the dialling one (client=True) against an accepting one -----------

@@ -6,8 +6,8 @@ from __future__ import annotations
 import proton
 import pytest
 
-from broker.amqp.codec import Symbol
-from broker.amqp.frames import (
+from broker.wire.codec import Symbol
+from broker.wire.frames import (
     AMQP_HEADER,
     FRAME_AMQP,
     FRAME_SASL,
@@ -24,7 +24,7 @@ from broker.amqp.frames import (
     decode_performative,
     encode_frame,
 )
-from broker.amqp.sasl import (
+from broker.wire.sasl import (
     AmqpHeaderReceived,
     AuthFailed,
     AuthRequested,
@@ -37,7 +37,7 @@ from broker.amqp.sasl import (
     UpstreamAuthOk,
     parse_plain,
 )
-from broker.errors import (
+from broker.wire.errors import (
     FramingError,
     LocalProtocolError,
     NotThisProtocol,

@@ -1,14 +1,14 @@
-"""The sans-IO SASL client (broker.amqp.sasl.SaslClient): tables of server bytes in → events out,
+"""The sans-IO SASL client (broker.wire.sasl.SaslClient): tables of server bytes in → events out,
 and the real SaslServer on the other side."""
 
 from __future__ import annotations
 
 import pytest
 
-from broker.amqp.frames import AMQP_HEADER, FRAME_AMQP, FRAME_SASL, NEED_DATA, SASL_HEADER, Open, SaslChallenge
-from broker.amqp.frames import SaslInit, SaslMechanisms, SaslOutcome, decode_performative, encode_frame, FrameReader
-from broker.amqp.codec import Symbol
-from broker.amqp.sasl import (
+from broker.wire.frames import AMQP_HEADER, FRAME_AMQP, FRAME_SASL, NEED_DATA, SASL_HEADER, Open, SaslChallenge
+from broker.wire.frames import SaslInit, SaslMechanisms, SaslOutcome, decode_performative, encode_frame, FrameReader
+from broker.wire.codec import Symbol
+from broker.wire.sasl import (
     AuthRequested,
     LoginAccepted,
     LoginRefused,
@@ -17,7 +17,7 @@ from broker.amqp.sasl import (
     SaslServer,
     parse_plain,
 )
-from broker.errors import LocalProtocolError, NotThisProtocol, SaslProtocolError
+from broker.wire.errors import LocalProtocolError, NotThisProtocol, SaslProtocolError
 
 
 def mechs(*names: str) -> bytes:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from broker.tomlconfig import ConfigError
+from broker.wire.io.tomlconfig import ConfigError
 from router.config import load_router_config
 from router.core.decide import Outcome
 from router.core.keys import ConnectionInfo

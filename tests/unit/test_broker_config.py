@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from broker.config import apply_overrides, check_anonymous, load_config
-from broker.tomlconfig import ConfigError
+from broker.wire.io.tomlconfig import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 ETC = REPO / "etc"
@@ -121,7 +121,7 @@ def test_address_settings_patterns_are_checked_like_permissions(tmp_path):
 
 def test_address_settings_and_permissions_rank_patterns_alike():
     from broker.core.addresses import AddressSettings, SettingsResolver
-    from broker.core.security import match_specificity
+    from broker.wire.io.users import match_specificity
 
     patterns = ["#", "orders.#", "*.eu", "orders.*", "orders.eu"]
     resolver = SettingsResolver(AddressSettings(), tuple(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from broker.amqp.engine import message_header
+from broker.amqp.message import message_header
 from broker.core.addresses import (
     ANYCAST,
     MULTICAST,

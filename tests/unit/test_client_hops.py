@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from broker.amqp.frames import FOLLOWS_REDIRECT
+from broker.wire.frames import FOLLOWS_REDIRECT
 from router.client.errors import RedirectError, RedirectLoop, RouterRefused, TooManyRedirects
 from router.client.hops import FORCED, REDIRECT, Follow, GiveUp, HopPlan, Retry, is_failed_open
 from router.client.lookup import Answer, AnswerCache, parse_answer

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from proton import symbol
 
-from broker.amqp.frames import CLUSTER_MEMBERS, MAX_CLUSTER_MEMBERS
+from broker.wire.frames import CLUSTER_MEMBERS, MAX_CLUSTER_MEMBERS
 from broker.cluster.bridge import ClusterNode, _Member
 from router.client.topology import (FirstElement, Member, Random, RandomSticky, RoundRobin, Topology, UrlListError,
                                     make_policy, members_from_properties, parse_urls, redacted, with_userinfo)

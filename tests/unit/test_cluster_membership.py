@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from broker.tomlconfig import ConfigError
+from broker.wire.io.tomlconfig import ConfigError
 from router.config import load_router_config
 from router.core.membership import ClusterMembership, ViewMember, parse_cluster_view, parse_connector
 from router.core.policies.base import Target

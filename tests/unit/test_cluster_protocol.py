@@ -1,4 +1,4 @@
-"""The cluster link's wire format (broker/cluster/protocol.py): every kind round-trips, every rule
+"""The cluster link's wire format (broker/wire/cluster.py): every kind round-trips, every rule
 of ``decode_forward`` / ``decode_note`` is enforced with the right AMQP condition, and the byte
 layout is pinned by golden hex so that changing the wire format is a conscious decision.
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from broker.amqp.codec import Described, Long, Symbol, Timestamp, UByte, UInt, ULong, encode
-from broker.cluster.protocol import (FORWARD_DESCRIPTOR, MAX_BACKUPS, MAX_DESCRIPTION, MAX_FILTER, MAX_FILTERS,
+from broker.wire.codec import Described, Long, Symbol, Timestamp, UByte, UInt, ULong, encode
+from broker.wire.cluster import (FORWARD_DESCRIPTOR, MAX_BACKUPS, MAX_DESCRIPTION, MAX_FILTER, MAX_FILTERS,
                                      MAX_MEMBERS, MAX_NAME, MAX_TARGETS, NOTIFY_DESCRIPTOR, BackupsNote,
                                      BindingNote, Forwarded, Hello,
                                      ProtocolError, Reset, Unbinding, decode_forward, decode_note, encode_forward,

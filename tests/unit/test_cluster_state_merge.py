@@ -3,7 +3,7 @@ converges on the same state; the cap refuses growth and says so."""
 
 import itertools
 
-from broker.cluster.protocol import AddressNote
+from broker.wire.cluster import AddressNote
 from broker.cluster.state import ClusterState, merge
 
 

@@ -12,7 +12,7 @@ import pytest
 from broker.cluster.settings import (DEFAULT_CLUSTER_PASSWORD, ClusterConfig, Connector, HaConfig, address_clustered,
                                      parse_address_filter, parse_connector)
 from broker.config import apply_overrides, load_config
-from broker.tomlconfig import ConfigError
+from broker.wire.io.tomlconfig import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from broker.config import load_config
-from broker.tomlconfig import ConfigError
+from broker.wire.io.tomlconfig import ConfigError
 from router.core.keys import KeyType
 
 REPO = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import proton
 import pytest
 
-from broker.amqp.codec import Int, Symbol
+from broker.wire.codec import Int, Symbol
 from broker.amqp.engine import to_proton
 from broker.core.departures import (
     ALL,

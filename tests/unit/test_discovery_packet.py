@@ -1,4 +1,4 @@
-"""The discovery announcement and a discovery group's table (broker.cluster.discovery), pure."""
+"""The discovery announcement and a discovery group's table (broker.wire.discovery), pure."""
 
 import hashlib
 import hmac
@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from broker.cluster.discovery import (MAX_BACKUPS, MAX_PACKET, Announcement, DiscoveryError, DiscoveryGroup,
+from broker.wire.discovery import (MAX_BACKUPS, MAX_PACKET, Announcement, DiscoveryError, DiscoveryGroup,
                                       decode_announcement, encode_announcement)
 
 A = Announcement("node-a", "c1", "http://127.0.0.1:8161", ("amqp://127.0.0.1:5672", "amqps://127.0.0.1:5671"), 7)
@@ -206,14 +206,14 @@ def test_the_group_reports_changed_backups():
 
 
 async def test_a_broadcast_too_big_with_its_backups_announces_the_node_without_them():
-    """broker.cluster.udp.broadcast on a real UDP socket (unicast to a receiver here): backups
+    """broker.wire.io.udp.broadcast on a real UDP socket (unicast to a receiver here): backups
     whose URLs do not fit in one datagram are left out, the node is still announced."""
     import socket as pysocket
 
     import trio
 
-    from broker.cluster.discovery import decode_announcement
-    from broker.cluster.udp import broadcast
+    from broker.wire.discovery import decode_announcement
+    from broker.wire.io.udp import broadcast
 
     rx = trio.socket.socket(pysocket.AF_INET, pysocket.SOCK_DGRAM)
     await rx.bind(("127.0.0.1", 0))
@@ -240,6 +240,6 @@ async def test_a_broadcast_too_big_with_its_backups_announces_the_node_without_t
 ])
 def test_a_backup_listeners_would_refuse_is_not_encoded(backup, says):
     # every listener would drop the whole packet (the node with it): the broadcaster sends the
-    # node without its backups instead (broker.cluster.udp.broadcast)
+    # node without its backups instead (broker.wire.io.udp.broadcast)
     with pytest.raises(ValueError, match=re.escape(says)):
         encode_announcement(Announcement("n", "c", "", ("amqp://h:5672",), 1, (backup,)))

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import trio
 
-from broker.cluster.discovery import Announcement, encode_announcement
-from broker.tomlconfig import ConfigError
+from broker.wire.discovery import Announcement, encode_announcement
+from broker.wire.io.tomlconfig import ConfigError
 from router.config import load_router_config
 from router.core.membership import (PAIR_HOLD_S, DiscoveryMembership, MembershipChange, announced_target, announced_targets,
                                     discovery_change)

@@ -10,14 +10,14 @@ import uuid
 import pytest
 from proton import Message as PMessage, int32, symbol, ubyte, uint, ulong
 
-from broker.amqp.codec import Described, Symbol, encode
-from broker.amqp.engine import message_duplicate_id
+from broker.wire.codec import Described, Symbol, encode
+from broker.amqp.message import message_duplicate_id
 from broker.core.addresses import ANYCAST, MULTICAST, AddressSettings, Broker, SettingsResolver
 from broker.core.duplicates import (ADDRESS_RECORDS, MISSING, ORIGIN_RECORDS, DuplicateIds, InvalidDuplicateId,
                                     duplicate_key)
 from broker.core.queues import Subscription
 from broker.core.transactions import TransactionTable
-from broker.errors import DecodeError
+from broker.wire.errors import DecodeError
 
 
 class RecordStore:
@@ -428,7 +428,7 @@ def test_the_cap_hook_hears_each_id_taken_early():
 @pytest.mark.parametrize("size", [10, 4000, 5000, 70_000])
 @pytest.mark.parametrize("props, expect", [({"_AMQ_DUPL_ID": "x"}, True), ({"a": "b"}, False), (None, False)])
 def test_the_cheap_test_finds_the_key_in_the_application_properties_only(size, props, expect):
-    from broker.amqp.engine import may_carry_duplicate_id
+    from broker.amqp.message import may_carry_duplicate_id
     body = "y" * size
     assert may_carry_duplicate_id(encoded(body=body, properties=props, subject="s")) is expect
     if size > 4096:  # a large message's body is not searched
@@ -436,7 +436,7 @@ def test_the_cheap_test_finds_the_key_in_the_application_properties_only(size, p
 
 
 def test_a_large_message_that_cannot_be_walked_is_searched_whole():
-    from broker.amqp.engine import may_carry_duplicate_id
+    from broker.amqp.message import may_carry_duplicate_id
     assert may_carry_duplicate_id(b"\x00\x53\x70\xc0\xff" + b"_AMQ_DUPL_ID" * 500)
     assert not may_carry_duplicate_id(b"\x00\x53\x70\xc0\xff" + b"z" * 6000)
 

@@ -4,7 +4,7 @@ import json
 
 import trio
 
-from broker.http import (HttpError, Metric, Request, basic_auth, http_get, http_request, json_response,
+from broker.wire.io.http import (HttpError, Metric, Request, basic_auth, http_get, http_request, json_response,
                          render_metrics, require_basic_auth)
 
 
@@ -20,7 +20,7 @@ async def _app(request: Request):
 
 
 async def _start(nursery, **kw):
-    from broker.http import serve_http
+    from broker.wire.io.http import serve_http
     host, port = await nursery.start(lambda task_status: serve_http(_app, "127.0.0.1", 0, task_status=task_status, **kw))
     return host, port
 

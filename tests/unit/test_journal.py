@@ -18,7 +18,7 @@ from broker.store.errors import (BadRecord, DataDirError, DataDirLocked, Journal
                                  JournalGap)
 from broker.store.journal import (REC_HEADER_BYTES, SEG_HEADER_BYTES, Journal, JournalConfig,
                                   RecordType, Snapshot, decode_record, encode_record)
-from broker.tomlconfig import ConfigError, Table
+from broker.wire.io.tomlconfig import ConfigError, Table
 
 SMALL = JournalConfig(segment_bytes=4096, compact_min_bytes=1 << 40)  # no auto compaction
 

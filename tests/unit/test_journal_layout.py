@@ -1,16 +1,11 @@
-"""The journal package keeps the single-file module's names, and its codec and state stay sans-IO."""
+"""The journal package keeps the single-file module's names (its rings: tests/unit/test_architecture.py)."""
 
 from __future__ import annotations
-
-import ast
-from pathlib import Path
 
 import pytest
 
 import broker.store.journal as journal
 from broker.store.journal import compaction, config, records, recovery, replication, segments, state
-
-PACKAGE = Path(journal.__file__).parent
 
 # Every module-level name of broker/store/journal.py before the split (main, f5841f0).
 OLD_NAMES = """
@@ -29,12 +24,3 @@ def test_every_old_name_is_still_importable_from_the_package(name):
     # the same object as in the module that now defines it
     homes = [m for m in (records, state, segments, recovery, compaction, replication, config) if name in vars(m)]
     assert all(vars(m)[name] is getattr(journal, name) for m in homes), name
-
-
-@pytest.mark.parametrize("module", ["records", "state", "config"])
-def test_codec_state_and_config_do_no_io(module):
-    """Sans-IO (STYLE.md §1): no files, threads, clock or trio in the codec and the live state."""
-    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
-    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    assert not imported & {"os", "io", "threading", "time", "trio", "pathlib", "socket", "logging"}, imported

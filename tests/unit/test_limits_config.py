@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from broker.config import ResourceLimits, load_config
-from broker.tomlconfig import ConfigError
+from broker.wire.io.tomlconfig import ConfigError
 from router.config import load_router_config
 from tests.unit.test_routing_config import MINIMAL
 from tests.unit.test_routing_config import write as write_router

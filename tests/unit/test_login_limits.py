@@ -1,5 +1,5 @@
-"""Per-source admission and login throttling: the pure tables (broker.core.limits) and the
-shared login gate (broker.auth) over a real users file."""
+"""Per-source admission and login throttling: the pure tables (broker.wire.limits) and the
+shared login gate (broker.wire.io.login) over a real users file."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 import pytest
 import trio
 
-from broker.auth import LoginGate, _FairSlots, _Overloaded
-from broker.core.limits import (
+from broker.wire.io.login import LoginGate, _FairSlots, _Overloaded
+from broker.wire.limits import (
     Admission,
     FailureMemory,
     LoginSettings,
@@ -19,8 +19,8 @@ from broker.core.limits import (
     SourceLimits,
     source_key,
 )
-from broker.core.security import SecurityConfig, User, hash_password, load_users
-from broker.tomlconfig import ConfigError
+from broker.wire.io.users import SecurityConfig, User, hash_password, load_users
+from broker.wire.io.tomlconfig import ConfigError
 
 
 # -- source keys -------------------------------------------------------------------------------

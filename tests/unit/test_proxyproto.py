@@ -1,4 +1,4 @@
-"""PROXY protocol v2 codec (broker/proxyproto.py): table-driven parse/build, fed whole and byte by byte."""
+"""PROXY protocol v2 codec (broker/wire/proxyproto.py): table-driven parse/build, fed whole and byte by byte."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import struct
 
 import pytest
 
-from broker.errors import RemoteProtocolError
-from broker.proxyproto import (
+from broker.wire.errors import RemoteProtocolError
+from broker.wire.proxyproto import (
     NEED_DATA,
     SIGNATURE,
     ProxyHeader,

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from broker.tomlconfig import ConfigError
+from broker.wire.io.tomlconfig import ConfigError
 from router.cache_embedded import EmbeddedCacheStore
 from router.config import CacheConfig, load_router_config
 from router.core.cache import StickyCache, page

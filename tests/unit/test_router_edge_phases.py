@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from broker.amqp.codec import Symbol
-from broker.amqp.frames import (AMQP_HEADER, FOLLOWS_REDIRECT, NEED_DATA, Close, FrameReader, Open,
+from broker.wire.codec import Symbol
+from broker.wire.frames import (AMQP_HEADER, FOLLOWS_REDIRECT, NEED_DATA, Close, FrameReader, Open,
                                 decode_performative)
 from router.core.decide import Router
 from router.core.keys import ConnectionInfo, KeyResolver, KeyType

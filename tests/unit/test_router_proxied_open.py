@@ -4,7 +4,7 @@ the router, never be sent past it."""
 
 from __future__ import annotations
 
-from broker.amqp.frames import (
+from broker.wire.frames import (
     AMQP_HEADER,
     FOLLOWS_REDIRECT,
     FRAME_AMQP,

@@ -1,4 +1,4 @@
-"""router.net.tls.server_context: TLS 1.3 session resumption still works with one ticket per
+"""broker.wire.io.tls.server_context: TLS 1.3 session resumption still works with one ticket per
 full handshake, and the context keeps TLS >= 1.2 and client-certificate verification."""
 
 import ssl
@@ -6,7 +6,7 @@ import ssl
 import pytest
 import trustme
 
-from router.net.tls import server_context
+from broker.wire.io.tls import server_context
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from broker.tomlconfig import ConfigError
+from broker.wire.io.tomlconfig import ConfigError
 from router.config import TargetConfig, import_artemis_xml, load_router_config
 from router.core.keys import ConnectionInfo, KeyType
 from router.policies import fnv1a_utf16

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.tomlconfig import ConfigError
+from broker.wire.io.tomlconfig import ConfigError
 from router.config import (CacheConfig, PoolConfig, import_artemis_xml, load_router_config,
                            parse_connector_url)
 from router.core.keys import KeyType

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from broker.tomlconfig import ConfigError
+from broker.wire.io.tomlconfig import ConfigError
 from router.config import CacheConfig, TargetConfig, load_router_config
 from router.core.cache import StickyCache
 from router.core.decide import Outcome, Router

@@ -377,7 +377,7 @@ async def test_local_target_without_a_pool_probes_with_its_own_credentials(tmp_p
 
     import trio as _trio
 
-    from broker.http import json_response, require_basic_auth, serve_http
+    from broker.wire.io.http import json_response, require_basic_auth, serve_http
     from router.config import load_router_config
     from router.service import build_services
 

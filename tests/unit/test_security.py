@@ -1,4 +1,4 @@
-"""Unit tests of broker/core/security.py: users file, authentication, Artemis wildcard permissions."""
+"""Unit tests of broker/wire/io/users.py: users file, authentication, Artemis wildcard permissions."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from broker.core.security import (Principal, SecurityConfig, hash_password, hash_password_main,
+from broker.__main__ import hash_password_main
+from broker.wire.io.users import (Principal, SecurityConfig, hash_password,
                                   load_users, match_specificity, parse_source_ip, verify_password,
                                   wildcard_match)
-from broker.tomlconfig import ConfigError
+from broker.wire.io.tomlconfig import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = dict(n=1024, r=8, p=1)          # cheap hashes for tests; the real default is n=16384
@@ -333,7 +334,7 @@ def test_hash_password_cli_errors(monkeypatch, capsys, argv, stdin, err):
 
 def test_cached_is_the_non_blocking_fast_path_of_authenticate(tmp_path):
     """`cached` answers only for logins verified before, from an allowed source, without scrypt."""
-    from broker.core.security import load_users
+    from broker.wire.io.users import load_users
 
     sec = load_users(Path(__file__).resolve().parents[2] / "etc" / "users.toml")
     assert sec.cached("app", "app", "127.0.0.1") is None          # never verified: not known

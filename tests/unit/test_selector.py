@@ -20,7 +20,7 @@ from broker.core.selector import (
     compile_filter,
     parse_selector,
 )
-from broker.errors import RemoteProtocolError
+from broker.wire.errors import RemoteProtocolError
 
 PROPS = {
     "i": proton.int32(5),

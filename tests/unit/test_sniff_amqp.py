@@ -6,8 +6,8 @@ from __future__ import annotations
 import proton
 import pytest
 
-from broker.amqp.codec import Symbol
-from broker.amqp.frames import (
+from broker.wire.codec import Symbol
+from broker.wire.frames import (
     FOLLOWS_REDIRECT,
     AMQP_HEADER,
     FRAME_AMQP,
@@ -21,8 +21,8 @@ from broker.amqp.frames import (
     decode_performative,
     encode_frame,
 )
-from broker.amqp.sasl import AuthFailed, AuthRequested, parse_plain
-from broker.errors import FramingError, NotThisProtocol, RemoteProtocolError
+from broker.wire.sasl import AuthFailed, AuthRequested, parse_plain
+from broker.wire.errors import FramingError, NotThisProtocol, RemoteProtocolError
 from router.sniff.amqp import Detected, HandshakeSniffer
 
 USERS = {"alice": "secret"}

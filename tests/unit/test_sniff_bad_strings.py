@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from broker.amqp.frames import (
+from broker.wire.frames import (
     AMQP_HEADER,
     FRAME_AMQP,
     FRAME_SASL,
@@ -18,7 +18,7 @@ from broker.amqp.frames import (
     decode_performative,
     encode_frame,
 )
-from broker.errors import DecodeError
+from broker.wire.errors import DecodeError
 from router.sniff.amqp import HandshakeSniffer
 
 SASL = SASL_HEADER + encode_frame(FRAME_SASL, 0, SaslInit("ANONYMOUS", b""))

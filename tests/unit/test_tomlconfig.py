@@ -2,7 +2,7 @@
 
 import pytest
 
-from broker.tomlconfig import ConfigError, open_config
+from broker.wire.io.tomlconfig import ConfigError, open_config
 
 
 def _cfg(tmp_path, text):

@@ -39,7 +39,7 @@ class JournalConfig:
 
     @classmethod
     def from_table(cls, t: "Any") -> "JournalConfig":
-        """Read a ``broker.tomlconfig.Table`` (keys: sync, segment-bytes, compact-min-bytes,
+        """Read a ``broker.wire.io.tomlconfig.Table`` (keys: sync, segment-bytes, compact-min-bytes,
         compact-dead-ratio, auto-compact); calls ``t.done()``."""
         ratio = t.float("compact-dead-ratio", cls.compact_dead_ratio, min=0.01)
         if ratio >= 1.0:

@@ -8,7 +8,7 @@ import socket
 
 import trio
 
-from broker.core.limits import Admission, SourceLimiter, source_key
+from broker.wire.limits import Admission, SourceLimiter, source_key
 from router.net import fastio
 from router.net.edge import handshake as handshake_mod
 from router.net.edge import limits as limits_mod

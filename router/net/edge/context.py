@@ -13,9 +13,9 @@ from typing import Any, Callable, Protocol
 
 import trio
 
-from broker.auth import LoginGate
-from broker.core.limits import OncePer, SourceLimits
-from broker.core.security import SecurityConfig
+from broker.wire.io.login import LoginGate
+from broker.wire.limits import OncePer, SourceLimits
+from broker.wire.io.users import SecurityConfig
 from router.core.decide import Decision
 from router.net import fastio
 from router.net import proxy as proxy_mod
@@ -27,14 +27,14 @@ TLS_CLOSE_S = 1.0
 
 
 class Principal(Protocol):
-    """What the users file gives back for an authenticated client (``broker.core.security``)."""
+    """What the users file gives back for an authenticated client (``broker.wire.io.users``)."""
 
     user: str
     roles: tuple[str, ...]
 
 
 class Authenticator(Protocol):
-    """The users/roles file (``broker.core.security.SecurityConfig``), as the edge uses it."""
+    """The users/roles file (``broker.wire.io.users.SecurityConfig``), as the edge uses it."""
 
     def cached(self, user: str, password: str, source_ip: str) -> Principal | None: ...
 
@@ -68,7 +68,7 @@ class AcceptorSettings:
     upstream_proxy_protocol: bool = False       # PROXY v2 header (the client's address) first upstream
     use_splice: bool = True
     chunk_bytes: int = proxy_mod.DEFAULT_CHUNK_BYTES
-    limits: SourceLimits = SourceLimits()       # per-source limits (broker.core.limits)
+    limits: SourceLimits = SourceLimits()       # per-source limits (broker.wire.limits)
     max_connections: int = 0                    # the acceptor's limit (enforced by the listener)
 
 
@@ -80,7 +80,7 @@ class EdgeContext:
     routelog: RouteLog
     authenticator: Authenticator | None
     worker: int = 0
-    login_gate: Any = None                      # broker.auth.LoginGate over the authenticator
+    login_gate: Any = None                      # broker.wire.io.login.LoginGate over the authenticator
     clock: Callable[[], float] = time.time
     _ids: Any = field(default_factory=lambda: itertools.count(1))
     _prefix: str = field(default_factory=lambda: os.urandom(4).hex())

@@ -8,14 +8,14 @@ turns them into the wire reply (:func:`reply_frames`: AMQP header + failed-estab
 Close) and writes it; phases never write refusals themselves.
 
 Errors before the Open (TLS, bad protocol header, malformed frames) are the codec's own
-``broker.errors.RemoteProtocolError`` (they carry their ``reply`` bytes) and are answered by the
+``broker.wire.errors.RemoteProtocolError`` (they carry their ``reply`` bytes) and are answered by the
 handshake phase. As in ``router.errors``: ``RemoteEdgeError`` = a peer (the broker) misbehaved,
 the others are our own decision to refuse.
 """
 
 from __future__ import annotations
 
-from broker.amqp.frames import refuse_frames
+from broker.wire.frames import refuse_frames
 from router.errors import RouterError
 
 FORCED = "amqp:connection:forced"

@@ -17,9 +17,9 @@ import logging
 
 import trio
 
-from broker.amqp.sasl import parse_plain
-from broker.core.limits import SourceLimiter, source_key
-from broker.errors import DecodeError, NotThisProtocol, RemoteProtocolError
+from broker.wire.sasl import parse_plain
+from broker.wire.limits import SourceLimiter, source_key
+from broker.wire.errors import DecodeError, NotThisProtocol, RemoteProtocolError
 from router.net.edge.context import RECEIVE_BYTES, AcceptorSettings, ConnState, EdgeContext
 from router.sniff.amqp import NEED_DATA, AuthFailed, AuthRequested, Detected, HandshakeSniffer
 
@@ -133,7 +133,7 @@ class Handshake:
                         principal = await trio.to_thread.run_sync(auth.authenticate, user, password, c.host)
                     return principal
                 # a known login at once; else throttled, fair, on the gate's own threads, and a
-                # refusal only after its delay (broker.auth)
+                # refusal only after its delay (broker.wire.io.login)
                 return (await gate.login(user, password, c.host)).principal
             if ev.mechanism == "EXTERNAL":
                 if c.cert_cn is None:

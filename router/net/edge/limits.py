@@ -1,4 +1,4 @@
-"""Admission at the edge: per-source limits (``broker.core.limits``) and the acceptor's
+"""Admission at the edge: per-source limits (``broker.wire.limits``) and the acceptor's
 ``max-connections``, and the texts of their refusals.
 
 A client over a limit is not closed mute: its SASL completes without a credential check and it
@@ -10,7 +10,7 @@ acceptor, it is closed at once (``refused_dropped``).
 
 from __future__ import annotations
 
-from broker.core.limits import SourceLimits
+from broker.wire.limits import SourceLimits
 from router.net.edge.errors import SourceRefused
 
 REFUSAL_TIMEOUT_S = 2.0   # a client over a per-source limit gets this long to hear its refusal

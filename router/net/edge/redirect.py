@@ -2,7 +2,7 @@
 then the linger.
 
 The redirect is an Open with ``amqp:connection-establishment-failed`` + a Close
-``amqp:connection:redirect`` with ``network-host``/``port`` (``broker.amqp.frames``); a refusal
+``amqp:connection:redirect`` with ``network-host``/``port`` (``broker.wire.frames``); a refusal
 is the same Open + a Close with the error's condition (``router.net.edge.errors``). After them
 the router half-closes and reads until the client's Close/EOF, so the frames are not lost to a
 reset; ``Acceptor`` bounds that linger with ``close_linger_s`` (phase LINGER).
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import trio
 
-from broker.amqp.frames import artemis_redirect_description, redirect_frames
+from broker.wire.frames import artemis_redirect_description, redirect_frames
 from router.net.edge.context import RECEIVE_BYTES
 
 

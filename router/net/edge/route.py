@@ -7,7 +7,7 @@ no deadline. What happens next depends on the acceptor's mode:
 * ``redirect``: every routed client is redirected (``router.net.edge.redirect``);
 * ``proxy``: every routed client is proxied (``router.net.edge.upstream``);
 * ``auto``: a client whose Open announces the desired capability ``lodestone:follows-redirect``
-  (``broker.amqp.frames.FOLLOWS_REDIRECT``, read by the sniffer) is redirected, every other one
+  (``broker.wire.frames.FOLLOWS_REDIRECT``, read by the sniffer) is redirected, every other one
   is proxied — one port serves every client.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from broker.amqp.frames import artemis_not_ready_description, artemis_rejected_description
+from broker.wire.frames import artemis_not_ready_description, artemis_rejected_description
 from router.core.decide import Decision, Outcome
 from router.core.keys import ConnectionInfo
 from router.net.edge.context import AcceptorSettings, ConnState

@@ -1,7 +1,7 @@
 """Phase 1, TLS (TLS acceptors only): the server-side handshake, SNI and the client certificate.
 
 Runs under the connection's scope with ``tls_handshake_timeout_s`` (set by ``Acceptor``). The
-SNI host name comes from the context's ``sni_callback`` (``router.net.tls``); with mTLS the
+SNI host name comes from the context's ``sni_callback`` (``broker.wire.io.tls``); with mTLS the
 verified certificate's CN is the SASL EXTERNAL identity. A failure is counted here
 (``tls_handshake_failed``) and ends the connection without a reply: nothing AMQP was spoken yet.
 """
@@ -17,7 +17,7 @@ import trio
 
 from router.net import fastio
 from router.net.edge.context import ConnState
-from router.net.tls import peer_common_name, sni_of
+from broker.wire.io.tls import peer_common_name, sni_of
 
 log = logging.getLogger("router.connection")
 

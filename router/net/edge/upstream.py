@@ -28,9 +28,9 @@ import ssl
 
 import trio
 
-from broker.amqp.sasl import SaslClientReplay, UpstreamAuthFailed, UpstreamAuthOk
-from broker.errors import RemoteProtocolError
-from broker.proxyproto import build_header as build_proxy_header
+from broker.wire.sasl import SaslClientReplay, UpstreamAuthFailed, UpstreamAuthOk
+from broker.wire.errors import RemoteProtocolError
+from broker.wire.proxyproto import build_header as build_proxy_header
 from router.net import fastio
 from router.net.edge.context import RECEIVE_BYTES, AcceptorSettings, ConnState
 from router.net.edge.errors import (

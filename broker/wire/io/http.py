@@ -114,7 +114,7 @@ def render_metrics(metrics: Iterable[Metric]) -> str:
         out.append(f"# TYPE {m.name} {m.kind}")
         for labels, value in m.samples:
             if labels:
-                inner = ",".join(f'{k}="{_escape_label(str(v))}"' for k, v in labels.items())
+                inner = ",".join(f'{k}="{escape_label(str(v))}"' for k, v in labels.items())
                 out.append(f"{m.name}{{{inner}}} {_fmt(value)}")
             else:
                 out.append(f"{m.name} {_fmt(value)}")
@@ -129,7 +129,8 @@ def _escape_help(s: str) -> str:
     return s.replace("\\", "\\\\").replace("\n", "\\n")
 
 
-def _escape_label(s: str) -> str:
+def escape_label(s: str) -> str:
+    """A Prometheus label value, escaped (backslash, double quote, newline)."""
     return s.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 

@@ -58,7 +58,7 @@ import enum
 import functools
 from dataclasses import dataclass
 
-from broker.amqp.frames import (
+from broker.wire.frames import (
     AMQP_HEADER,
     FRAME_SASL,
     NEED_DATA,
@@ -72,8 +72,8 @@ from broker.amqp.frames import (
     decode_performative,
     encode_frame,
 )
-from broker.amqp.codec import Symbol
-from broker.errors import (
+from broker.wire.codec import Symbol
+from broker.wire.errors import (
     LocalProtocolError,
     NotThisProtocol,
     RemoteProtocolError,

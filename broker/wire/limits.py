@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 Two small state machines, advanced by ``now`` (monotonic seconds) passed in by the shell; no
-clock, no I/O, no trio here (``broker.auth`` and the two edges are the shells).
+clock, no I/O, no trio here (``broker.wire.io.login`` and the two edges are the shells).
 
 :class:`SourceLimiter` — at accept time, per client *source* (an IP address; IPv6 sources are
 grouped by their /64, since one host owns a whole /64 and could otherwise spread over it):
@@ -210,7 +210,7 @@ class SourceLimiter:
 
 @dataclass(frozen=True)
 class LoginSettings:
-    """The users file's ``[login]`` table (see ``broker.core.security``)."""
+    """The users file's ``[login]`` table (see ``broker.wire.io.users``)."""
 
     failure_delay_s: float = 0.25
     max_failure_delay_s: float = 5.0
@@ -334,7 +334,7 @@ class FailureMemory:
 
 
 def source_limits_from(t, default: SourceLimits = SourceLimits()) -> SourceLimits:
-    """Read the per-source keys of one acceptor table (``broker.tomlconfig.Table``; the same
+    """Read the per-source keys of one acceptor table (``broker.wire.io.tomlconfig.Table``; the same
     keys in the broker's ``[acceptors.<name>]`` and the router's ``[[acceptors]]``)."""
     return SourceLimits(
         max_connections_per_source=t.int("max-connections-per-source", default.max_connections_per_source, min=0),

@@ -50,7 +50,7 @@ import uuid as _uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from broker.errors import DecodeError, EncodeError
+from broker.wire.errors import DecodeError, EncodeError
 
 __all__ = [
     "Symbol", "UByte", "UShort", "UInt", "ULong", "Byte", "Short", "Int", "Long", "Float",

@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-:func:`broadcast` sends this node's announcement (:mod:`broker.cluster.discovery`) to the group
+:func:`broadcast` sends this node's announcement (:mod:`broker.wire.discovery`) to the group
 address every ``broadcast-period-ms`` from a socket bound to ``local-bind-address``/``-port``;
 the multicast interface is the bind address when one is given, and multicast loop is on, so nodes
 on one host hear each other. A send that fails (no route to the group yet, say) is counted and
@@ -10,7 +10,7 @@ logged once per kind of error; the next period tries again.
 
 :func:`listen` joins the group on ``local-bind-address`` (0.0.0.0: the kernel's choice), binds the
 group address and port with ``SO_REUSEADDR``/``SO_REUSEPORT`` (several nodes of one host share the
-port), feeds every datagram to a :class:`~broker.cluster.discovery.DiscoveryGroup` and tells the
+port), feeds every datagram to a :class:`~broker.wire.discovery.DiscoveryGroup` and tells the
 owner what changed: ``on_change(kind, entry)`` with kind ``added``, ``changed`` or ``removed`` (an
 entry not refreshed within the refresh timeout). Garbage is counted by the group and dropped.
 IPv4 only.
@@ -27,7 +27,7 @@ from typing import Callable
 
 import trio
 
-from broker.cluster.discovery import MAX_PACKET, Announcement, DiscoveryGroup, encode_announcement
+from broker.wire.discovery import MAX_PACKET, Announcement, DiscoveryGroup, encode_announcement
 
 log = logging.getLogger("lodestone.broker.discovery")
 

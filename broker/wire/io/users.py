@@ -16,7 +16,7 @@ The users file (``etc/users.toml``) — every key below is checked; unknown keys
     user = "anonymous"                # the principal's name
     roles = ["guest"]
 
-    [login]                           # login flood protection (broker.core.limits)
+    [login]                           # login flood protection (broker.wire.limits)
     failure-delay-ms = 250            # every refused login is answered this long after its
                                       # request, whatever the reason
     throttle-after-failures = 5       # failures per source within the window before the
@@ -63,7 +63,7 @@ for ``orders``: ``orders`` > ``orders.#`` > ``#``; for ``x.eu``: ``#.eu`` > ``#`
 Authentication cost: scrypt takes ~50 ms on purpose. ``authenticate`` caches successful
 verifications in memory (an LRU of 1024 entries keyed by user and sha256 of the password), so a
 client reconnecting with the same credentials costs one hash lookup. A cache miss blocks for the
-scrypt time. The trio shells (broker and router) do not call it directly: ``broker.auth.LoginGate``
+scrypt time. The trio shells (broker and router) do not call it directly: ``broker.wire.io.login.LoginGate``
 asks ``cached`` on the event loop and on a miss runs :meth:`SecurityConfig.verify` on its own
 bounded limiter, fairly across sources, with the throttling of the ``[login]`` table.
 :meth:`SecurityConfig.verify` costs the same whatever the answer: an unknown user, or a source
@@ -74,15 +74,12 @@ may connect from.
 
 from __future__ import annotations
 
-import argparse
 import base64
-import getpass
 import hashlib
 import hmac
 import ipaddress
 import os
 import re
-import sys
 import threading
 import time
 from collections import OrderedDict
@@ -92,14 +89,14 @@ from typing import Sequence
 
 from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
-from broker.core.limits import IPAddress, LoginSettings, parse_source_ip
-from broker.core.wildcards import check_pattern, match_specificity, wildcard_match
-from broker.tomlconfig import ConfigError, Table, open_config
+from broker.wire.limits import IPAddress, LoginSettings, parse_source_ip
+from broker.wire.wildcards import check_pattern, match_specificity, wildcard_match
+from broker.wire.io.tomlconfig import ConfigError, Table, open_config
 
 __all__ = [
     "Principal", "User", "Permission", "SecurityConfig", "PERMISSIONS", "MANAGEMENT_ADDRESS",
     "load_users", "hash_password", "verify_password", "wildcard_match", "match_specificity",
-    "parse_source_ip", "hash_password_main",
+    "parse_source_ip",
 ]
 
 #: the permission names ``SecurityConfig.check`` accepts
@@ -255,7 +252,7 @@ class SecurityConfig:
     def authenticate(self, user: str, password: str, source_ip: str | None) -> Principal | None:
         """SASL PLAIN / HTTP Basic: the Principal, or None (wrong password, unknown user, or a
         source the user may not connect from). Blocks ~50 ms on a cache miss (:meth:`verify`),
-        whatever the answer. The shells use ``broker.auth.LoginGate`` instead (throttled)."""
+        whatever the answer. The shells use ``broker.wire.io.login.LoginGate`` instead (throttled)."""
         hit = self.cached(user, password, source_ip)
         if hit is not None:
             return hit
@@ -421,44 +418,3 @@ def _network(t: Table, key: str, i: int, text: str):
 
 def _shorten(s: str) -> str:
     return s if len(s) <= 40 else s[:37] + "..."
-
-
-# -- CLI ------------------------------------------------------------------------------------------
-
-def hash_password_main(argv: Sequence[str] | None = None) -> int:
-    """``lodestone-broker hash-password``: print a scrypt hash for the users file.
-
-    The password comes from ``--stdin`` (first line, for scripts) or is prompted for twice on
-    the terminal. Returns the exit status (0 ok, 2 usage error).
-    """
-    ap = argparse.ArgumentParser(prog="lodestone-broker hash-password",
-                                 description="Print a scrypt password hash for etc/users.toml.")
-    ap.add_argument("--stdin", action="store_true", help="read the password from standard input")
-    ap.add_argument("--n", type=int, default=16384, help="scrypt cost N (power of two; default 16384)")
-    ap.add_argument("--r", type=int, default=8, help="scrypt block size r (default 8)")
-    ap.add_argument("--p", type=int, default=1, help="scrypt parallelism p (default 1)")
-    try:
-        args = ap.parse_args(argv)
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    if args.stdin:
-        password = sys.stdin.readline().rstrip("\r\n")
-    else:
-        try:
-            password = getpass.getpass("password: ")
-            again = getpass.getpass("again: ")
-        except (EOFError, KeyboardInterrupt):
-            print("hash-password: no password given", file=sys.stderr)
-            return 2
-        if password != again:
-            print("hash-password: the passwords differ", file=sys.stderr)
-            return 2
-    if not password:
-        print("hash-password: empty password", file=sys.stderr)
-        return 2
-    try:
-        print(hash_password(password, n=args.n, r=args.r, p=args.p))
-    except ValueError as exc:
-        print(f"hash-password: {exc}", file=sys.stderr)
-        return 2
-    return 0

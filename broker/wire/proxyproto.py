@@ -34,8 +34,8 @@ import ipaddress
 import struct
 from dataclasses import dataclass
 
-from broker.amqp.frames import NEED_DATA
-from broker.errors import RemoteProtocolError
+from broker.wire.frames import NEED_DATA
+from broker.wire.errors import RemoteProtocolError
 
 __all__ = ["SIGNATURE", "ProxyHeader", "ProxyHeaderReader", "ProxyProtocolError", "build_header",
            "parse_header", "NEED_DATA", "MAX_HEADER_BYTES"]

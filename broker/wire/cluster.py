@@ -73,10 +73,9 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from broker.amqp.host import INTERNAL_PREFIX
-from broker.amqp.codec import Described, Symbol, Timestamp, UByte, UInt, decode as amqp_decode, decode_all, encode
-from broker.core.selector import MAX_SELECTOR_BYTES
-from broker.errors import DecodeError
+from broker.wire.codec import Described, Symbol, Timestamp, UByte, UInt, decode as amqp_decode, decode_all, encode
+from broker.wire.errors import DecodeError
+from broker.wire.frames import INTERNAL_PREFIX, MAX_SELECTOR_BYTES
 
 __all__ = ["FORWARD_ADDRESS", "NOTIFY_ADDRESS", "CLUSTER_PREFIX", "INTERNAL_PREFIX", "Forwarded", "Hello", "Reset",
            "BindingNote", "Unbinding", "AddressNote", "BackupsNote", "MAX_BACKUPS", "ProtocolError", "encode_forward", "decode_forward", "decode_forwards", "MAX_BATCH", "encode_note",

@@ -7,7 +7,7 @@ through :meth:`LoginGate.login`:
 
 1. **Known good** — ``SecurityConfig.cached``: this exact login was verified before and the
    source is allowed. Answered on the event loop at once; never throttled.
-2. **Throttled source** — the source (``broker.core.limits.source_key``) has
+2. **Throttled source** — the source (``broker.wire.limits.source_key``) has
    ``refuse-after-failures`` failures within the window, or is past ``throttle-after-failures``
    and already had its one password check for the current delay: refused without a hash.
 3. **Remembered failure** — the same user and password failed from the same source within the
@@ -41,8 +41,8 @@ from dataclasses import dataclass
 
 import trio
 
-from broker.core.limits import FailureMemory, LoginThrottle, source_key
-from broker.core.security import Principal, SecurityConfig
+from broker.wire.limits import FailureMemory, LoginThrottle, source_key
+from broker.wire.io.users import Principal, SecurityConfig
 
 __all__ = ["LoginGate", "LoginResult", "LOGIN_COUNTERS"]
 

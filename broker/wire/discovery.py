@@ -6,7 +6,7 @@ Artemis finds cluster members by UDP multicast: a node's *broadcast group* sends
 ``broadcast-period``, a packet naming the node and its connectors; a *discovery group* listening on
 the same group address keeps the entries it hears, ignores the node's own, and drops an entry that
 has not been refreshed within ``refresh-timeout``. This module is that format and that table, with
-no sockets and no clock (the shells in :mod:`broker.cluster.udp` — and the router, which imports
+no sockets and no clock (the shells in :mod:`broker.wire.io.udp` — and the router, which imports
 this module for its discovery pools — own both). It is shared by the broker and the router.
 
 The packet (big-endian; at most :data:`MAX_PACKET` bytes)::

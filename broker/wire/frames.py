@@ -31,7 +31,7 @@ from dataclasses import replace as dataclasses_replace
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
-from broker.amqp.codec import (
+from broker.wire.codec import (
     Array,
     Described,
     Symbol,
@@ -43,7 +43,7 @@ from broker.amqp.codec import (
     decode,
     encode_into,
 )
-from broker.errors import DecodeError, FramingError, LocalProtocolError
+from broker.wire.errors import DecodeError, FramingError, LocalProtocolError
 
 __all__ = [
     "AMQP_HEADER", "SASL_HEADER", "TLS_HEADER", "NEED_DATA", "FRAME_AMQP", "FRAME_SASL",
@@ -550,6 +550,11 @@ FOLLOWS_REDIRECT = "lodestone:follows-redirect"
 #: of maps ``{"node-id": str, "connector": "amqp://host:port"}``, the answering node first, at
 #: most :data:`MAX_CLUSTER_MEMBERS` entries (docs/cluster.md, "Topology to clients";
 #: ``router.client.topology`` reads it). A plain string: written as an AMQP symbol.
+#: addresses only the broker itself serves (the cluster's links); a client cannot send to, read
+#: from or create them: an attach to one goes to the engine host's ``internal_link`` (if it has one)
+INTERNAL_PREFIX = "$lodestone."
+#: longest JMS selector (``apache.org:selector-filter:string``) accepted, in UTF-8 bytes
+MAX_SELECTOR_BYTES = 64 * 1024
 CLUSTER_MEMBERS = "lodestone:cluster-members"
 MAX_CLUSTER_MEMBERS = 256
 
@@ -580,7 +585,7 @@ def redirect_info(host: str, port: int, *, hostname: str | None = None, failover
     and the router and the broker send it: ``{port, network-host}``, plus ``hostname`` (the
     virtual host for the client's Open) when given, plus ``failover-server-list`` (entries of
     :func:`failover_server_entries` for the ``failover`` connectors: the new node's backups)
-    when there are any. Values are codec types (:mod:`broker.amqp.codec`)."""
+    when there are any. Values are codec types (:mod:`broker.wire.codec`)."""
     # Key order as Artemis puts them on the wire: AMQPRoutingHandler fills a java.util.HashMap,
     # whose iteration order (bucket = String.hashCode spread, 16 buckets) is "port" (5) then
     # "network-host" (7); proton-j encodes the map in that order.
