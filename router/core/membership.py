@@ -29,6 +29,11 @@ change (a backup listed later as the primary) without it leaving the pool.
   listed with ``connected = false``, or no longer listed at all. A broker's view keeps a killed
   member listed (disconnected) for ever, so "left the cluster" has to be a time-out; until then
   the health probe already keeps it out of new connections;
+* a member that left stays out while views keep listing it as not alive (``left``): it joins
+  again only when a view shows it alive (it came back). Otherwise the next view, still listing
+  the dead node, would make it join again as if first seen, and it would leave and rejoin every
+  ``leave_after_s`` for ever. A left member no view has listed for ``leave_after_s`` is
+  forgotten (it joins as a new node if it is ever listed again);
 * a member whose management URL or TLS changed is **updated** (replaced in the pool: it is
   probed again before it gets connections); a node id listed at a new connector (restarted
   elsewhere, or a backup) is a new member of that node id's pair, and the old address leaves by
@@ -184,6 +189,8 @@ class ClusterMembership:
     leave_after_s: float
     known: dict[str, _Known] = field(default_factory=dict)
     answered_by: str | None = None  # management URL of the node that answered last
+    #: members that left, (node id, connector address) → when a view last listed one (not alive)
+    left: dict[tuple[str, str], float] = field(default_factory=dict)
 
     def _find(self, m: ViewMember) -> _Known | None:
         for k in self.known.values():
@@ -204,6 +211,12 @@ class ClusterMembership:
         for m in view:
             k = self._find(m)
             if k is None:
+                gone = (m.node_id, m.address)
+                if gone in self.left:
+                    if not m.alive:  # still listed as down: it stays out
+                        self.left[gone] = now
+                        continue
+                    del self.left[gone]  # it came back
                 name = self._name(m)
                 self.known[name] = _Known(m, now, name)
                 added.append(m.to_target(name))
@@ -228,6 +241,10 @@ class ClusterMembership:
             if now - k.last_alive > self.leave_after_s:
                 del self.known[name]
                 removed.append(name)
+                self.left[(k.member.node_id, k.member.address)] = now
+        for gone, listed in list(self.left.items()):
+            if now - listed > self.leave_after_s:
+                del self.left[gone]
         names = set(self.known)
         added = [t for t in added if t.name in names]
         updated = [t for t in updated if t.name in names and t not in added]

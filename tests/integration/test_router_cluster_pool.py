@@ -127,6 +127,8 @@ def test_cluster_pool_follows_the_cluster(tmp_path):
         # goes to a ready broker and the entry names that broker
         where = _landed(nodes, router, key)
         assert where != gone.node_id and _cached(router, key) == where
+        # and it stays out: the views still list it (disconnected), which is no reason to rejoin
+        assert gone.node_id not in _member_ids(router)
     finally:
         if router is not None:
             router.terminate()

@@ -91,6 +91,28 @@ def test_nodes_join_when_first_seen_and_leave_after_no_alive_view_for_leave_afte
     assert [t.name for t in ch.added] == ["B"] and ch.removed == ()
 
 
+def test_a_node_that_left_stays_out_while_the_views_list_it_down():
+    # a broker's view lists a killed member (connected = false) for ever: once it left, that
+    # listing must not make it join again as if first seen (and leave again, every leave-after)
+    m = ClusterMembership(leave_after_s=10)
+    m.observe([vm("A", 5001), vm("B", 5002)], now=0)
+    ch = m.observe([vm("A", 5001), vm("B", 5002, alive=False)], now=10.5)
+    assert ch.removed == ("B",) and set(m.known) == {"A"}
+    for now in (10.7, 11, 25, 40):
+        assert not m.observe([vm("A", 5001), vm("B", 5002, alive=False)], now=now), now
+        assert set(m.known) == {"A"}
+    # alive again (restarted): it joins
+    ch = m.observe([vm("A", 5001), vm("B", 5002)], now=41)
+    assert [t.name for t in ch.added] == ["B"] and ch.removed == ()
+    # a left node no view lists any more is forgotten after leave-after: listed again, it is new
+    m.observe([vm("A", 5001), vm("B", 5002, alive=False)], now=52)
+    assert set(m.known) == {"A"} and m.left
+    m.observe([vm("A", 5001)], now=63)
+    assert not m.left
+    ch = m.observe([vm("A", 5001), vm("B", 5002, alive=False)], now=64)
+    assert [t.name for t in ch.added] == ["B"]
+
+
 def test_a_node_missing_from_the_views_leaves_too_and_no_view_changes_nothing():
     m = ClusterMembership(leave_after_s=1)
     m.observe([vm("A", 5001), vm("B", 5002)], now=0)
