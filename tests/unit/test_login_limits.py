@@ -7,6 +7,7 @@ import time
 
 import pytest
 import trio
+from trio.testing import wait_all_tasks_blocked
 
 from broker.wire.io.login import LoginGate, _FairSlots, _Overloaded
 from broker.wire.limits import (
@@ -172,20 +173,31 @@ async def test_fair_slots_serve_the_cleanest_source_first():
     failures = {"good": 0}
     slots = _FairSlots(capacity=1, max_pending=10, priority_of=lambda key: failures.get(key, 9))
     order = []
+    first_done = trio.Event()
 
     async def user(name, priority):
         await slots.acquire(name)
         order.append(name)
-        await trio.sleep(0.01)
+        if name == "first":
+            await first_done.wait()   # holds the slot until every other one is queued
+        else:
+            await trio.sleep(0.01)
         slots.release()
 
     async with trio.open_nursery() as n:
+        # each one is queued (blocked in acquire) before the next comes: arrival order is
+        # what the test says, however slow the machine (no wall-clock sleeps)
         n.start_soon(user, "first", 9)
-        await trio.sleep(0.001)
+        await wait_all_tasks_blocked()
+        assert order == ["first"] and slots.pending == 0
         for i in range(3):
             n.start_soon(user, f"flood{i}", 9)
-            await trio.sleep(0.001)
+            await wait_all_tasks_blocked()
+            assert slots.pending == i + 1
         n.start_soon(user, "good", 0)
+        await wait_all_tasks_blocked()
+        assert slots.pending == 4 and order == ["first"]
+        first_done.set()
     assert order[0] == "first" and order[1] == "good"
     assert order[2:] == ["flood0", "flood1", "flood2"]
 
@@ -193,6 +205,7 @@ async def test_fair_slots_serve_the_cleanest_source_first():
 async def test_fair_slots_full_queue_drops_the_worst():
     slots = _FairSlots(capacity=1, max_pending=2, priority_of=lambda key: 0 if key == "good" else 5)
     results = {}
+    holder_done = trio.Event()
 
     async def user(name, priority):
         try:
@@ -201,19 +214,26 @@ async def test_fair_slots_full_queue_drops_the_worst():
             results[name] = "overloaded"
             return
         results[name] = "ran"
-        await trio.sleep(0.01)
+        if name == "holder":
+            await holder_done.wait()   # holds the slot until every other one has arrived
+        else:
+            await trio.sleep(0.01)
         slots.release()
 
     async with trio.open_nursery() as n:
+        # each one has arrived (queued, or refused) before the next comes: no wall-clock sleeps
         n.start_soon(user, "holder", 5)
-        await trio.sleep(0.001)
+        await wait_all_tasks_blocked()
         n.start_soon(user, "flood-a", 5)
-        await trio.sleep(0.001)
+        await wait_all_tasks_blocked()
         n.start_soon(user, "flood-b", 5)
-        await trio.sleep(0.001)
+        await wait_all_tasks_blocked()
+        assert slots.pending == 2
         n.start_soon(user, "flood-c", 5)       # no better than the worst waiting: refused
-        await trio.sleep(0.001)
+        await wait_all_tasks_blocked()
         n.start_soon(user, "good", 0)          # better: displaces the newest worst (flood-b)
+        await wait_all_tasks_blocked()
+        holder_done.set()
     assert results == {"holder": "ran", "flood-a": "ran", "flood-b": "overloaded",
                        "flood-c": "overloaded", "good": "ran"}
     assert slots.busy == 0 and slots.pending == 0
