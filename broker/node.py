@@ -29,6 +29,8 @@ import trio
 
 from broker.activity import ActivityLog, iso_utc
 from broker.amqp.host import EngineSettings
+from broker.amqp.links import InternalServices, OwnedLink
+from broker.wire.frames import INTERNAL_PREFIX
 from broker.wire.io.login import LoginGate
 from broker.core.addresses import Broker
 from broker.core.departures import (
@@ -169,6 +171,10 @@ class Node:
         self._dirty = Wakeup()
         #: broker.ha.replication.ReplicationSource of an active replication member
         self.replication = None
+        #: the internal link services (EngineHost.services): $lodestone.replication.* here,
+        #: the cluster's for the other $lodestone. addresses once there is one (set_cluster)
+        self.services = InternalServices()
+        self.services.register(REPLICATION_PREFIX, _ReplicationLinks(self))
         #: a shared-store primary's waiting backup, ``(connector, management URL, True)``, or None
         #: (broker.ha.shared_store; listed by ClusterNode.own_backups)
         self.shared_backup = None
@@ -273,16 +279,11 @@ class Node:
             self.counters[f"denied_{permission}"] += 1
         return ok
 
-    def internal_link(self, engine: "AmqpEngine", link, address: str):
-        """An attach to a ``$lodestone.`` address: a backup's replication links (broker.ha) or
-        the cluster's (refused without a cluster)."""
-        if address.startswith("$lodestone.replication."):
-            if self.replication is None:
-                return ("amqp:not-found", "this node takes no backup ([ha] policy is not replication)")
-            return self.replication.internal_link(engine, link, address)
-        if self.cluster is None:
-            return None
-        return self.cluster.internal_link(engine, link, address)
+    def set_cluster(self, cluster) -> None:
+        """This node's cluster (``broker.cluster.bridge.ClusterNode``): it serves the
+        ``$lodestone.`` addresses (but replication's) from now on."""
+        self.cluster = cluster
+        self.services.register(INTERNAL_PREFIX, cluster)
 
     @property
     def open_properties(self) -> dict:
@@ -567,3 +568,20 @@ class Node:
                 while any(i in self.engines for i in ids):
                     await trio.sleep(0.02)
         return closed
+
+
+#: the addresses of a backup's replication links (broker.ha.protocol RECORDS_ADDRESS, ACKS_ADDRESS)
+REPLICATION_PREFIX = INTERNAL_PREFIX + "replication."
+
+
+class _ReplicationLinks:
+    """``$lodestone.replication.*``: a backup's links, served by ``node.replication``
+    (``broker.ha.replication.ReplicationSource``) while this node is a replicating primary."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    def attach(self, engine: "AmqpEngine", link: OwnedLink):
+        if self.node.replication is None:
+            return ("amqp:not-found", "this node takes no backup ([ha] policy is not replication)")
+        return self.node.replication.attach(engine, link)

@@ -18,7 +18,6 @@ no sockets and lives in :mod:`broker.node`. This module is the shell that runs o
 from __future__ import annotations
 
 import logging
-import signal
 from typing import TYPE_CHECKING
 
 import trio
@@ -27,7 +26,6 @@ from broker.activity import ActivityLog
 from broker.core.departures import Target, target_from_connector
 from broker.wire.io.logsetup import print_listening
 from broker.node import Node
-from broker.store.datadir import open_data_dir
 from broker.wire.io.http import HttpError
 from broker.management import make_handler
 from broker.amqp.driver import serve_amqp
@@ -256,7 +254,7 @@ async def _run_cluster(node: Node, ccfg, amqp_urls: list[str], mgmt_url: str, *,
                     "a published sample" if ccfg.password_set else "not set (the default)",
                     extra={"fields": {"cluster": ccfg.name, "user": ccfg.user}})
     cluster = ClusterNode(node, ccfg, connector=connector, management_url=mgmt_url)
-    node.cluster = cluster
+    node.set_cluster(cluster)
     log.info("cluster starting", extra={"fields": {"cluster": ccfg.name, "connector": connector,
                                                     "static_connectors": list(ccfg.static_connectors),
                                                     "message_load_balancing": ccfg.message_load_balancing}})

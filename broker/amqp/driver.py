@@ -43,7 +43,7 @@ import trio
 
 from broker.amqp.engine import AmqpEngine
 from broker.wire.frames import FRAME_SASL, NEED_DATA, SASL_HEADER, SaslOutcome, encode_frame, refuse_frames
-from broker.amqp.pump import RECV_BYTES, pump_engine
+from broker.amqp.pump import RECV_BYTES, next_sasl_event, pump_engine
 from broker.wire.sasl import (
     AmqpHeaderReceived,
     AuthFailed,
@@ -285,16 +285,10 @@ async def _refuse_unverified(node: "Node", acceptor: "AcceptorConfig", stream, t
                             container_id=node.container_id)
     try:
         while True:
-            ev = sasl.next_event()
-            out = sasl.data_to_send()
-            if out:
-                await stream.send_all(out)
-            if ev is NEED_DATA:
-                data = await stream.receive_some(65536)
-                if not data:
-                    return
-                sasl.receive_data(data)
-            elif isinstance(ev, AuthRequested):
+            ev = await next_sasl_event(sasl, stream)
+            if ev is None:
+                return
+            if isinstance(ev, AuthRequested):
                 sasl.accept(None)
             elif isinstance(ev, (AmqpHeaderReceived, NoSasl)):
                 await stream.send_all(refusal)
@@ -373,18 +367,11 @@ async def _authenticate(node: "Node", acceptor: "AcceptorConfig", stream, source
     sasl = SaslServer(acceptor.sasl_mechanisms, node.cfg.max_frame_bytes)
     try:
         while True:
-            ev = sasl.next_event()
-            out = sasl.data_to_send()
-            if out:
-                await stream.send_all(out)
-            if ev is NEED_DATA:
-                data = await stream.receive_some(65536)
-                if not data:
-                    if sasl.state is SaslState.AWAIT_INIT:  # EOF before (or inside) sasl-init
-                        await stream.send_all(_SASL_SYS_PERM)
-                    return None
-                sasl.receive_data(data)
-                continue
+            ev = await next_sasl_event(sasl, stream)
+            if ev is None:
+                if sasl.state is SaslState.AWAIT_INIT:  # EOF before (or inside) sasl-init
+                    await stream.send_all(_SASL_SYS_PERM)
+                return None
             if isinstance(ev, SaslHeaderReceived):
                 continue
             if isinstance(ev, AuthRequested):

@@ -40,10 +40,11 @@ Client mode (``client=True``, :mod:`broker.amqp.peer`): the same engine is the d
 of a connection to a peer broker — ``Transport(Transport.CLIENT)`` (SASL done by
 :class:`broker.wire.sasl.SaslClient`), our Open (container-id, ``hostname``, the ``node-id``
 property) sent first. Links are opened by the owner (:meth:`AmqpEngine.open_link`) with a handler
-object that gets the link's attach/detach, flow and deliveries (``on_attached``, ``on_detached``,
-``on_flow``, ``on_delivery``; a handler on a per-message path has ``on_raw_flow`` /
-``on_raw_delivery`` instead, which get proton's raw pointers and are preferred) — they live in
-``self.owned``, off the producer/consumer hot path.
+(:class:`broker.amqp.links.LinkHandler`: attach and detach, credit, each message as bytes with a
+settle handle, each outcome of what it sent) — they live in ``self.owned``, off the
+producer/consumer hot path. On an accepted connection, an attach to a ``$lodestone.`` address
+goes to the service the host registered for it (``EngineHost.services``), with the same handler
+API.
 A link the peer attaches on its own is refused with ``amqp:not-allowed``. A failure before the
 peer's Open closes our (already sent) Open with the error; the peer's Close condition becomes
 ``error``.
@@ -58,29 +59,28 @@ Open marked ``amqp:connection-establishment-failed`` and a Close carrying the er
 from __future__ import annotations
 
 import logging
-import struct
-import time
 import uuid
 from typing import TYPE_CHECKING, Callable
 
 import cproton
 from cproton_ffi import ffi, lib
-from proton import Collector, Condition, Connection, Data, Delivery, Endpoint, Event, Link, Message, Terminus, Transport
+from proton import Collector, Condition, Connection, Data, Delivery, Endpoint, Event, Link, Terminus, Transport
 from proton import TransportException, int32, symbol
 
-from broker.wire.codec import Described, Int, Symbol, UInt, ULong, decode as amqp_decode, encode as amqp_encode
-from broker.wire.frames import FOLLOWS_REDIRECT, close_frames
 from broker.amqp.host import INTERNAL_PREFIX
+from broker.amqp.links import OUTCOMES, Incoming, LinkHandler, OwnedLink
 from broker.amqp.message import (may_carry_duplicate_id, message_duplicate_id, message_header, message_meta,
                                  message_to, with_delivery_count)
 from broker.amqp.pn import terminus_capabilities as _capabilities
 from broker.amqp.txn import TXN_STATE as _TXN_STATE, TxnCoordinator, is_coordinator
-from broker.wire.errors import DecodeError
 from broker.core.addresses import ANYCAST, MULTICAST, AddressNotFound
-from broker.core.deliveries import DEFAULT_PRIORITY, Outcome
+from broker.core.deliveries import Outcome
 from broker.core.duplicates import DUPLICATE_ID_PROPERTY, InvalidDuplicateId, duplicate_key
 from broker.core.filters import SelectorError, consumer_filter
 from broker.core.queues import Subscription
+from broker.wire.codec import Int, Symbol
+from broker.wire.errors import DecodeError
+from broker.wire.frames import FOLLOWS_REDIRECT, close_frames
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.amqp.host import EngineHost
@@ -103,6 +103,7 @@ _ACCEPTED = Delivery.ACCEPTED
 _RELEASED = Delivery.RELEASED
 _REJECTED = Delivery.REJECTED
 _MODIFIED = Delivery.MODIFIED
+_RECEIVED = Delivery.RECEIVED
 
 # The hot path (transfers, dispositions, flow) calls proton's C API through cffi directly:
 # proton's Python wrappers allocate several objects per event and per delivery, which costs
@@ -368,7 +369,7 @@ class AmqpEngine:
             if hostname:
                 conn.hostname = hostname
             props = {symbol("product"): "lodestone", symbol("node-id"): host.node_id}
-            for k, v in (getattr(host, "open_properties", None) or {}).items():
+            for k, v in host.open_properties.items():
                 props[symbol(k)] = v
             conn.properties = props
             conn.open()
@@ -613,7 +614,7 @@ class AmqpEngine:
         conn.container = self.host.container_id
         conn.offered_capabilities = [symbol("ANONYMOUS-RELAY")]
         props = {symbol("product"): "lodestone", symbol("node-id"): self.host.node_id}
-        for k, v in (getattr(self.host, "server_open_properties", None) or {}).items():
+        for k, v in self.host.server_open_properties.items():
             props[symbol(k)] = v
         conn.properties = props
         conn.open()
@@ -621,9 +622,11 @@ class AmqpEngine:
         self.host.connection_opened(self)
 
     # -- client mode: the owner's links -----------------------------------------------------
-    def open_link(self, handler, *, name: str, sender: bool, address: str, credit: int = 0) -> Link:
+    def open_link(self, handler: LinkHandler, *, name: str, sender: bool, address: str,
+                  credit: int = 0) -> OwnedLink:
         """Client mode: attach a link of ours (a sender to ``address`` at the peer, or a receiver
-        from it, granting ``credit``); ``handler`` gets its events (see the module docstring)."""
+        from it, its credit kept topped up to ``credit``); ``handler`` gets its events
+        (:mod:`broker.amqp.links`)."""
         if not self.client:
             raise RuntimeError("open_link is for client-mode engines")
         if self._session is None:
@@ -638,13 +641,16 @@ class AmqpEngine:
             link.target.address = name
         link.snd_settle_mode = Link.SND_UNSETTLED
         link.rcv_settle_mode = Link.RCV_FIRST
-        self.owned[link._impl] = handler
+        owned = OwnedLink(self, link._impl, name=name, address=address, is_sender=sender,
+                          credit_window=0 if sender else credit)
+        owned.handler = handler
+        self.owned[link._impl] = owned
         link.open()
-        if credit:
+        if credit and not sender:
             link.flow(credit)
         self._count("links_opened")
         self.wake()  # (may run inside process(), from on_open: the events wait for the next pass)
-        return link
+        return owned
 
     def close_with(self, condition: str, description: str) -> None:
         """Close the connection with an error without handling events now (safe inside a
@@ -661,18 +667,18 @@ class AmqpEngine:
         self.wake()
 
     def _owned_event(self, t, link: Link) -> None:
-        handler = self.owned[link._impl]
+        owned = self.owned[link._impl]
         if t is _E_LINK_REMOTE_OPEN:
             # §2.6.3: a refusal is an attach with a null terminus, followed by a detach; proton
             # shows a null terminus as one without an address (ours always have one)
             theirs = link.remote_target if link.is_sender else link.remote_source
             if theirs.address is not None or theirs.dynamic:
-                handler.on_attached(link)
+                owned.handler.on_attached(owned)
             return
         del self.owned[link._impl]
         if link.state & Endpoint.LOCAL_ACTIVE:
             link.close()
-        handler.on_detached(link, link.remote_condition)
+        owned.handler.on_detached(owned, link.remote_condition)
 
     # -- attach ----------------------------------------------------------------------------
     def _refuse(self, link: Link, condition: str, description: str) -> None:
@@ -720,9 +726,11 @@ class AmqpEngine:
             self._attach_consumer(link)
 
     def _attach_internal(self, link: Link, address: str) -> None:
-        """An attach to a broker-internal address: the host serves it, or it is refused."""
-        hook = getattr(self.host, "internal_link", None)
-        handler = hook(self, link, address) if hook is not None else None
+        """An attach to a broker-internal address: the service the host registered for it owns
+        the link (:mod:`broker.amqp.links`), or it is refused."""
+        service = self.host.services.find(address)
+        owned = OwnedLink(self, link._impl, name=link.name, address=address, is_sender=link.is_sender)
+        handler = service.attach(self, owned) if service is not None else None
         if handler is None or isinstance(handler, tuple):
             cond, desc = handler if isinstance(handler, tuple) else (NOT_FOUND, f"address {address!r} is internal")
             self._refuse(link, cond, desc)
@@ -737,9 +745,10 @@ class AmqpEngine:
             link.target.copy(link.remote_target)
             link.snd_settle_mode = Link.SND_UNSETTLED
         link.open()
-        self.owned[link._impl] = handler
+        owned.handler = handler
+        self.owned[link._impl] = owned
         self._count("links_opened")
-        handler.on_attached(link)
+        handler.on_attached(owned)
         self.wake()
 
     def accept_when_synced(self, d) -> None:
@@ -1051,8 +1060,8 @@ class AmqpEngine:
     def _cleanup_links(self) -> None:
         if self.owned and not self.client:  # the host's internal links end with the connection
             owned, self.owned = self.owned, {}
-            for impl, h in owned.items():
-                h.on_detached(Link.wrap(impl), None)
+            for o in owned.values():
+                o.handler.on_detached(o, None)
         for w in list(self.producers.values()):
             self._forget_link(w.link, closed=False)
         for w in list(self.consumers.values()):
@@ -1098,13 +1107,9 @@ class AmqpEngine:
         """Flow on a link (raw ``pn_link_t*``): a consumer's credit changed."""
         cl = self.consumers.get(link)
         if cl is None:
-            h = self.owned.get(link)
-            if h is not None:
-                raw = getattr(h, "on_raw_flow", None)  # a handler on the hot path reads cproton itself
-                if raw is not None:
-                    raw(link)
-                else:
-                    h.on_flow(Link.wrap(link))
+            owned = self.owned.get(link)
+            if owned is not None and owned.is_sender:
+                owned.handler.on_credit(owned)
             return
         sub = cl.sub
         credit = _pn_link_credit(link)
@@ -1116,6 +1121,31 @@ class AmqpEngine:
                 _pn_link_drained(link)
                 sub.credit = 0
         self.wake()
+
+    def _owned_delivery(self, owned: OwnedLink, link, d) -> None:
+        """A transfer on a service's receiving link, or a disposition on its sending link
+        (:mod:`broker.amqp.links`)."""
+        if owned.is_sender:
+            if not (_pn_delivery_updated(d) or _pn_delivery_settled(d)):
+                return
+            remote = _pn_delivery_remote_state(d)
+            if remote == _RECEIVED:
+                return
+            token = owned.inflight.pop(d, None)
+            _pn_delivery_settle(d)
+            outcome = OUTCOMES.get(remote)
+            if token is not None and outcome is not None:
+                owned.handler.on_outcome(owned, token, outcome)
+            return
+        if _pn_delivery_partial(d) or not _pn_delivery_readable(d):
+            return
+        data = read_transfer(link, d)
+        window = owned.credit_window
+        if window:
+            credit = _pn_link_credit(link)
+            if credit < window >> 1:
+                _pn_link_flow(link, window - credit)
+        owned.handler.on_message(owned, data, Incoming(self, d))
 
     def _sink(self, sub: Subscription, msg) -> None:
         """Core → wire: send one message on a consumer link."""
@@ -1155,13 +1185,9 @@ class AmqpEngine:
         if cl is None:
             if self.txn is not None and self.txn.on_delivery(link, d):
                 return  # a coordinator link's declare / discharge
-            h = self.owned.get(link)
-            if h is not None:
-                raw = getattr(h, "on_raw_delivery", None)
-                if raw is not None:
-                    raw(d)
-                else:
-                    h.on_delivery(Delivery.wrap(d))
+            owned = self.owned.get(link)
+            if owned is not None:
+                self._owned_delivery(owned, link, d)
                 return
             # a link we refused or forgot: just settle what arrives
             if _pn_delivery_readable(d) and not _pn_delivery_partial(d):
@@ -1232,13 +1258,16 @@ class AmqpEngine:
         acc[1] += len(data)
         return address, None
 
-    def _publish(self, pl: ProducerLink, d, data: bytes) -> None:
+    def prepare_send(self, pl: ProducerLink, data: bytes):
+        """What a producer's send needs before it is routed (``_publish``) or held in a
+        transaction (``TxnCoordinator.on_transfer``): ``((address, durable, priority, expires,
+        duplicate key), None)``, or ``(None, (condition, description))`` to reject it with —
+        the anonymous relay's refusals, an unreadable or invalid ``_AMQ_DUPL_ID``."""
         address = pl.address
         if address is None:
             address, err = self.relay_address(pl, data)
             if err is not None:
-                self._reject(d, *err)
-                return
+                return None, err
         else:
             pl.messages += 1
             pl.bytes += len(data)
@@ -1247,8 +1276,15 @@ class AmqpEngine:
         if may_carry_duplicate_id(data):  # _AMQ_DUPL_ID (Artemis duplicate detection)
             key, err = self.duplicate_key(data)
             if err is not None:
-                self._reject(d, *err)
-                return
+                return None, err
+        return (address, durable, priority, expires, key), None
+
+    def _publish(self, pl: ProducerLink, d, data: bytes) -> None:
+        send, err = self.prepare_send(pl, data)
+        if err is not None:
+            self._reject(d, *err)
+            return
+        address, durable, priority, expires, key = send
         if key is None:
             stored = self.core.publish(address, data, durable, priority, expires, self.conn_id)
         else:

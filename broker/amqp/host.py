@@ -23,10 +23,13 @@ A host offers:
   ``messages_in`` and ``links_opened``, which the node shows as its own series);
 * ``await_sync(engine, delivery)`` — accept a stored producer delivery once the journal records
   written so far are durable (the host later calls ``engine.synced`` or ``engine.sync_failed``);
-* optionally ``internal_link(engine, link, address)`` — an attach to an ``INTERNAL_PREFIX``
-  address (the cluster bridge's links): returns the handler that serves the link (its events go
-  to ``on_attached``/``on_flow``/``on_delivery``/``on_detached``, as a client-mode owner's do), or
-  an error ``(condition, description)`` to refuse it;
+* ``services`` — the :class:`~broker.amqp.links.InternalServices` registry: an attach to an
+  ``INTERNAL_PREFIX`` address goes to the service registered for its prefix (the cluster's links,
+  a backup's replication links), which owns the link through :mod:`broker.amqp.links` or refuses
+  it; an address no service claims is refused as not found;
+* ``open_properties`` / ``server_open_properties`` — extra properties of our Open on the
+  connections we dial (client mode) and on those we accept (a cluster's or an HA pair's
+  topology for clients);
 * lifecycle callbacks — ``address_created(address)``, ``connection_opened(engine)`` (the peer's
   Open arrived), ``connection_closed(engine)`` (the transport is done; logs the close line).
 
@@ -44,6 +47,7 @@ from broker.wire.frames import INTERNAL_PREFIX
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.amqp.engine import AmqpEngine
+    from broker.amqp.links import InternalServices
     from broker.config import BrokerConfig
     from broker.core.addresses import Broker
 
@@ -78,6 +82,16 @@ class EngineHost(Protocol):
     core: "Broker"
     container_id: str
     node_id: str
+
+    services: "InternalServices"
+
+    @property
+    def open_properties(self) -> dict:
+        """Extra properties (name → value) of our Open on connections this host dials."""
+
+    @property
+    def server_open_properties(self) -> dict:
+        """Extra properties (name → value) of our Open on connections this host accepts."""
 
     def authorize(self, principal: Any, permission: str, address: str) -> bool:
         """May ``principal`` do ``permission`` (send, consume, createAddress…) on ``address``?"""

@@ -47,13 +47,11 @@ from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import urlsplit
 
 import trio
-from proton import Delivery, Link
 
-from broker.amqp.engine import AmqpEngine, _from_buffer
-from broker.amqp.pn import (pn_delivery, pn_delivery_remote_state, pn_delivery_settle, pn_delivery_settled,
-                            pn_delivery_updated, pn_link_advance, pn_link_credit, pn_link_send)
-from broker.amqp.pump import RECV_BYTES, pump_engine
-from broker.wire.sasl import NEED_DATA, LoginAccepted, LoginRefused, SaslClient
+from broker.amqp.engine import AmqpEngine
+from broker.amqp.links import Incoming, OwnedLink
+from broker.amqp.pump import RECV_BYTES, next_sasl_event, pump_engine
+from broker.wire.sasl import LoginAccepted, LoginRefused, SaslClient
 from broker.wire.errors import RemoteProtocolError
 from broker.wire.io.trioutil import Wakeup
 
@@ -67,9 +65,6 @@ __all__ = ["RetrySettings", "PeerConnection", "PeerSender", "PeerReceiver", "Pee
            "PeerLoginRefused", "PeerConnectFailed", "PeerGaveUp", "open_peer_connection"]
 
 _peer_ids = itertools.count(1)
-_RECEIVED = Delivery.RECEIVED
-_OUTCOMES = {Delivery.ACCEPTED: "accepted", Delivery.REJECTED: "rejected", Delivery.RELEASED: "released",
-             Delivery.MODIFIED: "modified"}
 
 
 # -- settings (pure) -------------------------------------------------------------------------------
@@ -173,14 +168,11 @@ class PeerSender:
         self.peer = peer
         self.address = address
         self.name = name
-        self.on_outcome = on_outcome
+        self.on_outcome_cb = on_outcome   # the owner's: (token, state)
         self.unacked: "collections.OrderedDict[Any, bytes]" = collections.OrderedDict()
         self._queued: collections.deque = collections.deque()  # tokens waiting for credit / a link
-        self._link: Link | None = None
-        self._raw = None            # the link's pn_link_t*
-        self._inflight: dict = {}   # raw pn_delivery_t* -> token
+        self._link: OwnedLink | None = None
         self._transferred: set = set()  # unacknowledged tokens written on some connection
-        self._tags = itertools.count(1)
         self.attached = False
         self.sent = 0      # transfers written (resends included)
         self.accepted = 0
@@ -193,32 +185,22 @@ class PeerSender:
         self._queued.append(token)
         self._pump()
 
-    # engine handler interface (client mode)
-    def on_attached(self, link: Link) -> None:
+    # the engine's link handler (broker.amqp.links)
+    def on_attached(self, link: OwnedLink) -> None:
         self.attached = True
         self.peer._refusal_logged = False
         self._pump()
 
-    def on_detached(self, link: Link, condition) -> None:
+    def on_detached(self, link: OwnedLink, condition) -> None:
         self.attached = False
         self._link = None
         self.peer._link_detached(self, condition)
 
-    def on_raw_flow(self, link) -> None:
+    def on_credit(self, link: OwnedLink) -> None:
         self._pump()
 
-    def on_raw_delivery(self, d) -> None:
-        """A disposition from the peer (raw ``pn_delivery_t*``: this runs once per message)."""
-        if not (pn_delivery_updated(d) or pn_delivery_settled(d)):
-            return
-        remote = pn_delivery_remote_state(d)
-        if remote == _RECEIVED:
-            return
-        token = self._inflight.pop(d, None)
-        state = _OUTCOMES.get(remote)
-        pn_delivery_settle(d)
-        if token is None or state is None:
-            return
+    def on_outcome(self, link: OwnedLink, token: Any, state: str) -> None:
+        """The peer settled one of our transfers (this runs once per message)."""
         if state == "accepted" or state == "rejected":
             self.unacked.pop(token, None)
             self._transferred.discard(token)
@@ -226,37 +208,29 @@ class PeerSender:
                 self.accepted += 1
         else:  # released/modified: the remote did not take it; send it again
             self._queued.append(token)
-        self.on_outcome(token, state)
+        self.on_outcome_cb(token, state)
         self._pump()
 
     # the connection's side
     def _attach(self, engine: AmqpEngine) -> int:
         """A new connection: attach again and queue every unacknowledged message (in order);
         returns how many of them were written before (the ones sent again)."""
-        self._inflight.clear()
         self._queued = collections.deque(self.unacked)
         self._link = engine.open_link(self, name=self.name, sender=True, address=self.address)
-        self._raw = self._link._impl
         return len(self._transferred)
 
     def _pump(self) -> None:
-        # raw cproton, as the engine's own consumer path (this runs once per message)
-        if self._link is None or not self.attached:
+        link = self._link
+        if link is None or not self.attached:
             return
-        raw = self._raw
         queued = self._queued
-        unacked = self._inflight
         moved = False
-        while queued and pn_link_credit(raw) > 0:
+        while queued and link.credit > 0:
             token = queued.popleft()
             body = self.unacked.get(token)
             if body is None:
                 continue
-            tag = b"%x" % next(self._tags)
-            d = pn_delivery(raw, (len(tag), _from_buffer(tag)))
-            pn_link_send(raw, _from_buffer(body), len(body))
-            pn_link_advance(raw)
-            unacked[d] = token  # keyed by the raw pn_delivery_t* (cffi pointers hash by address)
+            link.send(body, token)
             self._transferred.add(token)
             self.sent += 1
             moved = True
@@ -274,37 +248,23 @@ class PeerReceiver:
         self.peer = peer
         self.address = address
         self.name = name
-        self.on_message = on_message
+        self.on_message_cb = on_message   # the owner's: body -> "accepted" | "released" | "rejected"
         self.credit = credit
-        self._link: Link | None = None
+        self._link: OwnedLink | None = None
         self.attached = False
         self.received = 0
 
-    def on_attached(self, link: Link) -> None:
+    def on_attached(self, link: OwnedLink) -> None:
         self.attached = True
 
-    def on_detached(self, link: Link, condition) -> None:
+    def on_detached(self, link: OwnedLink, condition) -> None:
         self.attached = False
         self._link = None
         self.peer._link_detached(self, condition)
 
-    def on_flow(self, link: Link) -> None:
-        pass
-
-    def on_delivery(self, d: Delivery) -> None:
-        link = d.link
-        if d.partial or not d.readable:
-            return
-        body = link.recv(d.pending)
-        link.advance()
+    def on_message(self, link: OwnedLink, data: bytes, delivery: Incoming) -> None:
         self.received += 1
-        state = self.on_message(body) or "accepted"
-        if not d.settled:
-            d.update({"accepted": Delivery.ACCEPTED, "released": Delivery.RELEASED,
-                      "rejected": Delivery.REJECTED}.get(state, Delivery.ACCEPTED))
-        d.settle()
-        if link.credit < self.credit // 2:
-            link.flow(self.credit - link.credit)
+        delivery.settle(self.on_message_cb(data) or "accepted")
         self.peer._wake()
 
     def _attach(self, engine: AmqpEngine) -> int:
@@ -476,20 +436,12 @@ class PeerConnection:
         sasl = SaslClient(self.credentials, hostname=self.hostname,
                           max_frame_bytes=self.host.settings.max_frame_bytes)
         await stream.send_all(sasl.data_to_send())
-        while True:
-            ev = sasl.next_event()
-            out = sasl.data_to_send()
-            if out:
-                await stream.send_all(out)
-            if ev is NEED_DATA:
-                data = await stream.receive_some(RECV_BYTES)
-                if not data:
-                    raise trio.BrokenResourceError("peer closed the connection during SASL")
-                sasl.receive_data(data)
-            elif isinstance(ev, LoginAccepted):
-                return ev.leftover
-            else:
-                raise _LoginRefused(ev)
+        ev = await next_sasl_event(sasl, stream, RECV_BYTES)
+        if ev is None:
+            raise trio.BrokenResourceError("peer closed the connection during SASL")
+        if isinstance(ev, LoginAccepted):
+            return ev.leftover
+        raise _LoginRefused(ev)
 
     async def _run_engine(self, stream, leftover: bytes, attempt: int) -> bool:
         wakeup = Wakeup()

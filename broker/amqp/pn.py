@@ -1,13 +1,14 @@
-"""The proton-C entry points the engine and its link owners call on the hot path.
+"""The proton-C entry points the engine's package calls on the hot path.
 
 Bound once from cffi (``lib.pn_*``): a direct call skips the Python wrapper objects proton
-builds per call. The engine (``broker.amqp.engine``), the peer connections
-(``broker.amqp.peer``), the cluster bridges and the replication links use these names.
+builds per call. Only ``broker.amqp`` uses them (the engine, its link API ``links.py``, the
+transactions); a broker service owns links through :mod:`broker.amqp.links` and never reads
+proton (tests/unit/test_architecture.py).
 """
 
 from __future__ import annotations
 
-from cproton_ffi import lib
+from cproton_ffi import ffi, lib
 from proton import Terminus
 
 pn_collector_peek = lib.pn_collector_peek
@@ -49,3 +50,7 @@ def terminus_capabilities(terminus: Terminus) -> set[str]:
             items = obj if isinstance(obj, (list, tuple)) else [obj]
         out.update(str(x) for x in items)
     return out
+
+
+#: cffi buffer view of bytes (what pn_link_send / pn_link_recv take)
+from_buffer = ffi.from_buffer

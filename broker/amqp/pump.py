@@ -29,14 +29,34 @@ from typing import TYPE_CHECKING, Callable
 import trio
 
 from broker.wire.io.trioutil import Wakeup
+from broker.wire.sasl import NEED_DATA
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.amqp.engine import AmqpEngine
 
-__all__ = ["pump_engine", "RECV_BYTES", "CLOSE_GRACE_S"]
+__all__ = ["pump_engine", "next_sasl_event", "RECV_BYTES", "CLOSE_GRACE_S"]
 
 RECV_BYTES = 256 * 1024
 CLOSE_GRACE_S = 5.0
+#: what one read of the SASL exchange takes (a SASL frame is small; the rest is left over)
+SASL_RECV_BYTES = 65536
+
+
+async def next_sasl_event(machine, stream, recv_bytes: int = SASL_RECV_BYTES):
+    """Drive a sans-IO SASL machine (``broker.wire.sasl.SaslServer`` or ``SaslClient``) over
+    ``stream`` up to its next event: write what it queued, read while it needs data. Returns the
+    event, or None at end of stream (the caller decides what that means in its state)."""
+    while True:
+        ev = machine.next_event()
+        out = machine.data_to_send()
+        if out:
+            await stream.send_all(out)
+        if ev is not NEED_DATA:
+            return ev
+        data = await stream.receive_some(recv_bytes)
+        if not data:
+            return None
+        machine.receive_data(data)
 
 
 async def pump_engine(engine: "AmqpEngine", stream, wakeup: Wakeup, *, leftover: bytes = b"",

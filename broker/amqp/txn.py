@@ -54,7 +54,6 @@ from broker.core.deliveries import Outcome
 from broker.core.duplicates import DUPLICATE_ID_PROPERTY, MISSING
 from broker.core.transactions import (DEFAULT_MAX_TRANSACTIONS, TransactionError, TransactionTable,
                                       UnknownTransaction)
-from broker.amqp.message import may_carry_duplicate_id, message_meta
 from broker.amqp.pn import terminus_capabilities as _capabilities
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -239,31 +238,18 @@ class TxnCoordinator:
         except UnknownTransaction as exc:
             engine._reject(d, exc.condition, exc.description)
             return
-        address = pl.address
-        if address is None:
-            # anonymous relay: as AmqpEngine._publish, but a refusal also dooms the transaction
-            address, err = engine.relay_address(pl, data)
-            if err is not None:
-                txn.mark_rollback_only(f"a send was refused ({err[0]}: {err[1]})")
-                engine._reject(d, *err)
-                return
-        else:
-            pl.messages += 1
-            pl.bytes += len(data)
-        durable, priority, expires = message_meta(data)
-        key = None
-        if may_carry_duplicate_id(data):
-            key, err = engine.duplicate_key(data)
-            if err is not None:  # Artemis: a failed send marks the transaction rollback-only
-                txn.mark_rollback_only(f"a send was refused ({err[0]}: {err[1]})")
-                engine._reject(d, *err)
-                return
-            if key is not None and engine.core.duplicates.lookup(address, key) is not MISSING:
-                # Artemis routes nothing, marks the transaction rollback-only and answers the
-                # send as usual; the discharge fails
-                engine.core.duplicates.duplicate(address, transactional=True)
-                txn.mark_rollback_only(f"duplicate message detected: {DUPLICATE_ID_PROPERTY} already seen "
-                                       f"on address {address!r}")
+        send, err = engine.prepare_send(pl, data)
+        if err is not None:  # as AmqpEngine._publish, but Artemis also marks the transaction rollback-only
+            txn.mark_rollback_only(f"a send was refused ({err[0]}: {err[1]})")
+            engine._reject(d, *err)
+            return
+        address, durable, priority, expires, key = send
+        if key is not None and engine.core.duplicates.lookup(address, key) is not MISSING:
+            # Artemis routes nothing, marks the transaction rollback-only and answers the send
+            # as usual; the discharge fails
+            engine.core.duplicates.duplicate(address, transactional=True)
+            txn.mark_rollback_only(f"duplicate message detected: {DUPLICATE_ID_PROPERTY} already seen "
+                                   f"on address {address!r}")
         txn.publish(address, data, durable, priority, expires, engine.conn_id, key)
         if dw.settled:
             dw.settle()

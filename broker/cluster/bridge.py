@@ -32,7 +32,7 @@ own cache of the address (a producer that resends through another node is caught
 copy went). A message moved by redistribution or scale-down (the envelope's ``moved``) is not
 checked — its id is the one it came with, already remembered somewhere — only remembered here.
 
-**Serving other nodes** (:meth:`ClusterNode.internal_link`, the node's ``EngineHost`` hook): an
+**Serving other nodes** (:meth:`ClusterNode.attach`, the node's internal link service): an
 inbound cluster connection (logged in as the cluster user, with the cluster key if one is set)
 may attach the two addresses above. A forwarded message is checked, then enqueued in each
 target queue here (or forwarded on, for a target farther away) in one journal group with its
@@ -66,9 +66,8 @@ from urllib.parse import urlsplit
 
 import trio
 
-from broker.amqp.engine import read_transfer
+from broker.amqp.links import Incoming, OwnedLink
 from broker.amqp.message import may_carry_duplicate_id, message_duplicate_id
-from broker.amqp.pn import pn_delivery_link, pn_delivery_partial, pn_delivery_readable, pn_link_credit, pn_link_flow
 from broker.wire.frames import CLUSTER_MEMBERS, MAX_CLUSTER_MEMBERS
 from broker.amqp.host import INTERNAL_PREFIX
 from broker.amqp.peer import (PeerConnected, PeerConnectFailed, PeerConnection, PeerDisconnected, PeerGaveUp,
@@ -351,27 +350,18 @@ class _ForwardIn:
         self.link = None
         self.received = 0
 
-    def on_attached(self, link) -> None:
+    def on_attached(self, link: OwnedLink) -> None:
         self.link = link
+        link.credit_window = FORWARD_CREDIT
         link.flow(FORWARD_CREDIT)
 
-    def on_flow(self, link) -> None:
-        pass
-
-    def on_detached(self, link, condition) -> None:
+    def on_detached(self, link: OwnedLink, condition) -> None:
         self.link = None
 
-    def on_raw_delivery(self, d) -> None:
-        """One forwarded message (raw ``pn_delivery_t*``, read as the engine reads producers')."""
-        if pn_delivery_partial(d) or not pn_delivery_readable(d):
-            return
-        link = pn_delivery_link(d)
-        data = read_transfer(link, d)
+    def on_message(self, link: OwnedLink, data: bytes, delivery: Incoming) -> None:
+        """One forwarded message."""
         self.received += 1
-        credit = pn_link_credit(link)
-        if credit < FORWARD_CREDIT // 2:
-            pn_link_flow(link, FORWARD_CREDIT - credit)
-        self.cluster.receive_forward(self, d, data)
+        self.cluster.receive_forward(self, delivery, data)
 
 
 class _NotifyOut:
@@ -382,9 +372,8 @@ class _NotifyOut:
         self.engine = engine
         self.link = None
         self.backlog: collections.deque = collections.deque()
-        self._tags = count(1)
 
-    def on_attached(self, link) -> None:
+    def on_attached(self, link: OwnedLink) -> None:
         self.link = link
         c = self.cluster
         c.subscribers.add(self)
@@ -392,14 +381,10 @@ class _NotifyOut:
             self.backlog.append(encode_note(note))
         self.pump()
 
-    def on_flow(self, link) -> None:
+    def on_credit(self, link: OwnedLink) -> None:
         self.pump()
 
-    def on_delivery(self, d) -> None:
-        if d.updated or d.settled:
-            d.settle()
-
-    def on_detached(self, link, condition) -> None:
+    def on_detached(self, link: OwnedLink, condition) -> None:
         self.link = None
         self.cluster.subscribers.discard(self)
 
@@ -421,11 +406,7 @@ class _NotifyOut:
             return
         moved = False
         while self.backlog and link.credit > 0:
-            data = self.backlog.popleft()
-            d = link.delivery(b"%x" % next(self._tags))
-            link.send(data)
-            link.advance()
-            d.settle()
+            link.send(self.backlog.popleft())   # pre-settled
             moved = True
         if moved:
             self.engine.wake()
@@ -909,7 +890,7 @@ class ClusterNode:
             return None
         return None if found is None else duplicate_key(found[0], string=found[1])
 
-    def receive_forward(self, fin: _ForwardIn, d, data: bytes) -> None:
+    def receive_forward(self, fin: _ForwardIn, d: Incoming, data: bytes) -> None:
         """One transfer of a neighbour's forward link: its forwarded messages are stored (or sent
         on) in one journal group with their duplicate ids, and the transfer is accepted once that
         group is durable."""
@@ -923,7 +904,7 @@ class ClusterNode:
             log.warning("cluster peer sent a malformed forwarded message; cutting the connection off",
                         extra={"fields": {"peer": fin.peer_node, "source": engine.source, "condition": exc.condition,
                                           "description": exc.description}})
-            engine.reject(d, exc.condition, exc.description)
+            d.reject(exc.condition, exc.description)
             engine.close_with(exc.condition, exc.description)
             return
         dedup = self.cfg.duplicate_detection
@@ -960,9 +941,9 @@ class ClusterNode:
             if grouped and store.end_group():
                 sync = True
         if sync:
-            engine.accept_when_synced(d)
+            d.accept_when_synced()
         else:
-            engine.accept(d)
+            d.accept()
 
     def _deliver(self, f: Forwarded, peer: str, *, skip_local: bool = False) -> tuple[bool, int, bool]:
         """Enqueue a forwarded message in its target queues here, or send it on (max-hops):
@@ -1086,8 +1067,10 @@ class ClusterNode:
             log.error("two active nodes have one node id (a copied data directory?): the newcomer is refused",
                       extra={"fields": {"node_id": node_id, "newcomer": newcomer, "keeps": keeper}})
 
-    def internal_link(self, engine: "AmqpEngine", link, address: str):
-        """The node's ``internal_link`` hook for ``$lodestone.cluster.*`` (see the module doc)."""
+    def attach(self, engine: "AmqpEngine", link: OwnedLink):
+        """The node's internal service for ``$lodestone.`` addresses but replication's (a
+        ``broker.amqp.links.LinkService``; see the module doc): the cluster's links."""
+        address = link.address
         principal = engine.principal
         if self.scaling_down:
             return ("amqp:resource-limit-exceeded", "this node is scaling down")

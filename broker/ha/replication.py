@@ -47,9 +47,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import trio
 
-from broker.amqp.engine import read_transfer, to_proton
-from broker.amqp.pn import (pn_delivery_link, pn_delivery_partial, pn_delivery_readable, pn_delivery_settle,
-                            pn_link_credit, pn_link_flow)
+from broker.amqp.engine import to_proton
+from broker.amqp.links import Incoming, OwnedLink
 from broker.store.journal.replication import SnapshotOrderError, iter_snapshot
 from broker.wire.io.trioutil import Wakeup
 from broker.ha.protocol import (ACKS_ADDRESS, FAILBACK, HANDOVER, HELLO, RECORDS, RECORDS_ADDRESS, SNAPSHOT,
@@ -83,20 +82,15 @@ class _RecordsOut:
         self.session = session
         self.link = None
         self.backlog: collections.deque = collections.deque()
-        self.tags = 0
 
-    def on_attached(self, link) -> None:
+    def on_attached(self, link: OwnedLink) -> None:
         self.link = link
         self.session.attached()
 
-    def on_flow(self, link) -> None:
+    def on_credit(self, link: OwnedLink) -> None:
         self.session.pump()
 
-    def on_delivery(self, d) -> None:
-        if d.updated or d.settled:
-            d.settle()
-
-    def on_detached(self, link, condition) -> None:
+    def on_detached(self, link: OwnedLink, condition) -> None:
         self.link = None
         self.session.lost("the backup detached its records link")
 
@@ -104,12 +98,7 @@ class _RecordsOut:
         link = self.link
         moved = False
         while link is not None and self.backlog and link.credit > 0:
-            data = self.backlog.popleft()
-            self.tags += 1
-            d = link.delivery(b"%x" % self.tags)
-            link.send(data)
-            link.advance()
-            d.settle()
+            link.send(self.backlog.popleft())   # pre-settled
             moved = True
         return moved
 
@@ -121,26 +110,17 @@ class _AcksIn:
         self.session = session
         self.link = None
 
-    def on_attached(self, link) -> None:
+    def on_attached(self, link: OwnedLink) -> None:
         self.link = link
+        link.credit_window = ACK_CREDIT
         link.flow(ACK_CREDIT)
 
-    def on_flow(self, link) -> None:
-        pass
-
-    def on_detached(self, link, condition) -> None:
+    def on_detached(self, link: OwnedLink, condition) -> None:
         self.link = None
         self.session.lost("the backup detached its acks link")
 
-    def on_raw_delivery(self, d) -> None:
-        if pn_delivery_partial(d) or not pn_delivery_readable(d):
-            return
-        link = pn_delivery_link(d)
-        data = read_transfer(link, d)
-        pn_delivery_settle(d)
-        credit = pn_link_credit(link)
-        if credit < ACK_CREDIT // 2:
-            pn_link_flow(link, ACK_CREDIT - credit)
+    def on_message(self, link: OwnedLink, data: bytes, delivery: Incoming) -> None:
+        delivery.accept()
         try:
             kind, payload = decode(data)
         except ProtocolError as exc:
@@ -349,8 +329,10 @@ class ReplicationSource:
         self._confirmed_ev = Wakeup()
         self.last_snapshot: dict | None = None   # the latest initial sync's snapshot (GET /api/v1/ha)
 
-    # -- links (node.internal_link) ----------------------------------------------------------------
-    def internal_link(self, engine: "AmqpEngine", link, address: str):
+    # -- links (the node's internal service for $lodestone.replication.*) ---------------------------
+    def attach(self, engine: "AmqpEngine", link: OwnedLink):
+        """A backup's replication link (a ``broker.amqp.links.LinkService``)."""
+        address = link.address
 
         principal = engine.principal
         if principal is None or CLUSTER_ROLE not in getattr(principal, "roles", ()):

@@ -551,7 +551,7 @@ FOLLOWS_REDIRECT = "lodestone:follows-redirect"
 #: most :data:`MAX_CLUSTER_MEMBERS` entries (docs/cluster.md, "Topology to clients";
 #: ``router.client.topology`` reads it). A plain string: written as an AMQP symbol.
 #: addresses only the broker itself serves (the cluster's links); a client cannot send to, read
-#: from or create them: an attach to one goes to the engine host's ``internal_link`` (if it has one)
+#: from or create them: an attach to one goes to the internal service the engine's host registered for it
 INTERNAL_PREFIX = "$lodestone."
 #: longest JMS selector (``apache.org:selector-filter:string``) accepted, in UTF-8 bytes
 MAX_SELECTOR_BYTES = 64 * 1024

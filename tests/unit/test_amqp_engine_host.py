@@ -13,6 +13,7 @@ import pytest
 from proton import Collector, Connection, Delivery, Message, Transport
 
 from broker.amqp.engine import AmqpEngine
+from broker.amqp.links import InternalServices
 from broker.amqp.host import EngineHost, EngineSettings
 from broker.core.addresses import Broker
 from broker.node import Node
@@ -56,6 +57,9 @@ class FakeHost:
         self.created: list[str] = []
         self.opened: list = []
         self.closed: list = []
+        self.services = InternalServices()
+        self.open_properties: dict = {}
+        self.server_open_properties: dict = {}
 
     def authorize(self, principal, permission, address):
         self.asked.append((permission, address))
@@ -115,7 +119,7 @@ def test_fake_host_satisfies_the_protocol_and_node_has_every_member():
     members = [n for n in vars(EngineHost) if not n.startswith("_")] + list(EngineHost.__annotations__)
     for name in set(members):
         assert hasattr(FakeHost(), name), name
-        assert hasattr(Node, name) or name in ("settings", "core", "container_id", "node_id"), name
+        assert hasattr(Node, name) or name in ("settings", "core", "container_id", "node_id", "services"), name
 
 
 def test_open_tells_the_host_and_carries_its_identity():
@@ -187,13 +191,15 @@ def test_settings_set_the_transport():
 # -- client mode: two engines, the dialling one (client=True) against an accepting one -----------
 
 class Handler:
-    """An owner's link handler: records what the engine tells it."""
+    """An owner's link handler (broker.amqp.links.LinkHandler): records what the engine tells it."""
 
-    def __init__(self):
+    def __init__(self, settle: str = "accepted"):
         self.attached = []
         self.detached = []
-        self.deliveries = []
+        self.deliveries = []      # sending: (token, outcome)
+        self.messages = []        # receiving: the bytes
         self.flows = 0
+        self.settle = settle
 
     def on_attached(self, link):
         self.attached.append(link)
@@ -201,12 +207,18 @@ class Handler:
     def on_detached(self, link, condition):
         self.detached.append(condition)
 
-    def on_flow(self, link):
+    def on_credit(self, link):
         self.flows += 1
 
-    def on_delivery(self, d):
-        self.deliveries.append((d.tag, d.remote_state))
-        d.settle()
+    def on_outcome(self, link, token, outcome):
+        self.deliveries.append((token, outcome))
+
+    def on_message(self, link, data, delivery):
+        self.messages.append(data)
+        if self.settle == "rejected":
+            delivery.reject("amqp:precondition-failed", "test says no")
+        else:
+            delivery.settle(self.settle)
 
 
 def pump_pair(a: AmqpEngine, b: AmqpEngine) -> None:
@@ -249,12 +261,10 @@ def test_client_mode_sender_gets_attach_flow_and_each_acceptance():
     pump_pair(client, server)
     assert h.attached == [link] and link.credit > 0 and h.flows >= 1
     for i in range(3):
-        link.delivery(b"t%d" % i)
-        link.send(Message(body=f"m{i}").encode())
-        link.advance()
+        link.send(Message(body=f"m{i}").encode(), f"t{i}")
     pump_pair(client, server)
     assert [tag for tag, _ in h.deliveries] == ["t0", "t1", "t2"]
-    assert all(state == Delivery.ACCEPTED for _, state in h.deliveries)
+    assert all(state == "accepted" for _, state in h.deliveries)
     assert sh.core.queues["orders"].depth == 3 and sh.counts["messages_in"] == 3
     assert dh.counts["links_opened"] == 1  # the dialler's own link, counted on its host
 
@@ -289,3 +299,89 @@ def test_client_mode_peer_close_condition_becomes_the_error():
     client.take_output()
     assert client.closed and client.error.name == "amqp:connection:forced"
     assert dh.closed == [client]
+
+
+# -- internal services: links a broker service owns on accepted connections ---------------------
+
+class Service:
+    """A LinkService for ``$lodestone.test.``: ``in`` (clients send to it), ``out`` (they read)."""
+
+    def __init__(self, settle: str = "accepted"):
+        self.handlers: list[Handler] = []
+        self.settle = settle
+
+    def attach(self, engine, link):
+        if link.address == "$lodestone.test.closed":
+            return ("amqp:unauthorized-access", "not for you")
+        if link.address not in ("$lodestone.test.in", "$lodestone.test.out"):
+            return None
+        h = Handler(self.settle)
+        self.handlers.append(h)
+        if link.is_receiver:
+            link.credit_window = 4
+            link.flow(4)
+        return h
+
+
+def _internal_wire(settle: str = "accepted"):
+    host = FakeHost()
+    service = Service(settle)
+    host.services.register("$lodestone.test.", service)
+    return Wire(host), service
+
+
+@pytest.mark.parametrize("settle, state", [("accepted", Delivery.ACCEPTED), ("released", Delivery.RELEASED),
+                                           ("rejected", Delivery.REJECTED)])
+def test_a_service_link_gets_each_message_as_bytes_and_settles_it(settle, state):
+    w, service = _internal_wire(settle)
+    s = w.sender("$lodestone.test.in")
+    assert s.remote_target.address == "$lodestone.test.in" and s.credit == 4
+    sent = [w.send(s, f"m{i}") for i in range(10)]       # more than the window: topped up as they arrive
+    h = service.handlers[0]
+    assert len(h.messages) == 10 and b"m9" in h.messages[9]
+    assert all(d.remote_state == state for d in sent)
+    assert w.host.counts["links_opened"] == 1
+
+
+def test_a_service_sending_link_sends_on_credit_pre_settled():
+    w, service = _internal_wire()
+    r = w.session.receiver("r")
+    r.source.address = "$lodestone.test.out"
+    r.open()
+    w.pump()
+    h = service.handlers[0]
+    assert h.attached and h.flows == 0
+    r.flow(2)
+    w.pump()
+    assert h.flows == 1
+    link = h.attached[0]
+    for i in range(2):
+        link.send(Message(body=f"n{i}").encode())
+    link.wake()
+    w.pump()
+    got = []
+    while r.current is not None and r.current.readable and not r.current.partial:
+        d = r.current
+        m = Message()
+        m.decode(r.recv(d.pending))
+        got.append(m.body)
+        assert d.settled      # pre-settled by the sender
+        r.advance()
+    assert got == ["n0", "n1"] and h.deliveries == []
+
+
+@pytest.mark.parametrize("address, condition", [("$lodestone.test.closed", "amqp:unauthorized-access"),
+                                                ("$lodestone.test.nothing", "amqp:not-found"),
+                                                ("$lodestone.other", "amqp:not-found")])
+def test_an_internal_address_no_service_takes_is_refused(address, condition):
+    w, service = _internal_wire()
+    s = w.sender(address)
+    assert s.remote_condition is not None and s.remote_condition.name == condition
+    assert service.handlers == []
+
+
+def test_a_service_link_is_told_when_the_connection_ends():
+    w, service = _internal_wire()
+    w.sender("$lodestone.test.in")
+    w.engine.finish()
+    assert service.handlers[0].detached == [None]

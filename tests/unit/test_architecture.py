@@ -17,7 +17,9 @@ docs/architecture.md draws the map; this test reads every module of the project 
     ``random.Random(seed)``);
   * the broker core and the store import neither the engine (``broker.amqp``) nor proton;
   * the engine (``broker.amqp`` but its listener, ``driver``) knows the node only as an
-    ``EngineHost``: it imports no node, server, management, routing, cluster or HA module;
+    ``EngineHost``: it imports no node, server, management, routing, cluster or HA module; and
+    proton's C calls (``broker.amqp.pn``) stay inside it: services own links through
+    ``broker.amqp.links``;
   * the shared package (``broker.wire``) imports nothing else of the broker or the router;
   * the broker imports from the router only its pure core and the embedding module
     (``router.embed``); the router imports from the broker only the shared package;
@@ -226,6 +228,8 @@ def ring_violations(proj: Project) -> list[str]:
                 and _under(t, "broker.node", "broker.server", "broker.process", "broker.management",
                            "broker.routing", "broker.cluster", "broker.ha", "broker.amqp.driver")):
             bad.append(f"{where} (the engine knows its host only as an EngineHost)")
+        if _under(t, "broker.amqp.pn") and not _under(m, "broker.amqp"):
+            bad.append(f"{where} (proton's C calls stay in the engine's package: own links with broker.amqp.links)")
         if _under(m, "broker.wire") and t and not _under(t, "broker.wire"):
             bad.append(f"{where} (the shared package imports neither program)")
         if _under(m, "broker") and _under(t, "router") and not _under(t, "router.core", "router.embed"):
@@ -380,11 +384,13 @@ def test_type_checking_imports_do_not_count(toy):
     ("broker/core/queues.py", "import proton\n", "do not know the engine"),
     ("broker/wire/io/http.py", "import trio\nfrom broker.amqp import engine\n", "imports neither program"),
     ("broker/amqp/engine.py", "from broker.node import Node\n", "only as an EngineHost"),
+    ("broker/cluster/bridge.py", "from broker.amqp.pn import pn_link_credit\n", "stay in the engine's package"),
     ("broker/routing.py", "from router.net import proxy\n", "only router.core and router.embed"),
     ("router/embed.py", "from broker.amqp.engine import X\n", "only broker.wire"),
 ])
 def test_each_ring_rule_can_fail(toy, path, text, says):
-    _write(toy, {"router/net/__init__.py": "", "router/net/proxy.py": "", "broker/node.py": "", path: text})
+    _write(toy, {"router/net/__init__.py": "", "router/net/proxy.py": "", "broker/node.py": "",
+                 "broker/amqp/pn.py": "", "broker/cluster/__init__.py": "", path: text})
     assert any(says in v for v in ring_violations(scan(toy, ("broker", "router"))))
 
 
