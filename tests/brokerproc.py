@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tests.serverproc import REPO, ServerProcessMixin, http_json, toml_value
+from tests.waiting import wait_for  # noqa: F401  (kept importable from here; new code imports tests.waiting)
 
 USERS_FILE = REPO / "etc" / "users.toml"
 ADMIN = ("admin", "admin")
@@ -188,13 +188,3 @@ def write_users_file(path: Path, users: dict[str, tuple[str, list[str]]], *,
     return path
 
 
-def wait_for(predicate, timeout_s: float = 10.0, interval_s: float = 0.05):
-    """Poll ``predicate()`` until it returns something truthy; raise AssertionError on timeout."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {predicate}")
-        time.sleep(interval_s)

@@ -24,6 +24,7 @@ from proton.utils import BlockingConnection
 
 from tests.brokerproc import ADMIN, BrokerProcess, write_config, write_users_file
 from tests.serverproc import http_json
+from tests.waiting import RESTARTING, wait_for
 
 CLUSTER_PASSWORD = "test-cluster-secret"
 
@@ -104,17 +105,9 @@ def cluster_view(node: BrokerProcess) -> dict:
 
 
 def wait_until(pred, timeout_s: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = pred()
-        except (OSError, AssertionError) as exc:  # a node restarting
-            last = exc
-        if last and not isinstance(last, Exception):
-            return last
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+    """:func:`tests.waiting.wait_for` for cluster nodes: a node restarting (OSError, an asserted
+    status) counts as "not yet"."""
+    return wait_for(pred, timeout_s, what=what, ignore=RESTARTING)
 
 
 def wait_mesh(nodes: list[BrokerProcess], timeout_s: float = 30.0) -> None:

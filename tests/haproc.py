@@ -16,12 +16,12 @@ listens, and ``amqp_url`` follows the latest ``listening`` line.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 from tests.brokerproc import ADMIN, BrokerProcess, write_config, write_users_file
 from tests.serverproc import free_ports, http_json
+from tests.waiting import wait_for
 
 
 class HaMember(BrokerProcess):
@@ -151,22 +151,18 @@ def ha_view(m: BrokerProcess) -> dict:
 
 
 def wait_phase(m: BrokerProcess, phase: str, timeout_s: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = ha_view(m)
-        except OSError as exc:
-            last = exc
-        else:
-            if last["phase"] == phase:
-                return last
-        time.sleep(0.02)
-    raise AssertionError(f"{m.workdir.name} never reached phase {phase!r}; last: {last!r}")
+    return wait_for(lambda: ha_view(m), timeout_s, interval_s=0.02, until=lambda v: v["phase"] == phase,
+                    what=f"{m.workdir.name} to reach phase {phase!r}", ignore=OSError)
 
 
 def wait_active(m: BrokerProcess, timeout_s: float = 30.0) -> dict:
     return wait_phase(m, "active", timeout_s)
+
+
+def wait_replication(m: BrokerProcess, state: str, timeout_s: float = 20.0) -> dict:
+    """Wait until the primary ``m`` reports its replication link in ``state`` (e.g. "in-sync")."""
+    return wait_for(lambda: ha_view(m), timeout_s, until=lambda v: v["replication"]["state"] == state,
+                    what=f"{m.workdir.name}'s replication to be {state!r}")
 
 
 # -- replicated pairs ([ha] policy = "replication"; docs/ha.md "Replication") -------------------------

@@ -154,7 +154,7 @@ def run_blocking(cfg: dict) -> None:
             except (ConnectionException, LinkException, Timeout) as exc:
                 emit("lost", why=f"connect: {exc!r}"[:200])
                 _close(conn)
-                time.sleep(0.1)
+                time.sleep(0.1)   # the client program under test: its reconnect back-off
         return False
 
     def _close(c):
@@ -177,7 +177,7 @@ def run_blocking(cfg: dict) -> None:
                 acked += 1
                 i += 1
                 sent = i
-                time.sleep(cfg.get("interval_s", 0.05))
+                time.sleep(cfg.get("interval_s", 0.05))   # pacing the producer, not a wait
             else:
                 try:
                     m = link.receive(timeout=0.5)
@@ -224,7 +224,7 @@ def run_failover(cfg: dict) -> None:
             emit("ack", i=i)
             acked += 1
             i += 1
-            time.sleep(cfg.get("interval_s", 0.05))
+            time.sleep(cfg.get("interval_s", 0.05))   # pacing the producer, not a wait
         else:
             try:
                 m = link.receive(timeout=0.5)

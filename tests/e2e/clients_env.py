@@ -19,8 +19,9 @@ import socket
 import json
 from pathlib import Path
 
-from tests.brokerproc import start_broker, wait_for, write_users_file
+from tests.brokerproc import start_broker, write_users_file
 from tests.routerproc import start_router, toml_str
+from tests.waiting import wait_for
 
 USERS = {"admin": ("admin-pw", ["admin"]), "app": ("app-pw", ["app"])}
 MGMT = ("ops", "ops-pw")

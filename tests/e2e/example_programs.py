@@ -17,7 +17,8 @@ from pathlib import Path
 from proton import Message
 from proton.utils import BlockingConnection
 
-from tests.brokerproc import ADMIN, BrokerProcess, start_broker, wait_for, write_users_file
+from tests.brokerproc import ADMIN, BrokerProcess, start_broker, write_users_file
+from tests.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 PROTON_EXAMPLES = REPO / "tests" / "e2e" / "examples" / "proton"

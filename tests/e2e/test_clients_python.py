@@ -359,7 +359,7 @@ def test_management_lookup_falls_back_to_the_front_door_when_the_api_is_stopped(
         conn.close()
     finally:
         assert other.terminate() == 0
-    time.sleep(0.01)
+    time.sleep(0.01)   # the thing under test: the lookup's 1 ms cached answer expires, it asks the stopped API
     address = f"mg.down.{uuid.uuid4().hex[:6]}"
     before = env.redirected()
     conn = connect_via_management(lookup, env.front_door(), key=k, timeout=10, container_id=k, **APP)

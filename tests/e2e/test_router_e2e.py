@@ -21,8 +21,9 @@ from proton import ConnectionException
 from proton.utils import BlockingConnection, ConnectionClosed
 
 from router.client import RedirectLoop, TooManyRedirects, connect_following_redirects
-from tests.brokerproc import start_broker, wait_for, write_users_file
+from tests.brokerproc import start_broker, write_users_file
 from tests.routerproc import start_router, toml_str
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -270,7 +271,11 @@ def test_least_connections_picks_the_broker_with_fewest_connections(env, mode):
     try:
         for b in (b1, b1, b2, b2, b3):  # b1: 2, b2: 2, b3: 1 (plus nothing else open)
             held.append(BlockingConnection(b.amqp_url.replace("amqp://", "amqp://admin:admin-pw@"), timeout=10))
-        time.sleep(3 * CHECK_PERIOD_MS / 1000)  # a few probe rounds learn the counts
+
+        def counts():
+            return {t["name"]: t["connection_count"] for t in env.router.get("/api/v1/routers/lc/pool")[1]["targets"]}
+        wait_for(counts, 20, interval_s=0.1, until=lambda c: c == {"b1": 2, "b2": 2, "b3": 1},
+                 what="the lc router's probes to learn the connection counts")
         assert landed(env, f"lc-{mode}", container_id="lc") == "b3"
     finally:
         for c in held:
@@ -491,7 +496,7 @@ def test_a_killed_broker_leaves_rotation_within_one_check_period(tmp_path):
         assert land("r") == "b1" and land("p") == "b1"
         b1.kill()
         t0 = time.monotonic()
-        wait_for(lambda: router.get("/api/v1/routers/main/pool")[1]["ready"] == 1, 10, 0.02)
+        wait_for(lambda: router.get("/api/v1/routers/main/pool")[1]["ready"] == 1, 10, interval_s=0.02)
         took = time.monotonic() - t0
         assert took <= period_ms / 1000 + 0.5, f"b1 left rotation after {took:.2f}s"
         assert land("r") == "b2" and land("p") == "b2"

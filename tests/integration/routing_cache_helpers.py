@@ -9,8 +9,9 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from tests.waiting import wait_for
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -72,14 +73,8 @@ class Worker:
         return self.ask("status")
 
     def wait_status(self, pred, timeout: float = 10.0) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            st = self.status()
-            if pred(st):
-                return st
-            if time.monotonic() > deadline:
-                raise AssertionError(f"condition not met; status: {st}")
-            time.sleep(0.05)
+        """The worker's status once ``pred(status)`` holds (on timeout: the last status)."""
+        return wait_for(self.status, timeout, until=pred, what="the worker's status")
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -126,18 +121,14 @@ class RedisServer:
             [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", str(self.dir)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as c:
-                    c.sendall(b"PING\r\n")
-                    if c.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                pass
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise RuntimeError("redis-server did not start")
-            time.sleep(0.05)
+
+        def pong() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError("redis-server did not start: it exited")
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as c:
+                c.sendall(b"PING\r\n")
+                return c.recv(16).startswith(b"+PONG")
+        wait_for(pong, 10, ignore=OSError, what="redis-server to answer PING")
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -62,7 +62,7 @@ async def main(path: str, name: str, seed: int) -> None:
                         ok += 1
                     else:
                         failed += 1
-                    await trio.sleep(0.002)
+                    await trio.sleep(0.002)  # pacing the routes, not a wait
                 out({"ok": ok, "failed": failed})
             elif cmd[0] == "status":
                 out(svc.status())

@@ -20,8 +20,9 @@ import pytest
 from broker.wire.codec import Symbol
 from broker.wire.frames import (AMQP_HEADER, FRAME_AMQP, FRAME_SASL, SASL_HEADER, Close, FrameReader, Open,
                                 SaslInit, decode_performative, encode_frame)
-from tests.brokerproc import start_broker, wait_for, write_users_file
+from tests.brokerproc import start_broker, write_users_file
 from tests.routerproc import start_router, toml_str
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

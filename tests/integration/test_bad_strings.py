@@ -21,9 +21,10 @@ from proton.utils import BlockingConnection
 
 from broker.wire.codec import Described, UInt, ULong, decode
 from broker.wire.frames import AMQP_HEADER, FRAME_AMQP, FRAME_SASL, SASL_HEADER, Open, SaslInit, encode_frame
-from tests.brokerproc import start_broker, wait_for, write_users_file
+from tests.brokerproc import start_broker, write_users_file
 from tests.integration.test_broker_badinput import exchange, parse_reply
 from tests.routerproc import start_router, toml_str
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

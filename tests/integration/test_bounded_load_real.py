@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 from proton.utils import BlockingConnection
 
-from tests.brokerproc import start_broker, wait_for, write_users_file
+from tests.brokerproc import start_broker, write_users_file
 from tests.routerproc import start_router, toml_str
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

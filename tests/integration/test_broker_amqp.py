@@ -13,7 +13,8 @@ from proton.reactor import Container, DurableSubscription, LinkOption
 from proton import ConnectionException
 from proton.utils import BlockingConnection, LinkDetached
 
-from tests.brokerproc import start_broker, wait_for, write_users_file
+from tests.brokerproc import start_broker, write_users_file
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,8 @@ from proton.handlers import MessagingHandler
 from proton.reactor import Container, Copy, DurableSubscription, DynamicNodeProperties, Filter, LinkOption
 from proton.utils import BlockingConnection, LinkDetached
 
-from tests.brokerproc import start_broker, wait_for, write_users_file
+from tests.brokerproc import start_broker, write_users_file
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

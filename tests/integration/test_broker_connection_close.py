@@ -19,8 +19,9 @@ from proton.handlers import MessagingHandler
 from proton.reactor import Container
 
 from broker.wire.frames import FOLLOWS_REDIRECT
-from tests.brokerproc import ADMIN, start_broker, wait_for
+from tests.brokerproc import ADMIN, start_broker
 from tests.serverproc import http_json
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

@@ -14,7 +14,8 @@ from proton.handlers import MessagingHandler
 from proton.reactor import Container
 from proton.utils import BlockingConnection
 
-from tests.brokerproc import REPO, start_broker, wait_for, write_users_file
+from tests.brokerproc import REPO, start_broker, write_users_file
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -30,6 +30,7 @@ from broker.amqp.peer import (
 from broker.config import load_config
 from broker.node import Node
 from tests.brokerproc import start_broker, write_config
+from tests.waiting import wait_for_async
 
 pytestmark = pytest.mark.slow
 
@@ -81,9 +82,7 @@ def test_peer_logs_in_sends_durable_messages_and_gets_every_acceptance(tmp_path)
             nursery.start_soon(peer.run)
             for i in range(n):
                 snd.send(body(i), i)
-            with trio.fail_after(30):
-                while len(outcomes) < n:
-                    await trio.sleep(0.02)
+            await wait_for_async(lambda: len(outcomes) >= n, 30, interval_s=0.02, what=f"{n} outcomes")
             assert not snd.unacked
             nursery.cancel_scope.cancel()
         return peer
@@ -219,29 +218,26 @@ def test_sigkilled_peer_restarted_gets_every_unacknowledged_message_again(tmp_pa
             for i in range(n):
                 snd.send(body(i), i)
                 if i % 50 == 0:
-                    await trio.sleep(0.001)  # let the pump run
+                    await trio.sleep(0.001)  # pacing, not a wait: let the pump run
                 if i == n // 3:  # the stream is flowing: accepted messages come back
-                    with trio.fail_after(20):
-                        while len(accepted) < n // 10:
-                            await trio.sleep(0.005)
+                    await wait_for_async(lambda: len(accepted) >= n // 10, 20, interval_s=0.005,
+                                         what="a tenth accepted")
                     # freeze the broker: what we write from now on is certainly not acknowledged
                     # when it is killed (mid-stream, with transfers on the wire)
                     os.kill(b.proc.pid, signal.SIGSTOP)
                 if i == kill_at:
-                    with trio.fail_after(10):  # the pump has written transfers the frozen broker cannot answer
-                        while not snd._transferred:
-                            await trio.sleep(0.005)
+                    # the pump has written transfers the frozen broker cannot answer
+                    await wait_for_async(lambda: snd._transferred, 10, interval_s=0.005,
+                                         what="transfers in flight")
                     killed_at["accepted"] = len(accepted)
                     killed_at["unacked"] = len(snd.unacked)
                     killed_at["in_flight"] = len(snd._transferred)  # written, not acknowledged
                     await trio.to_thread.run_sync(b.kill)
-                    with trio.fail_after(10):  # the peer saw its connection go before the broker is back
-                        while not any(isinstance(e, PeerDisconnected) for e in events):
-                            await trio.sleep(0.005)
+                    # the peer saw its connection go before the broker is back
+                    await wait_for_async(lambda: any(isinstance(e, PeerDisconnected) for e in events), 10,
+                                         interval_s=0.005, what="the peer to see its connection go")
                     await trio.to_thread.run_sync(b.start)
-            with trio.fail_after(60):
-                while len(accepted) < n:
-                    await trio.sleep(0.05)
+            await wait_for_async(lambda: len(accepted) >= n, 60, what=f"all {n} accepted")
             assert not snd.unacked
             nursery.cancel_scope.cancel()
         return peer, snd
@@ -307,9 +303,8 @@ def test_amqps_peer_verified_by_its_ca(tmp_path, trusted):
             snd.send(body(i), i)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(peer.run)
-            with trio.fail_after(20):
-                while len(outcomes) < 10 and not any(isinstance(e, PeerGaveUp) for e in events):
-                    await trio.sleep(0.02)
+            await wait_for_async(lambda: len(outcomes) >= 10 or any(isinstance(e, PeerGaveUp) for e in events), 20,
+                                 interval_s=0.02, what="10 outcomes, or the peer giving up")
             nursery.cancel_scope.cancel()
 
     try:
@@ -350,12 +345,11 @@ def test_peer_receiver_takes_every_message_and_accepts_after_the_callback(tmp_pa
             peer = PeerConnection(node, b.amqp_url, credentials=APP)
             peer.receiver("peer.inbox", on_message, credit=50)
             nursery.start_soon(peer.run)
-            with trio.fail_after(30):
-                while len(got) < n + 1:
-                    await trio.sleep(0.02)
-            with trio.fail_after(10):  # the last dispositions reach the broker
-                while (await trio.to_thread.run_sync(b.queue, "peer.inbox"))["depth"] != 0:
-                    await trio.sleep(0.05)
+            await wait_for_async(lambda: len(got) >= n + 1, 30, interval_s=0.02, what=f"{n + 1} messages")
+
+            async def drained():
+                return (await trio.to_thread.run_sync(b.queue, "peer.inbox"))["depth"] == 0
+            await wait_for_async(drained, 10, what="the last dispositions to reach the broker")
             nursery.cancel_scope.cancel()
 
     try:

@@ -21,8 +21,9 @@ from proton.utils import BlockingConnection, LinkDetached
 
 from broker.activity import CLUSTER_FIELDS, SCHEMA_FIELDS
 from broker.wire.frames import AMQP_HEADER, FRAME_AMQP, FRAME_SASL, SASL_HEADER, Open, SaslInit, encode_frame
-from tests.brokerproc import REPO, USERS_FILE, start_broker, wait_for, write_users_file
+from tests.brokerproc import REPO, USERS_FILE, start_broker, write_users_file
 from tests.integration.test_broker_badinput import parse_reply
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,9 @@ from proton import Described, Message, symbol
 from proton.reactor import Container, Copy, DurableSubscription, Filter, LinkOption, Selector
 from proton.utils import BlockingConnection, LinkDetached
 
-from tests.brokerproc import BrokerProcess, start_broker, wait_for, write_users_file
+from tests.brokerproc import BrokerProcess, start_broker, write_users_file
 from tests.integration.test_broker_durability import journal_synced
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

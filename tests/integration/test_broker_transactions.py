@@ -11,8 +11,9 @@ from proton import Delivery, Endpoint, Message, Terminus, symbol
 from proton.reactor import LinkOption
 from proton.utils import BlockingConnection, LinkDetached
 
-from tests.brokerproc import REPO, start_broker, wait_for, write_users_file
+from tests.brokerproc import REPO, start_broker, write_users_file
 from tests.txnclient import TXN_STATE, TxClient
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -349,7 +350,7 @@ for _ in range(2):
 for i in range(3):
     c.send(t, s, Message(body="never %d" % i, durable=True))
 print("ready", flush=True)
-time.sleep(60)
+time.sleep(60)  # the thing under test: the transaction stays open until the test drops the connection
 """
 
 

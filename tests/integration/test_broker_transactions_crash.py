@@ -10,9 +10,10 @@ import pytest
 from proton import Message
 from proton.utils import BlockingConnection
 
-from tests.brokerproc import REPO, start_broker, wait_for
+from tests.brokerproc import REPO, start_broker
 from tests.integration.test_broker_durability import journal_synced
 from tests.txnclient import TxClient
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -24,7 +24,7 @@ from proton import Message, Timeout
 
 from router.client import (DISCONNECT, FAILOVER, DeliveryLost, FailoverConnection, FailoverError, NonDurableLost)
 from tests.brokerproc import start_broker
-from tests.haproc import CLIENT, ha_view, receive_all, start_replica, wait_active, wait_phase
+from tests.haproc import CLIENT, receive_all, start_replica, wait_active, wait_phase, wait_replication
 from tests.tcpproxy import TcpProxy
 from tests.nodeclients import node_executable
 
@@ -43,10 +43,7 @@ def replicated_pair(tmp_path, procs):
     backup = start_replica(tmp_path, "backup", "backup", static=[primary.amqp_url], ha=FAST_VOTES)
     procs.append(backup)
     wait_phase(backup, "in-sync")
-    deadline = time.monotonic() + 20
-    while ha_view(primary)["replication"]["state"] != "in-sync":
-        assert time.monotonic() < deadline, ha_view(primary)
-        time.sleep(0.05)
+    wait_replication(primary, "in-sync")
     return primary, backup
 
 

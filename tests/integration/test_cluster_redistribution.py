@@ -115,7 +115,8 @@ def test_a_consumer_back_within_the_delay_cancels_redistribution(pair):
     ca.close()
     ca = connect(a)  # back within the delay, still without credit: the messages wait on A
     ra = ca.create_receiver("orders", credit=0)
-    deadline = time.monotonic() + 2.0  # twice the delay: a move would have happened by now
+    # the thing under test: for twice the delay (a move would have happened by now) nothing moves
+    deadline = time.monotonic() + 2.0
     while time.monotonic() < deadline:
         assert cluster_view(a)["redistributed"] == 0
         assert a.queue("orders")["depth"] == 50

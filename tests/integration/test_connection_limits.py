@@ -37,9 +37,10 @@ from broker.wire.frames import (
     decode_performative,
     encode_frame,
 )
-from tests.brokerproc import start_broker, wait_for, write_users_file
+from tests.brokerproc import start_broker, write_users_file
 from tests.routerproc import start_router, toml_str
 from tests.serverproc import http_json
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -12,9 +12,10 @@ import pytest
 from proton import ConnectionException
 from proton.utils import BlockingConnection
 
-from tests.brokerproc import start_broker, wait_for
+from tests.brokerproc import start_broker
 from tests.routerproc import start_router
 from tests.serverproc import REPO
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 KEYS = [f"newcomer-{i}" for i in range(24)]

@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 from proton.utils import BlockingConnection
 
-from tests.brokerproc import start_broker, wait_for
+from tests.brokerproc import start_broker
 from tests.routerproc import start_router
 from tests.serverproc import REPO, free_ports
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -76,6 +76,7 @@ from tests.integration.test_local_deployment import FIXED_PORTS, REPO
 from tests.nodeclients import node_executable
 from tests.routerproc import RouterProcess
 from tests.serverproc import free_ports, http_json
+from tests.waiting import RESTARTING, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -146,9 +147,10 @@ class Deployment:
         (self.tmp / "logs" / "router").mkdir(parents=True, exist_ok=True)
         self.router.start(expect=4)
         self.node_ids = {name: self.ha(name)["node_id"] for name in ("broker-1", "broker-2", "broker-3")}
-        wait(lambda: self.ha("broker-1-backup")["phase"] == "in-sync", 60, "broker-1's backup in sync")
-        wait(lambda: self.pool_ready() == {"broker-1": True, "broker-2": True, "broker-3": True}, 60,
-             "the router's pool: three ready brokers")
+        wait_for(lambda: self.ha("broker-1-backup")["phase"] == "in-sync", 60, ignore=RESTARTING,
+                 what="broker-1's backup in sync")
+        wait_for(lambda: self.pool_ready() == {"broker-1": True, "broker-2": True, "broker-3": True}, 60,
+                 ignore=RESTARTING, what="the router's pool: three ready brokers")
 
     # etc/'s ports (README "The local deployment"), mapped to this copy's by ``self.ports``
     AMQP_PORT = {"broker-1": 15672, "broker-2": 15673, "broker-3": 15674, "broker-1-backup": 15675}
@@ -202,20 +204,6 @@ class Deployment:
                     except subprocess.TimeoutExpired:
                         pass
                 b._release()
-
-
-def wait(pred, timeout_s: float, what: str, interval_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = pred()
-        except (OSError, AssertionError) as exc:
-            last = exc
-        if last and not isinstance(last, Exception):
-            return last
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}; last: {last!r}")
 
 
 # -- the clients ---------------------------------------------------------------------------------------
@@ -328,7 +316,7 @@ def _kill_primary(dep: Deployment) -> tuple[float, threading.Event, dict]:
     dep.brokers["broker-1"].kill()
 
     def settle():
-        wait(lambda: dep.ha("broker-1-backup")["active"], 60, "the backup active")
+        wait_for(lambda: dep.ha("broker-1-backup")["active"], 60, ignore=RESTARTING, what="the backup active")
         info["settled"] = time.time()
         done.set()
     threading.Thread(target=settle, daemon=True).start()
@@ -342,7 +330,8 @@ def _failback(dep: Deployment) -> tuple[float, threading.Event, dict]:
     def settle():
         dep.brokers["broker-1"].start()          # listens (amqp) once it has the node id back
         info["settled"] = time.time()
-        wait(lambda: not dep.ha("broker-1-backup")["active"], 30, "the backup passive again")
+        wait_for(lambda: not dep.ha("broker-1-backup")["active"], 30, ignore=RESTARTING,
+                 what="the backup passive again")
         done.set()
     threading.Thread(target=settle, daemon=True).start()
     return t, done, info
@@ -354,7 +343,7 @@ def _kill_no_backup(dep: Deployment) -> tuple[float, threading.Event, dict]:
     dep.brokers["broker-2"].kill()
 
     def settle():
-        time.sleep(RESTART_AFTER_S)
+        time.sleep(RESTART_AFTER_S)   # the thing under test: broker-2 stays down this long
         dep.brokers["broker-2"].start()
         info["settled"] = time.time()
         done.set()
@@ -401,8 +390,10 @@ def drain(dep: Deployment, addresses: dict[str, set], timeout_s: float = 20.0) -
     from proton.utils import BlockingConnection
 
     got: dict[str, set] = {a: set() for a in addresses}
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not all(addresses[a] <= got[a] for a in addresses):
+
+    def one_round() -> bool:   # True once every missing id came
+        if all(addresses[a] <= got[a] for a in addresses):
+            return True
         for name in live_members(dep):
             status, qs = http_json(dep.mgmt(name) + "/api/v1/queues", auth=ADMIN, timeout_s=5)
             depth = {q["name"]: q["depth"] for q in qs} if status == 200 else {}
@@ -423,7 +414,8 @@ def drain(dep: Deployment, addresses: dict[str, set], timeout_s: float = 20.0) -
                     r.close()
             finally:
                 conn.close()
-        time.sleep(0.2)
+        return all(addresses[a] <= got[a] for a in addresses)
+    wait_for(one_round, timeout_s, interval_s=0.2, raise_on_timeout=False, what="the missing ids")
     return got
 
 
@@ -480,9 +472,9 @@ def run_event(dep: Deployment, event: str, tag: str, logdir: Path, procs: list) 
             raise RuntimeError(f"client programs exited: {dead} (see {logdir / event})")
         status, conns = http_json(dep.mgmt(member) + "/api/v1/connections", auth=ADMIN, timeout_s=5)
         return status == 200 and set(keys) <= {c["container_id"] for c in conns}
-    wait(placed, 40, f"every client of {event} connected to {member}", 0.2)
-    wait(lambda: all(len(c.of("recv")) >= 10 for _, c, _ in pairs.values()), 40,
-         f"every pair of {event} flowing", 0.1)
+    wait_for(placed, 40, interval_s=0.2, ignore=RESTARTING, what=f"every client of {event} connected to {member}")
+    wait_for(lambda: all(len(c.of("recv")) >= 10 for _, c, _ in pairs.values()), 40, interval_s=0.1,
+             ignore=RESTARTING, what=f"every pair of {event} flowing")
 
     # messages nobody consumes before the event: stored on the member the event hits, they must
     # all be there afterwards (on the backup, moved by the scale-down, after the restart)
@@ -490,13 +482,13 @@ def run_event(dep: Deployment, event: str, tag: str, logdir: Path, procs: list) 
     park(dep.amqp(member), parked, PARKED)
 
     t_event, settled, info = ACTIONS[event](dep)
-    deadline = t_event + WATCH_CAP_S
-    while time.time() < deadline:
+
+    def recovered():   # settled 2 s ago, and every consumer received within the last second
         now = time.time()
-        if settled.is_set() and now >= info["settled"] + 2.0 and \
-                all((c.last("recv") or 0) > max(now - 1.0, t_event) for _, c, _ in pairs.values()):
-            break
-        time.sleep(0.1)
+        return settled.is_set() and now >= info["settled"] + 2.0 and \
+            all((c.last("recv") or 0) > max(now - 1.0, t_event) for _, c, _ in pairs.values())
+    wait_for(recovered, max(0.0, t_event + WATCH_CAP_S - time.time()), interval_s=0.1, raise_on_timeout=False,
+             what=f"{event}: the deployment recovered")
     assert settled.wait(60), f"{event}: the deployment did not settle"
     t_end = time.time()
     for p, _, _ in pairs.values():
@@ -505,10 +497,9 @@ def run_event(dep: Deployment, event: str, tag: str, logdir: Path, procs: list) 
         p.stop()
     acked = {client: {e["i"] for e in p.of("ack")} for client, (p, _, _) in pairs.items()}
     all_in = lambda: all(acked[cl] <= {e["i"] for e in c.of("recv")} for cl, (_, c, _) in pairs.items())  # noqa: E731
-    try:
-        wait(all_in, 5, "every acknowledged message consumed", 0.1)
-    except AssertionError:
-        pass    # a stalled consumer: what it did not get is drained below
+    # a stalled consumer: what it did not get is drained below
+    wait_for(all_in, 5, interval_s=0.1, ignore=RESTARTING, raise_on_timeout=False,
+             what="every acknowledged message consumed")
     for _, c, _ in pairs.values():
         c.stop()
     missing = {a: acked[cl] - {e["i"] for e in c.of("recv")} for cl, (_, c, a) in pairs.items()}

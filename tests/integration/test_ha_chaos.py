@@ -31,6 +31,7 @@ from router.client import DeliveryLost, FailoverConnection
 from tests.brokerproc import USERS_FILE
 from tests.haproc import start_pair, start_replica, wait_active, wait_phase
 from tests.routerproc import start_router, toml_str
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -84,7 +85,7 @@ class Load:
                 with self.lock:
                     self.acked.add(body)
                     self.ack_times.append((started, time.monotonic()))
-                time.sleep(0.002)        # a steady stream rather than one burst
+                time.sleep(0.002)        # pacing, not a wait: a steady stream rather than one burst
             with self.lock:
                 self.resent += snd.resent
             conn.close()
@@ -121,10 +122,11 @@ def run_chaos(kill, router, survivor) -> dict:
     for t in threads:
         t.start()
     total = PRODUCERS * PER_PRODUCER
-    deadline = time.monotonic() + 60
-    while len(load.acked) < total * 0.4:
-        assert time.monotonic() < deadline and not load.errors, load.errors
-        time.sleep(0.01)
+
+    def kill_point():
+        assert not load.errors, load.errors
+        return len(load.acked) >= total * 0.4
+    wait_for(kill_point, 60, interval_s=0.01, what="40 % of the messages acknowledged")
     acked_at_kill = len(load.acked)
     t_kill = time.monotonic()
     kill()
@@ -132,11 +134,9 @@ def run_chaos(kill, router, survivor) -> dict:
         t.join(120)
     assert not load.errors, load.errors
     # consumers drain until every acknowledged body has been received
-    deadline = time.monotonic() + 60
-    while {b for b, _, _ in load.receipts} < load.acked:
-        assert time.monotonic() < deadline, f"missing {len(load.acked - {b for b, _, _ in load.receipts})}"
-        time.sleep(0.05)
-    time.sleep(0.5)      # anything still arriving is a duplicate, and is counted
+    wait_for(lambda: {b for b, _, _ in load.receipts}, 60, until=lambda got: got >= load.acked,
+             what="every acknowledged body received")
+    time.sleep(0.5)      # the thing under test: anything still arriving is a duplicate, and is counted
     load.stop.set()
     for t in threads[PRODUCERS:]:
         t.join(30)

@@ -29,6 +29,7 @@ from proton.reactor import Container
 
 from broker.wire.frames import FOLLOWS_REDIRECT
 from tests.haproc import CLIENT, ha_view, receive_all, send, start_replica, wait_active, wait_phase
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -112,17 +113,6 @@ def run_in_thread(handler) -> tuple[Container, threading.Thread]:
     return c, t
 
 
-def wait_until(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = predicate()
-        if v:
-            return v
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
-
 def test_failback_redirects_followers_and_ends_the_others_who_resume_on_the_primary(tmp_path, procs):
     backup = start_replica(tmp_path, "backup", "backup", ha=FAST_VOTES, start=False)
     primary = start_replica(tmp_path, "primary", "primary", static=[backup.amqp_url],
@@ -144,18 +134,20 @@ def test_failback_redirects_followers_and_ends_the_others_who_resume_on_the_prim
     watcher = RedirectWatcher(backup.amqp_url)
     containers = [run_in_thread(consumer), run_in_thread(watcher)]
     try:
-        wait_until(lambda: len(consumer.got) >= 5 and watcher.opened.is_set(), 20, "the clients on the backup")
+        wait_for(lambda: len(consumer.got) >= 5 and watcher.opened.is_set(), 20, interval_s=0.02,
+                 what="the clients on the backup")
         primary.start()
-        wait_until(lambda: consumer.disconnects, 60, "the backup to end the consumer's connection (failback)")
+        wait_for(lambda: consumer.disconnects, 60, interval_s=0.02,
+                 what="the backup to end the consumer's connection (failback)")
         closed_at = consumer.disconnects[0]
         assert consumer.closes == []   # an end of stream, no Close
-        first_after = wait_until(lambda: next((t for t, _b in consumer.got if t > closed_at), None), 30,
-                                 "a message on the primary")
+        first_after = wait_for(lambda: next((t for t, _b in consumer.got if t > closed_at), None), 30,
+                               interval_s=0.02, what="a message on the primary")
         resumed_s = first_after - closed_at
         assert ha_view(primary)["active"] is True
         print(f"failback: the consumer resumed on the primary {resumed_s:.3f} s after the backup ended its connection")
         assert resumed_s < 3.0
-        wait_until(lambda: watcher.close is not None, 10, "the redirect")
+        wait_for(lambda: watcher.close is not None, 10, interval_s=0.02, what="the redirect")
     finally:
         consumer.stopping = True
         for c, t in containers:
@@ -188,9 +180,11 @@ def test_scale_down_redirects_followers_to_the_node_the_messages_go_to(tmp_path,
     follower, plain = RedirectWatcher(a.amqp_url), RedirectWatcher(a.amqp_url, follows=False)
     containers = [run_in_thread(follower), run_in_thread(plain)]
     try:
-        wait_until(lambda: follower.opened.is_set() and plain.opened.is_set(), 20, "the clients on A")
+        wait_for(lambda: follower.opened.is_set() and plain.opened.is_set(), 20, interval_s=0.02,
+                 what="the clients on A")
         assert a.terminate() == 0
-        wait_until(lambda: follower.close is not None and plain.disconnected.is_set(), 10, "the closes")
+        wait_for(lambda: follower.close is not None and plain.disconnected.is_set(), 10, interval_s=0.02,
+                 what="the closes")
     finally:
         for ct, t in containers:
             ct.stop()

@@ -5,13 +5,13 @@ colocated backup takes over its node id there. Real broker processes (tests/hapr
 from __future__ import annotations
 
 import socket
-import time
 
 import pytest
 
 from tests.haproc import ha_view, start_replica, wait_active
 from tests.haproc import receive_all, send
 from tests.integration.test_ha_replication import FAST_VOTES, three_primaries
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -63,20 +63,16 @@ def test_a_colocated_backup_takes_over_inside_another_node(tmp_path, members):
     members.append(p3)
     wait_active(p3)
     # p1 asks; p3 hosts none (404), p2 hosts it
-    deadline = time.monotonic() + 60
-    while (ha_view(p1)["replication"] or {}).get("state") != "in-sync":
-        assert time.monotonic() < deadline, ha_view(p1)
-        time.sleep(0.1)
+    wait_for(lambda: ha_view(p1), 60, interval_s=0.1,
+             until=lambda v: (v["replication"] or {}).get("state") == "in-sync", what="p1's colocated backup in sync")
     assert ha_view(p1)["replication"]["backup"]["name"] == "p2-colocated-1"
     hosted = ha_view(p2)["colocated"]
     assert [(h["name"], h["for_node_id"], h["phase"]) for h in hosted] == [("p2-colocated-1", p1.node_id, "in-sync")]
     bodies = [f"c{i}" for i in range(200)]
     send(p1, "colo", bodies)
     p1.kill()
-    deadline = time.monotonic() + 30
-    while not ha_view(p2)["colocated"][0]["active"]:
-        assert time.monotonic() < deadline, ha_view(p2)
-        time.sleep(0.05)
+    wait_for(lambda: ha_view(p2), 30, until=lambda v: v["colocated"][0]["active"],
+             what="p2's colocated backup active")
 
     class At:   # the colocated backup's AMQP address: p2's port + the offset
         amqp_url = f"amqp://127.0.0.1:{p2.port + off}"

@@ -12,8 +12,10 @@ from proton import Message
 from proton.utils import BlockingConnection
 
 from tests.brokerproc import ADMIN
-from tests.haproc import CLIENT, broker_info, receive_all, send, ha_view, start_replica, wait_active, wait_phase
+from tests.haproc import (CLIENT, broker_info, receive_all, send, ha_view, start_replica, wait_active, wait_phase,
+                          wait_replication)
 from tests.serverproc import http_json
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -104,11 +106,8 @@ def three_primaries(tmp_path, members, *, p1_ha=None):
         wait_active(p)
     # every primary sees the two others (the backup's voters answer from their views)
     for p in (p1, p2, p3):
-        deadline = time.monotonic() + 30
-        while sum(1 for m in http_json(p.management_url + "/api/v1/cluster", auth=ADMIN)[1]["members"]
-                  if m["connected"]) < 2:
-            assert time.monotonic() < deadline, f"{p.workdir.name} never saw the two others"
-            time.sleep(0.05)
+        wait_for(lambda: sum(1 for m in http_json(p.management_url + "/api/v1/cluster", auth=ADMIN)[1]["members"]
+                             if m["connected"]) >= 2, 30, what=f"{p.workdir.name} to see the two others")
     return p1, p2, p3
 
 
@@ -124,10 +123,7 @@ def test_a_cut_replication_link_with_three_primaries_keeps_one_active_node(tmp_p
     wait_phase(backup, "in-sync")
     send(p1, "q", ["before the cut"])
     link.cut()                          # the backup loses p1; p2 and p3 still see it
-    deadline = time.monotonic() + 30
-    while "vote to take over node" not in backup.stderr_text():
-        assert time.monotonic() < deadline, "the backup never voted"
-        time.sleep(0.05)
+    wait_for(lambda: "vote to take over node" in backup.stderr_text(), 30, what="the backup's vote")
     assert "lost (0 of 2 needed votes" in backup.stderr_text()
     assert ha_view(backup)["active"] is False and ha_view(p1)["active"] is True   # one active node id
     assert ha_view(backup)["pair"]["failovers"] == 0
@@ -174,10 +170,7 @@ def test_an_isolated_primary_stops_with_vote_on_replication_failure(tmp_path, me
     assert p1.proc.wait(30) == 3, p1.stderr_text()[-3000:]      # it stops rather than risk a split
     assert "ISOLATED" in p1.stderr_text()
     # the backup cannot win a vote either (no other primary answers): nobody serves the node id
-    deadline = time.monotonic() + 30
-    while "vote to take over node" not in backup.stderr_text():
-        assert time.monotonic() < deadline, "the backup never voted"
-        time.sleep(0.05)
+    wait_for(lambda: "vote to take over node" in backup.stderr_text(), 30, what="the backup's vote")
     assert ha_view(backup)["active"] is False
 
 
@@ -260,10 +253,7 @@ def test_a_backup_of_a_primary_with_an_empty_journal_gets_in_sync(tmp_path, memb
     backup = start_replica(tmp_path, "backup", "backup", static=[primary.amqp_url], ha=FAST_VOTES)
     members.append(backup)
     wait_phase(backup, "in-sync")
-    deadline = time.monotonic() + 20
-    while ha_view(primary)["replication"]["state"] != "in-sync":
-        assert time.monotonic() < deadline, ha_view(primary)
-        time.sleep(0.05)
+    wait_replication(primary, "in-sync")
     send(primary, "e", ["first"])
     primary.kill()
     wait_active(backup)
@@ -284,10 +274,7 @@ def test_the_failover_client_learns_the_backup_and_keeps_sending(tmp_path, membe
     backup = start_replica(tmp_path, "backup", "backup", static=[primary.amqp_url], ha=FAST_VOTES)
     members.append(backup)
     wait_phase(backup, "in-sync")
-    deadline = time.monotonic() + 20
-    while ha_view(primary)["replication"]["state"] != "in-sync":
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_replication(primary, "in-sync")
     conn = FailoverConnection(primary.amqp_url, reconnect_timeout_s=30, **CLIENT)
     assert conn.learned == [f"amqp://127.0.0.1:{backup.port}"]
     snd = conn.sender("fo")
@@ -331,10 +318,7 @@ def test_a_backup_killed_during_its_initial_sync_starts_over(tmp_path, members):
     members.append(backup)
     wait_phase(backup, "syncing")
     backup.kill()                        # mid-copy
-    deadline = time.monotonic() + 20
-    while ha_view(primary)["replication"]["state"] != "no-backup":
-        assert time.monotonic() < deadline, ha_view(primary)
-        time.sleep(0.05)
+    wait_replication(primary, "no-backup")
     assert ha_view(primary)["replication"]["synced_at"] is None       # it never got in sync: killed mid-copy
     send(primary, "big", ["still serving"])                          # the primary never stopped
     backup.start()
@@ -352,10 +336,7 @@ def test_ha_metrics(tmp_path, members):
     backup = start_replica(tmp_path, "backup", "backup", static=[primary.amqp_url], ha=FAST_VOTES)
     members.append(backup)
     wait_phase(backup, "in-sync")
-    deadline = time.monotonic() + 20
-    while ha_view(primary)["replication"]["state"] != "in-sync":
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_replication(primary, "in-sync")
     send(primary, "m", ["x"] * 10)
     status, text = http_json(primary.management_url + "/metrics", auth=ADMIN)
     assert 'lodestone_broker_ha_replication_lag_records{state="in-sync"}' in text

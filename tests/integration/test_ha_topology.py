@@ -13,12 +13,13 @@ import threading
 import pytest
 from proton.utils import BlockingConnection
 
-from tests.brokerproc import ADMIN, wait_for
+from tests.brokerproc import ADMIN
 from tests.haproc import CLIENT, start_clustered_primary, start_member, start_replica, wait_active, wait_phase
 from tests.integration.test_ha_replication import FAST_VOTES, three_primaries
 from tests.integration.test_router_cluster_pool import _landed, _pool, _router_toml
 from tests.routerproc import start_router
 from tests.serverproc import http_json
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -18,8 +18,9 @@ import time
 
 import pytest
 
-from tests.brokerproc import start_broker, wait_for, write_users_file
+from tests.brokerproc import start_broker, write_users_file
 from tests.routerproc import start_router, toml_str
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -124,7 +125,7 @@ def test_a_hung_management_endpoint_does_not_slow_the_healthy_brokers_probes(env
     window = 4.0
     t0 = targets(router, "slow")
     start = time.monotonic()
-    time.sleep(window)
+    time.sleep(window)   # the thing under test: how many probes each target gets in this window
     t1 = targets(router, "slow")
     elapsed = time.monotonic() - start
     healthy = t1["b1"]["probes"] - t0["b1"]["probes"]

@@ -147,7 +147,7 @@ except DataDirLocked as exc:
     print("locked-out", exc.holder_pid, str(exc), flush=True)
     sys.exit(3)
 print("holding", dd.node_id, flush=True)
-time.sleep(float(sys.argv[2]))
+time.sleep(float(sys.argv[2]))  # the thing under test: the lock is held this long
 '''
 
 

@@ -14,6 +14,7 @@ from proton.utils import BlockingConnection
 
 from router.client import connect_following_redirects
 from tests.serverproc import free_ports
+from tests.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -75,9 +76,8 @@ def test_local_deployment_serves_proxy_and_redirect_clients(local_deployment):
         finally:
             conn.close()
     log = (tmp_path / "var" / "router" / "routing.log")
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not (log.exists() and '"outcome":"OK"' in log.read_text()):
-        time.sleep(0.2)
+    wait_for(lambda: log.exists() and '"outcome":"OK"' in log.read_text(), 10, interval_s=0.2,
+             what="a routed connection in the routing log")
     assert '"outcome":"OK"' in log.read_text()
     # the front door (5672, mode auto): the helper above announced lodestone:follows-redirect and
     # was redirected; an unmodified client that does not announce it is proxied
@@ -94,9 +94,8 @@ def test_local_deployment_serves_proxy_and_redirect_clients(local_deployment):
     def auto_actions():
         lines = [ln for ln in log.read_text().splitlines() if '"acceptor":"auto"' in ln and '"event":"route"' in ln]
         return [a for a in ("redirected", "proxied") if any(f'"action":"{a}"' in ln for ln in lines)], lines
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and len(auto_actions()[0]) < 2:
-        time.sleep(0.2)
+    wait_for(auto_actions, 10, interval_s=0.2, until=lambda a: len(a[0]) >= 2,
+             what="both auto-mode actions in the routing log")
     actions, lines = auto_actions()
     assert actions == ["redirected", "proxied"] and len(lines) == 2, lines
 
@@ -107,15 +106,14 @@ def test_children_stop_when_the_supervisor_is_killed(local_deployment):
     assert len(children) == 5          # three brokers, broker-1's backup, the router
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    deadline = time.monotonic() + 30
-    alive = children
-    while time.monotonic() < deadline:
-        alive = [pid for pid in children if Path(f"/proc/{pid}").exists()
-                 and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]]
-        if not alive:
-            break
-        time.sleep(0.2)
-    assert not alive
+
+    def alive():
+        return [pid for pid in children if Path(f"/proc/{pid}").exists()
+                and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]]
+    # a child may vanish between the two reads: FileNotFoundError is "not yet"
+    left = wait_for(alive, 30, interval_s=0.2, until=lambda pids: not pids, ignore=FileNotFoundError,
+                    what="every child gone")
+    assert not left
 
 
 def test_the_three_brokers_are_one_cluster(local_deployment):
@@ -137,10 +135,9 @@ def test_the_three_brokers_are_one_cluster(local_deployment):
         assert "cluster lodestone-local: discovery over UDP multicast 231.7.7.7:" in banner, banner
         heard = lambda: {e["node_id"] for e in http_json(mgmt1 + "/api/v1/cluster", auth=("admin", "admin"))[1][  # noqa: E731
             "discovery"]["entries"]}
-        deadline = time.monotonic() + 30
-        while heard() != ids - {http_json(mgmt1 + "/api/v1/broker", auth=("admin", "admin"))[1]["node_id"]}:
-            assert time.monotonic() < deadline, "broker-1's discovery group never heard the two others"
-            time.sleep(0.1)
+        others = ids - {http_json(mgmt1 + "/api/v1/broker", auth=("admin", "admin"))[1]["node_id"]}
+        wait_for(heard, 30, interval_s=0.1, until=lambda h: h == others,
+                 what="broker-1's discovery group to hear the two others")
     else:
         assert "multicast discovery does not work on this machine" in banner, banner
     router_mgmt = f"http://127.0.0.1:{ports[8160]}"
@@ -151,28 +148,20 @@ def test_the_three_brokers_are_one_cluster(local_deployment):
         for t in (body["targets"] if status == 200 else ()):
             out[t["node_id"]] = out.get(t["node_id"], False) or t["ready"]
         return out
-    deadline = time.monotonic() + 30
-    while pool() != dict.fromkeys(ids, True):
-        assert time.monotonic() < deadline, f"the router's cluster pool never held the three brokers: {pool()}"
-        time.sleep(0.1)
+    wait_for(pool, 30, interval_s=0.1, until=lambda p: p == dict.fromkeys(ids, True),
+             what="the router's cluster pool to hold the three brokers")
 
     def meshed():
         status, view = http_json(mgmt1 + "/api/v1/cluster", auth=("admin", "admin"))
         return status == 200 and sum(1 for b in view["bridges"] if b["connected"]) == 2
-    deadline = time.monotonic() + 30
-    while not meshed():
-        assert time.monotonic() < deadline, "broker-1 never bridged to the two others"
-        time.sleep(0.1)
+    wait_for(meshed, 30, interval_s=0.1, what="broker-1 bridged to the two others")
     consumer = BlockingConnection(b3, timeout=20, user="app", password="app", allowed_mechs="PLAIN")
     r = consumer.create_receiver("cluster.q", credit=100)
 
     def known():
         status, view = http_json(mgmt1 + "/api/v1/cluster", auth=("admin", "admin"))
         return any(b["queue"] == "cluster.q" and b["consumers"] == 1 for b in view["remote_bindings"])
-    deadline = time.monotonic() + 30
-    while not known():
-        assert time.monotonic() < deadline, "broker-1 never learned broker-3's consumer"
-        time.sleep(0.1)
+    wait_for(known, 30, interval_s=0.1, what="broker-1 to learn broker-3's consumer")
     producer = BlockingConnection(b1, timeout=20, user="app", password="app", allowed_mechs="PLAIN")
     s = producer.create_sender("cluster.q")
     for i in range(50):
@@ -198,13 +187,9 @@ def test_static_connectors_when_asked_and_said_so(tmp_path):
         assert "cluster lodestone-local: static connectors (--cluster-discovery static)" in banner, banner
         from tests.serverproc import http_json
         mgmt1 = f"http://127.0.0.1:{ports[18161]}"
-        deadline = time.monotonic() + 30
-        while True:
-            status, view = http_json(mgmt1 + "/api/v1/cluster", auth=("admin", "admin"))
-            if status == 200 and sum(1 for b in view["bridges"] if b["connected"]) == 2:
-                break
-            assert time.monotonic() < deadline, "broker-1 never bridged to the two others"
-            time.sleep(0.1)
+        status, view = wait_for(lambda: http_json(mgmt1 + "/api/v1/cluster", auth=("admin", "admin")), 30,
+                                interval_s=0.1, what="broker-1 bridged to the two others",
+                                until=lambda r: r[0] == 200 and sum(1 for b in r[1]["bridges"] if b["connected"]) == 2)
         assert view["discovery"] is None   # no discovery group: the static connectors formed it
     finally:
         for _ in gen:

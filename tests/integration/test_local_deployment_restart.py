@@ -16,8 +16,8 @@ import pytest
 
 from tests.integration.test_local_deployment import FIXED_PORTS, REPO
 from tests.serverproc import free_ports
-from tests.brokerproc import wait_for
 from tests.serverproc import http_json
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -59,10 +59,6 @@ def local_deployment(tmp_path):
         proc.stdout.close()
 
 
-def _wait(pred, timeout_s=60.0):
-    return wait_for(pred, timeout_s=timeout_s, interval_s=0.1)
-
-
 def test_banner_shows_pids_and_client_helpers(local_deployment):
     proc, banner, tmp_path, ports = local_deployment
     pids = [int(p) for p in re.findall(r"pid (\d+)", banner)]
@@ -95,19 +91,21 @@ def test_a_killed_broker_is_reported_and_restarted(local_deployment):
             out[name] = out.get(name, False) or t["ready"]
         return out
 
-    _wait(lambda: pool_ready() == {"broker-1": True, "broker-2": True, "broker-3": True})
+    all_ready = {"broker-1": True, "broker-2": True, "broker-3": True}
+    wait_for(pool_ready, 60, interval_s=0.1, until=lambda v: v == all_ready, what="every broker ready")
     os.kill(old_pid, signal.SIGKILL)
     text = lambda: "".join(out)  # noqa: E731
-    _wait(lambda: f"broker-2 (pid {old_pid}) exited with signal 9 (SIGKILL)" in text())
+    wait_for(lambda: f"broker-2 (pid {old_pid}) exited with signal 9 (SIGKILL)" in text(), 60, interval_s=0.1,
+             what="the exit report")
     assert "restarting it in 1 s" in text()
     assert proc.poll() is None  # the deployment stays up
     # the router notices within a check-period (200 ms here), before the 1 s back-off ends
     back = re.compile(r"broker-2 is back \(pid (\d+), restart 1\)")
-    _wait(lambda: pool_ready()["broker-2"] is False)
+    wait_for(pool_ready, 60, interval_s=0.1, until=lambda v: v["broker-2"] is False, what="broker-2 not ready")
     assert not back.search(text())
-    new_pid = int(_wait(lambda: back.search(text())).group(1))
+    new_pid = int(wait_for(lambda: back.search(text()), 60, interval_s=0.1, what="broker-2 back").group(1))
     assert new_pid != old_pid and os.path.exists(f"/proc/{new_pid}")
-    _wait(lambda: pool_ready() == {"broker-1": True, "broker-2": True, "broker-3": True})
+    wait_for(pool_ready, 60, interval_s=0.1, until=lambda v: v == all_ready, what="every broker ready again")
     assert proc.poll() is None
 
 
@@ -124,7 +122,8 @@ def test_broker_1_fails_over_to_its_backup_and_back(local_deployment):
     auth = ("admin", "admin")
     b1_mgmt, bk_mgmt = (f"http://127.0.0.1:{ports[p]}" for p in (18161, 18164))
     ha = lambda url: http_json(url + "/api/v1/ha", auth=auth)[1]  # noqa: E731
-    _wait(lambda: ha(bk_mgmt)["phase"] == "in-sync")
+    wait_for(lambda: ha(bk_mgmt), 60, interval_s=0.1, until=lambda v: v["phase"] == "in-sync",
+             what="the backup in sync")
     node_id = ha(b1_mgmt)["node_id"]
     assert ha(bk_mgmt)["node_id"] == node_id
     b1 = f"amqp://127.0.0.1:{ports[15672]}"
@@ -135,24 +134,21 @@ def test_broker_1_fails_over_to_its_backup_and_back(local_deployment):
     conn.close()
     pid = int(re.search(r"broker-1 .* pid (\d+)", banner).group(1))
     os.kill(pid, signal.SIGKILL)
-    _wait(lambda: ha(bk_mgmt)["active"] is True)
+    wait_for(lambda: ha(bk_mgmt), 60, interval_s=0.1, until=lambda v: v["active"] is True,
+             what="the backup active")
     assert ha(bk_mgmt)["node_id"] == node_id
     router = f"http://127.0.0.1:{ports[8160]}"
 
     def routed_to_backup():
         status, body = http_json(router + "/api/v1/routers/main/pool", auth=auth)
         return any(t["node_id"] == node_id and t["ready"] and t["port"] == ports[15675] for t in body["targets"])
-    _wait(routed_to_backup)              # the router's cluster pool follows the node id to the backup
+    wait_for(routed_to_backup, 60, interval_s=0.1)  # the router's cluster pool follows the node id to the backup
     # lodestone-local restarts broker-1: it finds its node id served by the backup and fails back
-    _wait(lambda: "broker-1 is back" in "".join(out), 90)
-    _wait(lambda: ha(b1_mgmt)["active"] is True, 60)
-    view = None
-
-    def standby():
-        nonlocal view
-        view = ha(bk_mgmt)
-        return view["phase"] == "in-sync" and not view["active"]
-    _wait(standby, 60)
+    wait_for(lambda: "broker-1 is back" in "".join(out), 90, interval_s=0.1, what="broker-1 restarted")
+    wait_for(lambda: ha(b1_mgmt), 60, interval_s=0.1, until=lambda v: v["active"] is True,
+             what="broker-1 active again")
+    view = wait_for(lambda: ha(bk_mgmt), 60, interval_s=0.1,
+                    until=lambda v: v["phase"] == "in-sync" and not v["active"], what="the backup standing by")
     assert view["pair"]["failbacks"] == 1
     conn = BlockingConnection(b1, user="app", password="app", allowed_mechs="PLAIN", timeout=20)
     rcv = conn.create_receiver("ha.local", credit=100)

@@ -27,9 +27,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.brokerproc import BrokerProcess, wait_for, write_config, write_users_file
+from tests.brokerproc import BrokerProcess, write_config, write_users_file
 from tests.routerproc import start_router, toml_str
 from tests.serverproc import REPO
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

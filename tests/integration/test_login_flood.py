@@ -30,9 +30,10 @@ import pytest
 from proton import Message
 from proton.utils import BlockingConnection
 
-from tests.brokerproc import start_broker, wait_for
+from tests.brokerproc import start_broker
 from tests.routerproc import start_router, toml_str
 from tests.serverproc import REPO, http_json
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -175,7 +176,7 @@ def test_broker_login_flood_leaves_good_clients_and_acks_alone(tmp_path, users):
         def watch_ready():
             while not stop.is_set():
                 ready_samples.append(_target_ready(router))
-                time.sleep(0.1)
+                time.sleep(0.1)   # pacing the samples, not a wait
 
         watcher = threading.Thread(target=watch_ready, daemon=True)
         try:

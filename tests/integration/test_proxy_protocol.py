@@ -32,8 +32,9 @@ from broker.wire.frames import (
     encode_frame,
 )
 from broker.wire.proxyproto import build_header
-from tests.brokerproc import start_broker, wait_for, write_users_file
+from tests.brokerproc import start_broker, write_users_file
 from tests.routerproc import start_router, toml_str
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -17,8 +17,9 @@ from proton.utils import BlockingConnection
 
 from broker.wire.frames import AMQP_HEADER, FRAME_SASL, SASL_HEADER, Open, SaslInit, encode_frame
 from router.client import connect_following_redirects
-from tests.brokerproc import start_broker, wait_for, write_users_file
+from tests.brokerproc import start_broker, write_users_file
 from tests.routerproc import start_router, toml_str
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -132,7 +133,7 @@ def test_a_truncated_handshake_is_counted_when_the_client_leaves(env):
     s = _sock(env, "plain")
     init = encode_frame(FRAME_SASL, 0, SaslInit("PLAIN", b"\0alice\0alice-pw", None))
     s.sendall(SASL_HEADER + init[: len(init) // 2])
-    time.sleep(0.1)
+    time.sleep(0.1)   # the thing under test: half a handshake arrives on its own, then the client leaves
     s.shutdown(socket.SHUT_WR)
     _read_until_closed(s)
     _counter_grows(env, "plain", "handshake_eof", before)
@@ -155,7 +156,7 @@ def test_silent_and_slow_clients_are_closed_at_the_handshake_deadline(env, drip)
                 s.sendall(bytes([b]))
             except OSError:
                 return
-            time.sleep(0.05)  # 20 bytes/s: the whole handshake would take ~20 s
+            time.sleep(0.05)  # pacing, the thing under test: 20 bytes/s, the whole handshake would take ~20 s
 
     t = threading.Thread(target=dripper, daemon=True)
     if drip:

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 from proton.utils import BlockingConnection
 
-from tests.brokerproc import wait_for
 from tests.clusterproc import cluster_view, start_cluster, start_node, wait_mesh
 from tests.routerproc import start_router, toml_str
 from tests.serverproc import REPO
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

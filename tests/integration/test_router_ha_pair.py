@@ -33,8 +33,9 @@ from tests.serverproc import free_ports
 from proton import ConnectionException, Timeout
 from proton.utils import BlockingConnection
 
-from tests.brokerproc import BrokerProcess, USERS_FILE, start_broker, wait_for, write_config
+from tests.brokerproc import BrokerProcess, USERS_FILE, start_broker, write_config
 from tests.routerproc import start_router, toml_str
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -133,7 +134,7 @@ def test_keys_follow_their_pair_to_the_backup_without_moving_to_another_broker(t
 
     # kill A right after its probe, so the first clients meet it while it still counts as ready
     seen = _target(router, "a")["last_probe_at"]
-    wait_for(lambda: _target(router, "a")["last_probe_at"] != seen, CHECK_PERIOD_MS / 1000 + 10, 0.01)
+    wait_for(lambda: _target(router, "a")["last_probe_at"] != seen, CHECK_PERIOD_MS / 1000 + 10, interval_s=0.01)
     a.kill()
     killed = time.monotonic()
 
@@ -157,7 +158,7 @@ def test_keys_follow_their_pair_to_the_backup_without_moving_to_another_broker(t
 
     # the pair fails over: its keys wait (nobody re-places them), A was marked down by the
     # failed upstream connect, not by its next probe (5 s away)
-    wait_for(lambda: _router_counters(router)["failover_waits"] >= 1, 10, 0.02)
+    wait_for(lambda: _router_counters(router)["failover_waits"] >= 1, 10, interval_s=0.02)
     assert _router_counters(router)["upstream_marked_down"] >= 1
     assert _pool(router)["pairs"][0]["state"] == "failing_over"
     assert not results

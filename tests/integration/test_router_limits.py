@@ -31,8 +31,9 @@ from broker.wire.frames import (AMQP_HEADER, FRAME_AMQP, FRAME_SASL, SASL_HEADER
                                 encode_frame)
 from routing_cache_helpers import TargetSockets
 from router.cache_embedded import EmbeddedCacheStore
-from tests.brokerproc import start_broker, wait_for, write_users_file
+from tests.brokerproc import start_broker, write_users_file
 from tests.routerproc import start_router, toml_str
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

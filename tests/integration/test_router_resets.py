@@ -42,8 +42,9 @@ from broker.wire.frames import (
     encode_frame,
 )
 from router.client import connect_following_redirects
-from tests.brokerproc import start_broker, wait_for, write_users_file
+from tests.brokerproc import start_broker, write_users_file
 from tests.routerproc import start_router, toml_str
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -32,9 +32,10 @@ import pytest
 from proton import Message
 from proton.utils import BlockingConnection
 
-from tests.brokerproc import BrokerProcess, wait_for, write_config, write_users_file
+from tests.brokerproc import BrokerProcess, write_config, write_users_file
 from tests.routerproc import start_router, toml_str
 from tests.serverproc import free_ports
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -28,8 +28,9 @@ import trustme
 from proton import ConnectionException, Message, SSLDomain, Timeout
 from proton.utils import BlockingConnection, ConnectionClosed, LinkDetached
 
-from tests.brokerproc import start_broker, wait_for, write_users_file
+from tests.brokerproc import start_broker, write_users_file
 from tests.routerproc import start_router, toml_str
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -160,7 +161,7 @@ def test_a_broker_that_went_down_gets_connection_forced_naming_it_and_leaves_rot
         # the re-probe confirms it (a probe each, within 2 s of a 30 s period), and clients land
         # on "up"
         wait_for(lambda: all(_target_state(router, "main", n)["probes"] == probes[n] + 1
-                             for n in ("down1", "down2")), 2, 0.02)
+                             for n in ("down1", "down2")), 2, interval_s=0.02)
         assert all(not _target_state(router, "main", n)["ready"] for n in ("down1", "down2"))
         assert time.monotonic() - killed < 5
         for acceptor, tls in (("plain", False), ("tls", True)):

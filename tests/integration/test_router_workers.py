@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 
 from router.client import _open_once
-from tests.brokerproc import USERS_FILE, start_broker, wait_for
+from tests.brokerproc import USERS_FILE, start_broker
 from tests.routerproc import RouterProcess, start_router, toml_str
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -89,8 +90,8 @@ def route_lines(tmp: Path, worker: int) -> list[dict]:
 
 def wait_logged(tmp: Path, predicate, timeout_s: float = 10.0) -> dict[int, list[dict]]:
     """Routing lines per worker, once ``predicate(lines_by_worker)`` holds (logs flush every 0.5 s)."""
-    return wait_for(lambda: (lambda by: by if predicate(by) else None)({w: route_lines(tmp, w) for w in (0, 1)}),
-                    timeout_s)
+    return wait_for(lambda: {w: route_lines(tmp, w) for w in (0, 1)}, timeout_s, until=predicate,
+                    what="the routing lines")
 
 
 def test_a_filter_put_applies_to_every_worker_before_it_returns(tmp_path, brokers):
@@ -208,7 +209,13 @@ def test_a_killed_worker_is_restarted_with_the_current_state_and_serving_continu
         procs = r.get("/api/v1/router")[1]["processes"]
         victim = procs[1]["pid"]
         os.kill(victim, signal.SIGKILL)
-        time.sleep(0.2)
+
+        def gone():   # dead: a zombie until the supervisor reaps it, then no /proc entry at all
+            try:
+                return Path(f"/proc/{victim}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+            except FileNotFoundError:
+                return True
+        wait_for(gone, 10, interval_s=0.02, what=f"the killed worker (pid {victim}) dead")
         old_lines = len(route_lines(tmp_path, 1))  # the dead worker writes no more
         # serving continues meanwhile (the other worker takes every connection)
         assert {redirected_port(r, f"survivor-{n}") for n in range(10)} == {sticky}

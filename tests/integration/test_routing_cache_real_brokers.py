@@ -12,6 +12,7 @@ from router.config import CacheConfig, PolicyConfig, PoolConfig, RouterConfig, T
 from router.core.keys import ConnectionInfo, KeyType
 from router.service import RouterService
 from tests.brokerproc import start_broker
+from tests.waiting import wait_for_async
 
 pytestmark = pytest.mark.slow
 
@@ -37,9 +38,8 @@ async def test_probes_and_stickiness_with_real_brokers(brokers):
     svc = RouterService(cfg, rng=random.Random(1))
     async with trio.open_nursery() as nursery:
         await nursery.start(svc.run)
-        with trio.fail_after(10):  # normally the first round; a loaded machine may need more
-            while not svc.pool.quorum_met:
-                await trio.sleep(0.05)
+        # normally the first round; a loaded machine may need more
+        await wait_for_async(lambda: svc.pool.quorum_met, 10, what="the pool's quorum")
         snap = svc.pool.snapshot()
         assert [t["node_id"] for t in snap["targets"]] == [b.node_id for b in brokers]
         assert all(isinstance(t["connection_count"], int) for t in snap["targets"])
@@ -48,9 +48,7 @@ async def test_probes_and_stickiness_with_real_brokers(brokers):
                  for k in keys}
         assert set(first.values()) == {b.node_id for b in brokers}
         brokers[0].kill()
-        with trio.fail_after(10):
-            while svc.pool.ready_count != 1:
-                await trio.sleep(0.05)
+        await wait_for_async(lambda: svc.pool.ready_count == 1, 10, what="the killed broker not ready")
         err = svc.pool.snapshot()["targets"][0]["last_error"]
         assert err and "api/v1/broker" in err
         for k in keys:

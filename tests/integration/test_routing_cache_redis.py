@@ -3,12 +3,12 @@ and killing (or hanging) Redis mid-run fails no decision."""
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import redis
 
 from routing_cache_helpers import RedisServer, TargetSockets, Worker, router_toml
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -55,10 +55,8 @@ def test_two_routers_share_stickiness(tmp_path, targets, redis_server):
         assert st["counters"]["redis_hits"] == len(keys) and not st["degraded"]
         # b decides new keys; a sees b's decisions
         mine = {f"b-{i}": b.route(f"b-{i}")["node_id"] for i in range(6)}
-        deadline = time.monotonic() + 10
-        while any(r.get(f"lodestone:r:{k}") != v for k, v in mine.items()):
-            assert time.monotonic() < deadline, "b's decisions never reached Redis"
-            time.sleep(0.02)
+        wait_for(lambda: all(r.get(f"lodestone:r:{k}") == v for k, v in mine.items()), 10, interval_s=0.02,
+                 what="b's decisions to reach Redis")
         assert {k: a.route(k)["node_id"] for k in mine} == mine
         r.close()
     finally:
@@ -84,10 +82,7 @@ def test_killing_redis_mid_run_fails_no_decision(tmp_path, targets, redis_server
         redis_server.start()
         a.wait_status(lambda s: not s["degraded"], timeout=15)
         r = redis.Redis(port=redis_server.port, decode_responses=True)
-        deadline = time.monotonic() + 10
-        while r.get("lodestone:r:during-299") is None:
-            assert time.monotonic() < deadline, "queued writes were not flushed"
-            time.sleep(0.05)
+        wait_for(lambda: r.get("lodestone:r:during-299") is not None, 10, what="the queued writes flushed")
         r.close()
     finally:
         a.quit()

@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 
 import pytest
 from proton import Message
 from proton.utils import BlockingConnection
 
 from spark.jobs.gravity import parse_args, run
-from tests.brokerproc import wait_for
 from tests.clusterproc import start_cluster, wait_known_consumers, wait_mesh
 from tests.routerproc import start_router, toml_str
 from tests.serverproc import REPO
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.spark]
 
@@ -68,6 +67,27 @@ def _keys_on(router, prefix: str, want_same: bool) -> tuple[str, str, str, str]:
     raise AssertionError("no such keys")
 
 
+def _records(paths) -> list[dict]:
+    return [json.loads(line) for p in paths for line in p.read_text().splitlines() if line.strip()]
+
+
+def _logs_written(rdir, nodes, flows: list[tuple[str, str, str]], address: str, nbytes: int) -> bool:
+    """What the job will read is on disk: for every (producer key, consumer key, address) of
+    ``flows`` its ``nbytes`` produced and consumed (activity records), both connections' close
+    lines (routing log), and ``address``'s ``nbytes`` forwarded and received over the cluster (the
+    bridges' forward / forward-in records)."""
+    routing = _records(sorted(rdir.glob("routing.log*")))
+    closed = {r["container_id"] for r in routing if r["event"] == "close"}
+    activity = _records([n.data_dir / "activity.jsonl" for n in nodes])
+
+    def total(direction: str, *, key: str | None = None, addr: str) -> int:
+        return sum(r["bytes"] for r in activity if r["direction"] == direction and r["address"] == addr
+                   and (key is None or r["container_id"] == key))
+    return (all(total("produce", key=p, addr=a) == nbytes and total("consume", key=c, addr=a) == nbytes
+                and {p, c} <= closed for p, c, a in flows)
+            and total("forward", addr=address) == nbytes and total("forward-in", addr=address) == nbytes)
+
+
 def test_job_on_logs_of_real_brokers_and_router(spark, tmp_path):
     nodes = start_cluster(tmp_path, 3)
     router = None
@@ -100,7 +120,11 @@ def test_job_on_logs_of_real_brokers_and_router(spark, tmp_path):
                     rcv.accept()
             finally:
                 cc.close()
-        time.sleep(2.5)  # the bridges' forward records (1 s windows) and the routing log (0.5 s) are written
+        # the bridges' forward records (1 s windows), the activity records and the routing log
+        # (flushed every 0.5 s) are written; a line being appended is not read yet (ValueError)
+        flows = [(apart[0], apart[1], "orders"), (together[0], together[1], "audit")]
+        wait_for(lambda: _logs_written(rdir, nodes, flows, "orders", N * size), 20, interval_s=0.1,
+                 ignore=(OSError, ValueError), what="the activity records and the routing log on disk")
 
         routing = sorted(rdir.glob("routing.log*"))
         assert len(routing) >= 2, routing                     # the routing log rotated

@@ -11,7 +11,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ import pytest
 from spark.jobs.gravity import parse_args, run
 from tests.serverproc import REPO
 from tests.spark.gravity_logs import HAND, write_hand_case
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.spark]
 
@@ -44,14 +44,11 @@ def _start(argv: list[str], env: dict, log: Path, pattern: str, timeout_s: float
     """Start a Spark daemon; wait for ``pattern`` in its output; the first group of the match."""
     with log.open("w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        m = re.search(pattern, log.read_text())
-        if m:
-            return proc, m.group(1)
-        if proc.poll() is not None:
-            break
-        time.sleep(0.2)
+    # the pattern, or the daemon's exit (then no use waiting longer)
+    m = wait_for(lambda: re.search(pattern, log.read_text()) or proc.poll() is not None, timeout_s, interval_s=0.2,
+                 raise_on_timeout=False)
+    if isinstance(m, re.Match):
+        return proc, m.group(1)
     proc.kill()
     raise AssertionError(f"{argv[1]} did not print {pattern!r}:\n{log.read_text()[-3000:]}")
 

@@ -22,6 +22,7 @@ from broker.wire.limits import (
 )
 from broker.wire.io.users import SecurityConfig, User, hash_password, load_users
 from broker.wire.io.tomlconfig import ConfigError
+from tests.waiting import wait_for_async
 
 
 # -- source keys -------------------------------------------------------------------------------
@@ -181,7 +182,7 @@ async def test_fair_slots_serve_the_cleanest_source_first():
         if name == "first":
             await first_done.wait()   # holds the slot until every other one is queued
         else:
-            await trio.sleep(0.01)
+            await trio.sleep(0.01)    # pacing, not a wait: held a moment, as a hash holds it
         slots.release()
 
     async with trio.open_nursery() as n:
@@ -217,7 +218,7 @@ async def test_fair_slots_full_queue_drops_the_worst():
         if name == "holder":
             await holder_done.wait()   # holds the slot until every other one has arrived
         else:
-            await trio.sleep(0.01)
+            await trio.sleep(0.01)     # pacing, not a wait: held a moment, as a hash holds it
         slots.release()
 
     async with trio.open_nursery() as n:
@@ -252,9 +253,9 @@ async def test_fair_slots_rank_waiters_when_the_slot_frees():
     await slots.acquire("a")
     async with trio.open_nursery() as n:
         n.start_soon(user, "a")
-        await trio.sleep(0.001)
+        await wait_for_async(lambda: slots.pending == 1, 5, interval_s=0.001, what="a queued")
         n.start_soon(user, "b")
-        await trio.sleep(0.001)
+        await wait_for_async(lambda: slots.pending == 2, 5, interval_s=0.001, what="b queued")
         failures["a"] = 7          # "a" failed meanwhile: "b" goes first
         slots.release()
     assert order == ["b", "a"]

@@ -8,6 +8,7 @@ from pathlib import Path
 import trio
 
 from router.routelog import RouteLog, utc_timestamp, worker_log_path
+from tests.waiting import wait_for_async
 
 
 async def test_lines_are_buffered_until_flush_then_one_json_object_per_line(tmp_path):
@@ -30,9 +31,8 @@ async def test_periodic_flush_writes_without_an_explicit_flush(tmp_path):
     async with trio.open_nursery() as nursery:
         await nursery.start(log.run)
         log.write({"a": 1})
-        with trio.fail_after(5):
-            while not path.exists() or not path.read_text():
-                await trio.sleep(0.01)
+        await wait_for_async(lambda: path.exists() and path.read_text(), 5, interval_s=0.01,
+                             what="the line flushed to the file")
         nursery.cancel_scope.cancel()
     await log.aclose()
     assert json.loads(path.read_text()) == {"a": 1}

@@ -225,6 +225,7 @@ import trio  # noqa: E402
 
 from router.net import proxy as proxy_mod  # noqa: E402
 from tests.unit import test_router_net_proxy as pump_tests  # noqa: E402
+from tests.waiting import wait_for_async  # noqa: E402
 
 
 def _open_fds() -> int:
@@ -245,8 +246,9 @@ async def test_the_pump_tests_pass_through_the_shared_poller(use_splice):
 
 async def test_small_phase_costs_no_descriptor_per_connection():
     n = 40
+    poller = proxy_mod.SharedPoller()
     async with trio.open_nursery() as nursery:
-        await nursery.start(proxy_mod.SharedPoller().run)
+        await nursery.start(poller.run)
         pairs = []
         for _ in range(n):
             client_app, client_side = await pump_tests._pair()
@@ -260,7 +262,9 @@ async def test_small_phase_costs_no_descriptor_per_connection():
 
         for _app, cs, us, _b in pairs:
             nursery.start_soon(one, cs, us)
-        await trio.sleep(0.2)  # every connection is parked in the small phase now
+        # every connection is parked in the small phase: its two sockets in the shared epoll set
+        await wait_for_async(lambda: len(poller._owners) == 2 * n, 5, interval_s=0.01,
+                             what=f"{n} connections parked in the shared poller")
         during = _open_fds()
         for client_app, _cs, _us, broker_app in pairs:  # a frame each way, then both close
             await client_app.send_all(b"open")
@@ -269,8 +273,7 @@ async def test_small_phase_costs_no_descriptor_per_connection():
             assert await client_app.receive_some(10) == b"ok"
             await client_app.send_eof()
             await broker_app.send_eof()
-        while len(results) < n:
-            await trio.sleep(0.01)
+        await wait_for_async(lambda: len(results) == n, 10, interval_s=0.01, what=f"{n} pumps ended")
         nursery.cancel_scope.cancel()
     assert during == baseline  # the old pump held one epoll descriptor per connection here
     assert all(r.reason is proxy_mod.EndReason.CLOSED and r.bytes_up == 4 and r.bytes_down == 2

@@ -106,7 +106,7 @@ async def test_upstream_reset_ends_both_directions(use_splice):
             try:
                 while True:
                     await client_app.send_all(b"x" * 65536)
-                    await trio.sleep(0.01)
+                    await trio.sleep(0.01)  # pacing the client's writes, not a wait
             except trio.BrokenResourceError:
                 pass
     assert result["stats"].reason is EndReason.UPSTREAM_ERROR

@@ -20,6 +20,7 @@ import trustme
 
 from router.net import fastio, proxy
 from router.net.proxy import EndReason
+from tests.waiting import wait_for_async
 
 GRACE_S = 0.4
 EMPTY_FRAME = b"\x00\x00\x00\x08\x02\x00\x00\x00"   # an AMQP empty frame (heartbeat)
@@ -68,7 +69,7 @@ async def _proton_like_client(stream, out: dict) -> None:
             out["failed_at"] = trio.current_time()
             out["error"] = exc.__cause__
             break
-        await trio.sleep(0.05)
+        await trio.sleep(0.05)  # pacing: the client's empty frames, every 50 ms
     stream.close()
 
 
@@ -130,7 +131,7 @@ async def test_client_that_closes_within_the_grace_is_a_normal_close(use_splice,
             pass
         await stream.send_all(CLOSE_FRAMES)  # its own Close, then EOF
         await stream.send_eof()
-        await trio.sleep(GRACE_S * 3)
+        await trio.sleep(GRACE_S * 3)  # the thing under test: the router ends at the EOF, not at the grace
         stream.close()
 
     with trio.fail_after(GRACE_S + 5):
@@ -168,7 +169,7 @@ async def test_client_ending_first_still_half_closes():
         stream = fastio.FastSocketStream(broker_app)
         while await stream.receive_some(65536):
             pass
-        await trio.sleep(GRACE_S * 3)
+        await trio.sleep(GRACE_S * 3)  # the thing under test: an answer far later than the grace still arrives
         await stream.send_all(answer)
         stream.close()
 
@@ -200,17 +201,20 @@ async def test_tls_client_is_closed_within_the_grace():
 
     async def tls_client():
         await tls_app.do_handshake()
+        client["handshaken"] = True
         await _proton_like_client(tls_app, client)
 
     async def router_side():
         await tls_side.do_handshake()
+        router["handshaken"] = True
         await _run_router_side(tls_side, us, use_splice=True, shared_poller=False, out=router)
 
     with trio.fail_after(GRACE_S + 5):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(router_side)
             nursery.start_soon(tls_client)
-            await trio.sleep(0.1)
+            await wait_for_async(lambda: client.get("handshaken") and router.get("handshaken"), 5,
+                                 interval_s=0.01, what="the TLS handshake, both sides")
             nursery.start_soon(_broker_ends, broker_app, broker)
     assert client["received"] == len(CLOSE_FRAMES)
     assert client["failed_at"] - broker["broker_closed_at"] <= GRACE_S + 0.5
@@ -236,7 +240,7 @@ async def test_trio_streams_client_writing_as_the_broker_ends():
             except trio.BrokenResourceError:
                 failed["at"] = trio.current_time()
                 break
-            await trio.sleep(0.005)
+            await trio.sleep(0.005)  # pacing: the client writes all the while
         stream.close()
 
     async def run_router():
@@ -248,17 +252,20 @@ async def test_trio_streams_client_writing_as_the_broker_ends():
         upstream_side.close()
 
     async def broker_side():
-        # reads the client's frames all along; after 0.3 s sends its Close and ends its side
-        # (a half-close: the router's writes still succeed, so only the EOF tells it)
+        # reads the client's frames all along; once the client's writes flow through the router
+        # (20 frames) sends its Close and ends its side (a half-close: the router's writes still
+        # succeed, so only the EOF tells it)
         stream = fastio.FastSocketStream(broker_app)
+        drained = [0]
 
         async def drain():
-            while await stream.receive_some(65536):
-                pass
+            while data := await stream.receive_some(65536):
+                drained[0] += len(data)
 
         async with trio.open_nursery() as inner:
             inner.start_soon(drain)
-            await trio.sleep(0.3)
+            await wait_for_async(lambda: drained[0] >= 20 * len(EMPTY_FRAME), 5, interval_s=0.01,
+                                 what="the client's frames reaching the broker")
             await stream.send_all(CLOSE_FRAMES)
             await stream.send_eof()
             broker["broker_closed_at"] = trio.current_time()

@@ -54,13 +54,12 @@ async def test_a_closed_peer_fails_waiting_requests_and_sets_closed():
         await nursery.start(b.run)
         a_scope = trio.CancelScope()
 
-        async def run_a():
+        async def run_a(task_status=trio.TASK_STATUS_IGNORED):
             with a_scope:
-                await a.run()
+                await a.run(task_status=task_status)
 
-        nursery.start_soon(run_a)
-        await trio.sleep(0.01)
-        a_scope.cancel()  # a goes away: its stream is closed
+        await nursery.start(run_a)  # a is running...
+        a_scope.cancel()  # ...and goes away: its stream is closed
         with pytest.raises(ChannelClosed):
             await b.request({"op": "anything"}, timeout_s=5)
         with trio.fail_after(5):

@@ -19,6 +19,7 @@ from router.core.pool import Pool
 from router.errors import CacheBackendError
 from router.policies import Target, create_policy
 from router.service import RouterService
+from tests.waiting import wait_for_async
 
 
 # -- Redis tier -----------------------------------------------------------------------------
@@ -75,11 +76,6 @@ def redis_service(fake, *, policy="FIRST_ELEMENT", timeout_ms=0) -> RouterServic
         svc.pool.report_probe(f"t{i}", True, node_id=f"n{i}")
     svc._health_task = _no_probes
     return svc
-
-async def _until(pred, timeout=5.0):
-    with trio.fail_after(timeout):
-        while not pred():
-            await trio.sleep(0.01)
 
 # -- embedded cache -------------------------------------------------------------------------
 def test_embedded_torn_tail_does_not_swallow_the_next_record(tmp_path):
@@ -155,11 +151,11 @@ async def test_redis_repointing_our_own_decision_is_not_a_conflict(nursery):
     await nursery.start(svc.run)
     c = ConnectionInfo("1:1", container_id="k")
     assert (await svc.route(c)).target.node_id == "n0"
-    await _until(lambda: fake.data.get("k") == "n0")
+    await wait_for_async(lambda: fake.data.get("k") == "n0", 5, interval_s=0.01)
     svc.pool.report_probe("t0", False, error="down")
     d = await svc.route(c)
     assert d.target.node_id == "n1" and d.explanation.cache == "stale"
-    await _until(lambda: fake.data.get("k") == "n1")
+    await wait_for_async(lambda: fake.data.get("k") == "n1", 5, interval_s=0.01)
     assert svc.counters["redis_conflicts"] == 0
     assert svc.core.cache.entries["k"][0] == "n1"
     assert (await svc.route(c)).explanation.cache == "hit"
@@ -173,13 +169,13 @@ async def test_redis_repointing_while_degraded_does_not_adopt_the_dead_node(nurs
     await nursery.start(svc.run)
     c = ConnectionInfo("1:1", container_id="k")
     assert (await svc.route(c)).target.node_id == "n0"
-    await _until(lambda: fake.data.get("k") == "n0")
+    await wait_for_async(lambda: fake.data.get("k") == "n0", 5, interval_s=0.01)
     fake.fail = True
     svc.pool.report_probe("t0", False, error="down")
     d = await svc.route(c)
     assert d.ok and d.target.node_id == "n1" and svc.degraded
     fake.fail = False
-    await _until(lambda: not svc.degraded and fake.data.get("k") == "n1")
+    await wait_for_async(lambda: not svc.degraded and fake.data.get("k") == "n1", 5, interval_s=0.01)
     assert svc.core.cache.entries["k"][0] == "n1" and svc.counters["redis_conflicts"] == 0
 
 async def test_redis_local_expiry_does_not_delete_the_shared_entry(nursery):
@@ -189,9 +185,9 @@ async def test_redis_local_expiry_does_not_delete_the_shared_entry(nursery):
     svc = redis_service(fake, timeout_ms=100)
     await nursery.start(svc.run)
     await svc.route(ConnectionInfo("1:1", container_id="k"))
-    await _until(lambda: fake.data.get("k") == "n0")
-    await _until(lambda: "k" not in svc.core.cache.entries)  # local tier expired it
-    await trio.sleep(0.3)  # several write-behind rounds
+    await wait_for_async(lambda: fake.data.get("k") == "n0", 5, interval_s=0.01)
+    await wait_for_async(lambda: "k" not in svc.core.cache.entries, 5, interval_s=0.01)  # local tier expired it
+    await trio.sleep(0.3)  # the thing under test: several write-behind rounds send no delete
     assert fake.deleted == [] and fake.data.get("k") == "n0"
 
 async def test_redis_client_error_outside_redis_error_degrades_instead_of_crashing(nursery):
@@ -207,7 +203,7 @@ async def test_redis_client_error_outside_redis_error_degrades_instead_of_crashi
     await nursery.start(svc.run)
     d = svc.route_for_key("\ud800")  # the management API can pass any JSON string
     assert d.ok
-    await _until(lambda: svc.degraded)
+    await wait_for_async(lambda: svc.degraded, 5, interval_s=0.01)
     assert (await svc.route(ConnectionInfo("1:1", container_id="after"))).ok
 
 def test_redis_cache_round_trips_lone_surrogates():

@@ -43,7 +43,7 @@ async def test_quorum_wait_blocks_only_the_waiting_connection(autojump_clock):
         got["cold_at"] = trio.current_time()
 
     async def hot():
-        await trio.sleep(0.1)
+        await trio.sleep(0.1)   # the thing under test: a cache hit arriving during the quorum wait
         got["hot"] = await svc.route(ConnectionInfo("1:1", container_id="hot"))
         got["hot_at"] = trio.current_time()
 
@@ -51,7 +51,7 @@ async def test_quorum_wait_blocks_only_the_waiting_connection(autojump_clock):
     async with trio.open_nursery() as n:
         n.start_soon(cold)
         n.start_soon(hot)
-        await trio.sleep(1.0)
+        await trio.sleep(1.0)   # the thing under test: time passes below quorum (autojump clock)
         assert "cold" not in got
         assert got["hot"].ok and got["hot"].explanation.cache == "hit"
         assert got["hot_at"] - start == pytest.approx(0.1)

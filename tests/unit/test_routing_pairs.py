@@ -26,6 +26,7 @@ from router.health import ProbeKicks, run_health_checks
 from router.policies import Target, create_policy, fnv1a_utf16
 from router.service import RouterService
 from tests.unit.test_routing_service import FakeManagement, rconfig, start_fake
+from tests.waiting import wait_for_async
 
 VECTORS = Path(__file__).resolve().parent.parent / "vectors"
 ARTEMIS_HASH = {"HASH": "FNV1A", "VIRTUAL_NODES": "1"}
@@ -449,10 +450,10 @@ async def test_a_key_waits_for_its_pairs_failover(autojump_clock):
 
     async with trio.open_nursery() as n:
         n.start_soon(client)
-        await trio.sleep(1.5)
+        await trio.sleep(1.5)   # the thing under test: time passes (autojump clock) while the pair fails over
         assert "d" not in got                       # waiting, not re-placed on b
         svc.pool.report_probe("b", True, node_id="Y", connection_count=1)  # unrelated change
-        await trio.sleep(0.5)
+        await trio.sleep(0.5)   # the thing under test: the unrelated change does not end the wait
         assert "d" not in got
         svc.pool.report_probe("a2", True, node_id="X")
     d = got["d"]
@@ -558,11 +559,9 @@ async def test_a_kick_probes_at_once_and_kicks_coalesce(nursery):
     start = trio.current_time()
     for _ in range(50):                                    # a flood: one more probe, not 50
         kicks.kick("a")
-    with trio.fail_after(2):
-        while fake.requests < 2:
-            await trio.sleep(0.01)
+    await wait_for_async(lambda: fake.requests >= 2, 2, interval_s=0.01, what="the kicked probe")
     assert trio.current_time() - start < 1
-    await trio.sleep(0.3)
+    await trio.sleep(0.3)   # the thing under test: no second probe comes of the other 49 kicks
     assert fake.requests == 2
 
 
@@ -579,17 +578,14 @@ async def test_a_pair_failing_over_is_probed_until_a_member_is_active(nursery):
     primary.active = False
     pool.mark_not_ready("a", "upstream connect failed")   # as the service does...
     kicks.kick("a")                                        # ...with a kick
-    with trio.fail_after(3):                               # the backup is probed again and again
-        while backup.requests < 4:
-            await trio.sleep(0.01)
+    # the backup is probed again and again
+    await wait_for_async(lambda: backup.requests >= 4, 3, interval_s=0.01, what="the backup probed 3 more times")
     backup.active = True
     start = trio.current_time()
-    with trio.fail_after(3):
-        while pool.ready_target("X") is None:
-            await trio.sleep(0.01)
+    await wait_for_async(lambda: pool.ready_target("X") is not None, 3, interval_s=0.01, what="X served")
     assert pool.ready_target("X").name == "a2" and trio.current_time() - start <= 1.5
     n = backup.requests
-    await trio.sleep(0.5)                                  # served again: back to check-period
+    await trio.sleep(0.5)   # the thing under test: served again, no more probes (back to check-period)
     assert backup.requests == n
 
 

@@ -19,6 +19,7 @@ from router.core.keys import ConnectionInfo, KeyType
 from router.health import probe_target
 from router.policies import Target
 from router.service import RouterService
+from tests.waiting import wait_for_async
 
 
 class FakeManagement:
@@ -112,9 +113,7 @@ async def test_probe_learns_node_id_counts_and_errors(nursery):
     d = await svc.route(ConnectionInfo("10.0.0.1:5", container_id="x"))
     assert d.ok and d.target.node_id == "uuid-a"
     good.active = False
-    with trio.fail_after(5):
-        while svc.pool.ready_count:
-            await trio.sleep(0.02)
+    await wait_for_async(lambda: svc.pool.ready_count == 0, 5, interval_s=0.02, what="no target ready")
     assert "not active" in svc.pool.snapshot()["targets"][0]["last_error"]
 
 
@@ -150,7 +149,7 @@ async def test_quorum_wait_does_not_block_others(autojump_clock):
         results["wait_at"] = trio.current_time()
 
     async def other():
-        await trio.sleep(0.1)
+        await trio.sleep(0.1)   # the thing under test: a connection arriving during the quorum wait
         results["local"] = await svc.route(ConnectionInfo("1.1.1.1:1", container_id="local1"))
         results["local_at"] = trio.current_time()
 
@@ -158,7 +157,7 @@ async def test_quorum_wait_does_not_block_others(autojump_clock):
     async with trio.open_nursery() as n:
         n.start_soon(waiter)
         n.start_soon(other)
-        await trio.sleep(1.0)
+        await trio.sleep(1.0)   # the thing under test: time passes below quorum (autojump clock)
         assert "wait" not in results  # still waiting for quorum...
         assert results["local"].local and results["local_at"] - start < 0.2  # ...others are not
         svc.pool.report_probe("t1", True, node_id="n1")
@@ -253,14 +252,15 @@ async def test_pins_reload(tmp_path, autojump_clock, nursery):
     svc._health_task = _no_probes
     await nursery.start(svc.run)
     assert (await svc.route(ConnectionInfo("1:1", container_id="gold"))).target.node_id == "n1"
+    reloads = svc.counters["pins_reloads"]
     pins.write_text('{"key": "gold", "node_id": "n0"}\n{"key": "silver", "node_id": "n1"}\n')
     import os
     os.utime(pins, ns=(1, 1))
-    await trio.sleep(1.5)
+    await wait_for_async(lambda: svc.counters["pins_reloads"] > reloads, 5, what="the pins reload")
     assert (await svc.route(ConnectionInfo("1:1", container_id="gold"))).target.node_id == "n0"
     pins.write_text("{broken\n")
     os.utime(pins, ns=(2, 2))
-    await trio.sleep(1.5)
+    await wait_for_async(lambda: svc.counters["pins_errors"] > 0, 5, what="the broken pins read")
     assert svc.pins_error and "invalid JSON" in svc.pins_error
     assert (await svc.route(ConnectionInfo("1:1", container_id="gold"))).target.node_id == "n0"
 
@@ -336,24 +336,21 @@ async def test_redis_tier_hot_hit_has_no_round_trip_and_conflicts_converge(nurse
     for _ in range(5):
         assert (await svc.route(c)).explanation.cache_tier == "local"
     assert fake.gets == 1  # hits never ask Redis
-    with trio.fail_after(5):
-        while fake.data.get("k") != d.target.node_id:
-            await trio.sleep(0.01)
+    await wait_for_async(lambda: fake.data.get("k") == d.target.node_id, 5, interval_s=0.01,
+                         what="the write-behind of k")
     # another replica decided "k2" first: our write-behind loses and we adopt its choice
     fake.data["k2"] = "n2"
     svc.core.cache.put("k2", "n0", svc.clock())
-    with trio.fail_after(5):
-        while svc.core.cache.entries["k2"][0] != "n2":
-            await trio.sleep(0.01)
+    await wait_for_async(lambda: svc.core.cache.entries["k2"][0] == "n2", 5, interval_s=0.01,
+                         what="the other replica's choice adopted")
     assert svc.counters["redis_conflicts"] == 1
     # a Redis value pointing to a node that is down is stale: the policy decides and replaces it
     fake.data["k3"] = "n1"
     svc.pool.report_probe("t1", False, error="down")
     d3 = await svc.route(ConnectionInfo("1:1", container_id="k3"))
     assert d3.ok and d3.target.node_id != "n1"
-    with trio.fail_after(5):
-        while fake.data["k3"] != d3.target.node_id:
-            await trio.sleep(0.01)
+    await wait_for_async(lambda: fake.data["k3"] == d3.target.node_id, 5, interval_s=0.01,
+                         what="the stale entry replaced")
 
 
 async def test_redis_down_degrades_without_failing(nursery):
@@ -366,9 +363,9 @@ async def test_redis_down_degrades_without_failing(nursery):
     ds = [await svc.route(ConnectionInfo("1:1", container_id=f"k{i}")) for i in range(20)]
     assert all(d.ok for d in ds) and svc.degraded and fake.gets == 1  # no reads while degraded
     fake.fail = False
-    with trio.fail_after(5):  # the writer pings once a second, then flushes the queue
-        while svc.degraded or not {f"k{i}" for i in range(20)} <= set(fake.data):
-            await trio.sleep(0.05)
+    # the writer pings once a second, then flushes the queue
+    await wait_for_async(lambda: not svc.degraded and {f"k{i}" for i in range(20)} <= set(fake.data), 5,
+                         what="back from degraded, the queue flushed")
 
 
 async def test_local_target_without_a_pool_probes_with_its_own_credentials(tmp_path):
@@ -445,7 +442,9 @@ async def test_route_resolves_the_key_once_through_a_quorum_wait(autojump_clock)
     svc.core.resolve = counting
     async with trio.open_nursery() as n:
         async def flap():
-            for _ in range(3):  # pool changes wake the waiter, which decides again each time
+            # the thing under test: the pool flapping over time (autojump clock) while the
+            # connection waits; pool changes wake the waiter, which decides again each time
+            for _ in range(3):
                 await trio.sleep(0.5)
                 svc.pool.report_probe("t0", False)
                 await trio.sleep(0.1)
