@@ -13,8 +13,8 @@ import pytest
 from broker.config import load_config
 from broker.wire.io.tomlconfig import ConfigError
 from router.core.keys import KeyType
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 
 CLUSTER = """
 [node]

@@ -13,8 +13,8 @@ from broker.wire.io.users import (Principal, SecurityConfig, hash_password,
                                   load_users, match_specificity, parse_source_ip, verify_password,
                                   wildcard_match)
 from broker.wire.io.tomlconfig import ConfigError
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 FAST = dict(n=1024, r=8, p=1)          # cheap hashes for tests; the real default is n=16384
 
 
@@ -336,7 +336,7 @@ def test_cached_is_the_non_blocking_fast_path_of_authenticate(tmp_path):
     """`cached` answers only for logins verified before, from an allowed source, without scrypt."""
     from broker.wire.io.users import load_users
 
-    sec = load_users(Path(__file__).resolve().parents[2] / "etc" / "users.toml")
+    sec = load_users(REPO / "etc" / "users.toml")
     assert sec.cached("app", "app", "127.0.0.1") is None          # never verified: not known
     assert sec.authenticate("app", "app", "127.0.0.1") is not None
     calls = sec.scrypt_calls

@@ -10,7 +10,6 @@ from __future__ import annotations
 import csv
 import json
 import logging
-from pathlib import Path
 
 import pytest
 import trio
@@ -25,10 +24,10 @@ from router.core.pool import Pool
 from router.health import ProbeKicks, run_health_checks
 from router.policies import Target, create_policy, fnv1a_utf16
 from router.service import RouterService
-from tests.unit.test_routing_service import FakeManagement, rconfig, start_fake
+from tests.paths import VECTORS
+from tests.unit.router.test_service import FakeManagement, rconfig, start_fake
 from tests.waiting import wait_for_async
 
-VECTORS = Path(__file__).resolve().parent.parent / "vectors"
 ARTEMIS_HASH = {"HASH": "FNV1A", "VIRTUAL_NODES": "1"}
 
 

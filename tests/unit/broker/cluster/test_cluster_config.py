@@ -13,8 +13,8 @@ from broker.cluster.settings import (DEFAULT_CLUSTER_PASSWORD, ClusterConfig, Co
                                      parse_address_filter, parse_connector)
 from broker.config import apply_overrides, load_config
 from broker.wire.io.tomlconfig import ConfigError
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 
 BASE = """
 [acceptors.amqp]

@@ -11,8 +11,8 @@ import pytest
 from broker.config import ResourceLimits, load_config
 from broker.wire.io.tomlconfig import ConfigError
 from router.config import load_router_config
-from tests.unit.test_routing_config import MINIMAL
-from tests.unit.test_routing_config import write as write_router
+from tests.unit.router.test_router_config import MINIMAL
+from tests.unit.router.test_router_config import write as write_router
 
 BASE = """
 [acceptors.amqp]

@@ -17,8 +17,8 @@ from router.config import load_router_config
 from router.core.decide import Outcome
 from router.core.keys import ConnectionInfo
 from router.service import RouterService
+from tests.paths import VECTORS
 
-VECTORS = Path(__file__).resolve().parent.parent / "vectors"
 
 
 def rows(name: str) -> list[dict[str, str]]:

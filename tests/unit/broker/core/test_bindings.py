@@ -382,7 +382,7 @@ def test_a_5_node_mesh_gets_exactly_a_fifth_each_through_the_broker():
 def test_the_engine_reports_a_consumers_selector_and_ignores_browsers(tmp_path):
     from proton import Described, Terminus, symbol
 
-    from tests.unit.test_txn_engine import Wire
+    from tests.unit.broker.amqp.test_txn_engine import Wire
 
     w = Wire(tmp_path)
     core = w.node.core

@@ -1,4 +1,4 @@
-"""The journal's on-disk format, pinned by golden bytes (tests/unit/journal_golden/).
+"""The journal's on-disk format, pinned by golden bytes (tests/unit/broker/store/journal_golden/).
 
 The files there were written by the single-file ``broker/store/journal.py`` of ``main`` (commit
 f5841f0) running :func:`golden_workload`; ``expected.json`` is what that code read back. The
@@ -14,7 +14,7 @@ Never regenerate these files to make a test pass: a difference is a change of th
 format. Regenerate only with the code that defines the format, e.g.::
 
     git archive f5841f0 broker | tar -x -C /tmp/old
-    PYTHONPATH=/tmp/old python tests/unit/test_journal_golden.py tests/unit/journal_golden
+    PYTHONPATH=/tmp/old python tests/unit/broker/store/test_journal_golden.py tests/unit/broker/store/journal_golden
 """
 
 from __future__ import annotations

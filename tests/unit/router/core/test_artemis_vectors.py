@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import json
-from pathlib import Path
 
 import pytest
 
@@ -15,8 +14,8 @@ from router.core.filters import compile_key_filter, compile_local_filter
 from router.core.keys import ConnectionInfo, KeyResolver, KeyType
 from router.core.pool import Pool, TargetState
 from router.policies import Target, create_policy, fnv1a_utf16
+from tests.paths import VECTORS
 
-VECTORS = Path(__file__).resolve().parent.parent / "vectors"
 
 
 def rows(name: str) -> list[dict[str, str]]:

@@ -8,8 +8,8 @@ import pytest
 
 from broker.config import apply_overrides, check_anonymous, load_config
 from broker.wire.io.tomlconfig import ConfigError
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 ETC = REPO / "etc"
 
 
@@ -111,7 +111,7 @@ def test_address_settings_patterns_are_checked_like_permissions(tmp_path):
     from broker.config import load_config
 
     p = tmp_path / "b.toml"
-    users = Path(__file__).resolve().parents[2] / "etc" / "users.toml"
+    users = REPO / "etc" / "users.toml"
     p.write_text(f'[security]\nusers-file = "{users}"\n[acceptors.amqp]\nport = 0\n'
                  '[address-settings."ord#"]\nmax-delivery-count = 3\n')
     with pytest.raises(ConfigError) as err:

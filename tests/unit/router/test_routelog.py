@@ -8,6 +8,7 @@ from pathlib import Path
 import trio
 
 from router.routelog import RouteLog, utc_timestamp, worker_log_path
+from tests.paths import REPO
 from tests.waiting import wait_for_async
 
 
@@ -84,7 +85,6 @@ def test_the_documented_schema_is_what_the_builders_write():
     """docs/router.md's routing-log tables name exactly the fields of ``route_line`` and
     ``close_line`` (the schema lives in router/routelog.py), and ``v`` is ``SCHEMA_VERSION``."""
     import re
-    from pathlib import Path
     from types import SimpleNamespace as NS
 
     from router.core.decide import Router
@@ -101,7 +101,7 @@ def test_the_documented_schema_is_what_the_builders_write():
     close = json.loads(close_line(0.0, 0, "r", "a", "auto", c, d, stats, 1.5, 1024))
     assert route["v"] == close["v"] == SCHEMA_VERSION
     assert (route["event"], route["action"], route["decision_us"]) == ("route", "refused", 7)
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "router.md").read_text()
+    doc = (REPO / "docs" / "router.md").read_text()
     sec = doc[doc.index('**`event = "route"`**'):]
     tables = {"route": sec[:sec.index('**`event = "close"`**')],
               "close": sec[sec.index('**`event = "close"`**'):sec.index("A Spark schema")]}

@@ -16,7 +16,7 @@ from router.core.cache import StickyCache, page
 from router.core.decide import Outcome
 from router.core.keys import ConnectionInfo, KeyType
 from router.routelog import RouteLog, json_str_bounded, truncate_field
-from tests.unit.test_routing_service import static_pool_service
+from tests.unit.router.test_service import static_pool_service
 
 
 # -- LRU ------------------------------------------------------------------------------------
@@ -224,7 +224,7 @@ def test_config_defaults_and_errors(tmp_path):
 import trio  # noqa: E402
 
 from router.net import proxy as proxy_mod  # noqa: E402
-from tests.unit import test_router_net_proxy as pump_tests  # noqa: E402
+from tests.unit.router.net import test_proxy as pump_tests  # noqa: E402
 from tests.waiting import wait_for_async  # noqa: E402
 
 

@@ -11,8 +11,8 @@ from broker.wire.io.tomlconfig import ConfigError
 from router.config import (CacheConfig, PoolConfig, import_artemis_xml, load_router_config,
                            parse_connector_url)
 from router.core.keys import KeyType
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 
 MINIMAL = """
 [routers.r.policy]

@@ -1,11 +1,11 @@
 """The dry-run command: which keys move when a target joins or leaves the pool."""
 
 import json
-from pathlib import Path
 
 from router.dryrun_cli import dry_run_main
+from tests.paths import REPO
 
-ROUTER_TOML = str(Path(__file__).resolve().parents[2] / "etc" / "router.toml")
+ROUTER_TOML = str(REPO / "etc" / "router.toml")
 # etc/router.toml's pool is the cluster: the members are given by hand (--target)
 IDS = ["--target", "broker-1=127.0.0.1:15672", "--target", "broker-2=127.0.0.1:15673",
        "--target", "broker-3=127.0.0.1:15674",
