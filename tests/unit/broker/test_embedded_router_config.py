@@ -1,11 +1,9 @@
 """``[routers.<name>]`` in a broker's TOML (the router inside the broker, issue 11 part 4): the
 router's own schema in embedded mode, ``acceptors.<a>.router`` and ``[routing-log]``; bad values
-name file, key and value (the CLI exits 2 with one line)."""
+name file, key and value (the CLI exits 2 with one line: tests/integration/test_broker_cli_config_errors.py)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +11,6 @@ import pytest
 from broker.config import load_config
 from broker.wire.io.tomlconfig import ConfigError
 from router.core.keys import KeyType
-from tests.paths import REPO
 
 
 CLUSTER = """
@@ -118,13 +115,3 @@ path = "logs/routing.log"
 def test_bad_values_name_file_key_and_value(tmp_path, body, key, text):
     msg = error(tmp_path, body)
     assert f"broker.toml: {key}" in msg and text in msg, msg
-
-
-def test_cli_exits_2_with_one_line(tmp_path):
-    p = write(tmp_path, CLUSTER)
-    out = subprocess.run([sys.executable, "-m", "broker", "check", str(p)], cwd=REPO,
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2, (out.stdout, out.stderr)
-    assert out.stderr.strip().splitlines() == [
-        f"lodestone-broker: {p}: acceptors.amqp.router: 'gravity' is not a router defined in [routers] "
-        "(defined: none)"]

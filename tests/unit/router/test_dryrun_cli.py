@@ -1,4 +1,5 @@
-"""The dry-run command: which keys move when a target joins or leaves the pool."""
+"""The dry-run command: which keys move when a target joins or leaves the pool (in-process; the
+command as a process: tests/integration/test_router_dryrun_command.py)."""
 
 import json
 
@@ -56,16 +57,6 @@ def test_bad_config_is_one_line_and_status_2(tmp_path, capsys):
     assert dry_run_main([str(bad), "--keys", str(_keys(tmp_path, 1))]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "routers.main.key-type" in err and "NOPE" in err
-
-
-def test_the_router_cli_runs_the_dry_run(tmp_path):
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-m", "router", "dry-run", ROUTER_TOML, "--keys", str(_keys(tmp_path, 10)),
-                          "--remove", "broker-3", *IDS], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert "of 10 keys move" in out.stdout
 
 
 def test_a_cluster_pool_needs_its_members(tmp_path, capsys):

@@ -1,10 +1,9 @@
 """``[cluster]``, ``[ha]`` and ``redistribution-delay-ms``: what parses, the defaults, and bad values
-naming file, key and value (in the CLI too: one line, status 2). Also the cluster address filter."""
+naming file, key and value (in the CLI too, one line and status 2:
+tests/integration/test_broker_cli_config_errors.py). Also the cluster address filter."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,6 @@ from broker.cluster.settings import (DEFAULT_CLUSTER_PASSWORD, ClusterConfig, Co
                                      parse_address_filter, parse_connector)
 from broker.config import apply_overrides, load_config
 from broker.wire.io.tomlconfig import ConfigError
-from tests.paths import REPO
 
 
 BASE = """
@@ -264,16 +262,6 @@ def test_errors_name_file_key_and_value(tmp_path, body, path, fragment):
     err = ei.value
     assert err.file == str(p) and err.path == path, str(err)
     assert str(err).startswith(f"{p}: {path}: ") and fragment in err.message, str(err)
-
-
-@pytest.mark.parametrize("command", ["run", "check"])
-def test_cli_exits_2_naming_file_key_and_value(tmp_path, command):
-    p = write(tmp_path, CLUSTER + "max-hops = -3\n")
-    out = subprocess.run([sys.executable, "-m", "broker", command, str(p)], cwd=REPO, capture_output=True,
-                         text=True, timeout=60)
-    assert out.returncode == 2, (out.stdout, out.stderr)
-    lines = out.stderr.strip().splitlines()
-    assert lines == [f"lodestone-broker: {p}: cluster.max-hops: -3 must be >= 0"] and out.stdout == ""
 
 
 # -- the cluster address filter (Artemis cluster-connection <address>) -------------------------------
