@@ -51,7 +51,7 @@ def server_context(certificate: str | Path, key: str | Path, *, client_ca: str |
     ctx.options |= ssl.OP_NO_RENEGOTIATION if hasattr(ssl, "OP_NO_RENEGOTIATION") else 0
     # TLS 1.3: one session ticket per full handshake instead of OpenSSL's default two (meant for
     # browsers opening parallel connections; an AMQP client resumes one connection at a time).
-    # Resumption still works (tests/unit/test_router_tls_context.py); each ticket costs ~30 µs
+    # Resumption still works (tests/unit/broker/wire/io/test_tls_context.py); each ticket costs ~30 µs
     # of server CPU (session encoding, ticket encryption: measured in-process, OpenSSL 3.0) plus
     # one write to the socket.
     ctx.num_tickets = 1
