@@ -37,12 +37,11 @@ import json
 import ssl
 from dataclasses import dataclass
 from typing import Callable
-from urllib.parse import urlsplit
 
 import h11
 import trio
 
-from broker.wire.io.http import http_get as _http_get
+from broker.wire.io.http import get_json_url
 from router.core.policies.base import Target
 from router.core.pool import Pool
 
@@ -91,17 +90,11 @@ async def http_get(url: str, *, headers: list[tuple[str, str]] = (), timeout_s: 
                    ssl_context: ssl.SSLContext | None = None) -> tuple[int, bytes]:
     """GET ``url`` over HTTP/1.1 (``Connection: close``); returns (status, body). Raises on error.
 
-    A thin URL front for ``broker.wire.io.http.http_get`` (one HTTP client in the code base); https URLs
-    use ``ssl_context`` or the system trust store.
+    ``broker.wire.io.http.get_json_url`` with the probes' body limit (one HTTP client in the code
+    base); https URLs use ``ssl_context`` or the system trust store.
     """
-    parts = urlsplit(url)
-    https = parts.scheme == "https"
-    host = parts.hostname or "localhost"
-    port = parts.port or (443 if https else 80)
-    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    ctx = (ssl_context or ssl.create_default_context()) if https else None
-    return await _http_get(host, port, target, timeout_s=timeout_s, ssl_context=ctx,
-                           headers=[("Accept", "application/json"), *headers], max_body_bytes=MAX_BODY)
+    return await get_json_url(url, headers=headers, timeout_s=timeout_s, ssl_context=ssl_context,
+                              max_body_bytes=MAX_BODY)
 
 
 def basic_auth(username: str | None, password: str | None) -> list[tuple[str, str]]:

@@ -52,7 +52,7 @@ class OwnedLink:
     """One link a broker service owns: its direction, address, credit, and ``send``."""
 
     __slots__ = ("engine", "raw", "name", "address", "is_sender", "credit_window", "handler", "inflight",
-                 "_tags", "_from_buffer")
+                 "_tags")
 
     def __init__(self, engine: "AmqpEngine", raw, *, name: str, address: str, is_sender: bool,
                  credit_window: int = 0) -> None:
@@ -65,7 +65,6 @@ class OwnedLink:
         self.handler: Any = None
         self.inflight: dict = {}        # raw pn_delivery_t* -> token (unsettled sends)
         self._tags = itertools.count(1)
-        self._from_buffer = from_buffer
 
     @property
     def is_receiver(self) -> bool:
@@ -78,7 +77,7 @@ class OwnedLink:
     def send(self, data: bytes, token: Any = None) -> None:
         """Write one encoded message. ``token=None``: pre-settled (nothing comes back); else the
         peer's settlement comes back as ``on_outcome(link, token, outcome)``."""
-        fb = self._from_buffer
+        fb = from_buffer
         tag = b"%x" % next(self._tags)
         d = pn_delivery(self.raw, (len(tag), fb(tag)))
         pn_link_send(self.raw, fb(data), len(data))

@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import json
 import logging
-import ssl
 from dataclasses import dataclass
 from typing import Iterable
-from urllib.parse import urlsplit
 
 import trio
 
-from broker.wire.io.http import http_get
+from broker.wire.io.http import get_json_url
 
 log = logging.getLogger("lodestone.broker.ha")
 
@@ -59,15 +57,10 @@ class VoteResult:
 
 
 async def _view(url: str, credentials: tuple[str, str], timeout_s: float) -> dict | None:
-    parts = urlsplit(url)
-    https = parts.scheme == "https"
     try:
         with trio.fail_after(timeout_s):
-            status, body = await http_get(
-                parts.hostname or "localhost", parts.port or (443 if https else 80),
-                parts.path.rstrip("/") + "/api/v1/cluster", auth=credentials, timeout_s=timeout_s,
-                ssl_context=ssl.create_default_context() if https else None,
-                headers=[("Accept", "application/json")], max_body_bytes=VIEW_MAX_BYTES)
+            status, body = await get_json_url(url.rstrip("/") + "/api/v1/cluster", auth=credentials,
+                                              timeout_s=timeout_s, max_body_bytes=VIEW_MAX_BYTES)
     except (OSError, trio.TooSlowError, Exception):   # unreachable: no vote
         return None
     if status != 200:

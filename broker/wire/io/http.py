@@ -272,6 +272,20 @@ async def http_get(host: str, port: int, path: str, *, auth: tuple[str, str] | N
                               ssl_context=ssl_context, max_body_bytes=max_body_bytes)
 
 
+async def get_json_url(url: str, *, headers: list[tuple[str, str]] = (), auth: tuple[str, str] | None = None,
+                       timeout_s: float = 2.0, ssl_context: ssl.SSLContext | None = None,
+                       max_body_bytes: int | None = None) -> tuple[int, bytes]:
+    """GET ``url`` asking for JSON (the router's health probes and cluster reads, the HA vote);
+    returns (status, body). https URLs use ``ssl_context`` or the system trust store."""
+    parts = urlsplit(url)
+    https = parts.scheme == "https"
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    ctx = (ssl_context or ssl.create_default_context()) if https else None
+    return await http_get(parts.hostname or "localhost", parts.port or (443 if https else 80), target,
+                          auth=auth, timeout_s=timeout_s, ssl_context=ctx,
+                          headers=[("Accept", "application/json"), *headers], max_body_bytes=max_body_bytes)
+
+
 async def http_request(host: str, port: int, method: str, path: str, *, headers: list[tuple[str, str]],
                        body: bytes = b"", timeout_s: float = 5.0, ssl_context: ssl.SSLContext | None = None,
                        server_hostname: str | None = None,
