@@ -40,6 +40,7 @@ from router.embed import RouterResources, routers_openapi_paths
 from broker import VERSION
 from broker.core.filters import SelectorError, compile_queue_filter
 from broker.core.departures import END_OF_STREAM, FORCED, CloseRequestError, parse_close_request
+from broker.role import plain_view
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.node import Node
@@ -84,11 +85,7 @@ async def _principal(node: "Node", request: Request):
 
 def ha_view(node: "Node") -> dict:
     """``GET /api/v1/ha``: this process's HA policy, role and state (docs/ha.md)."""
-    status = getattr(node, "ha", None)
-    if status is not None:
-        return status.describe(getattr(node, "ha_store", None))
-    return {"policy": node.cfg.ha.policy, "role": "primary", "active": node.active, "node_id": node.node_id,
-            "phase": "active" if node.active else "starting", "pair": None, "replication": None}
+    return node.role.describe(node) if node.role is not None else plain_view(node)
 
 
 def broker_info(node: "Node") -> dict:
@@ -163,7 +160,7 @@ def metrics(node: "Node", exporter: "MetricsExporter | None" = None) -> list[Met
         Metric("lodestone_broker_logins_total", "counter", "password logins by outcome (broker.wire.io.login)",
                tuple(({"outcome": k}, v) for k, v in sorted(node.login_gate.counters.items()))),
     ]
-    ha = getattr(node, "ha", None)
+    ha = node.role.status if node.role is not None else None
     if ha is not None:
         out += [
             Metric("lodestone_broker_ha_active", "gauge", "1 while this HA member serves its pair's node id",
@@ -177,7 +174,7 @@ def metrics(node: "Node", exporter: "MetricsExporter | None" = None) -> list[Met
             Metric("lodestone_broker_ha_votes_total", "counter", "quorum votes this member asked for, by outcome",
                    tuple(({"outcome": k}, v) for k, v in sorted(ha.votes.items()))),
         ]
-        repl = getattr(node, "replication", None)
+        repl = node.replication
         if repl is not None:
             lag = repl.describe()["lag_records"]
             out.append(Metric("lodestone_broker_ha_replication_lag_records", "gauge",
@@ -314,7 +311,8 @@ def make_handler(node: "Node"):
         if method == "GET" and path == "/health":
             if node.active:
                 return json_response({"status": "ok", "active": True, "node_id": node.node_id})
-            passive = getattr(node, "ha", None) is not None and node.ha.phase != "starting"
+            status = node.role.status if node.role is not None else None
+            passive = status is not None and status.phase != "starting"
             return json_response({"status": "passive" if passive else "starting", "active": False,
                                   "node_id": node.node_id or None}, 503)
         if method == "GET" and path == "/metrics":
@@ -344,10 +342,10 @@ def make_handler(node: "Node"):
             if path == "/api/v1/ha":
                 return json_response(ha_view(node))
         if method == "POST" and path == COLOCATED_PATH:
-            host = getattr(node, "colocated", None)
-            if host is None:
+            answer = node.role.host_backup(request.json()) if node.role is not None else None
+            if answer is None:
                 raise HttpError(404, "this node hosts no colocated backups ([ha.colocated] max-backups)")
-            status, body = host.request(request.json())
+            status, body = answer
             return json_response(body, status)
         if method == "POST" and path == "/api/v1/addresses":
             return _create_address(node, principal, request.json())

@@ -7,7 +7,7 @@ Theory of operation
 open connection and the group-commit waiters. It is the :class:`broker.amqp.host.EngineHost`
 of every engine the node runs — accepted connections (:mod:`broker.amqp.driver`) and the
 connections it dials to peers (:mod:`broker.amqp.peer`) — and the state the management API
-and ``/metrics`` read. :func:`broker.server.serve_active` builds one and runs its background tasks
+and ``/metrics`` read. :meth:`broker.lifecycle.NodeProcess.serve` builds one and runs its background tasks
 (:meth:`Node.committer`, :meth:`Node.expiry_scanner`, :meth:`Node.activity_flusher`).
 
 Group commit: the core writes journal records (in memory) as it goes; the committer task runs
@@ -19,6 +19,7 @@ into the next one, so one fsync covers a whole batch of producers.
 from __future__ import annotations
 
 import collections
+import contextlib
 import hmac
 import json
 import logging
@@ -51,10 +52,12 @@ from broker.store.journal import GroupOp
 from broker.wire.io.trioutil import Wakeup
 from broker.cluster.bridge import CLUSTER_ROLE
 from broker.ha.replication import failover_server_list
+from broker.routing import EmbeddedRouting
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.amqp.engine import AmqpEngine
     from broker.config import BrokerConfig
+    from broker.role import Role
 
 log = logging.getLogger("lodestone.broker")
 
@@ -160,7 +163,12 @@ class JournalStore:
 class Node:
     """One running broker node: an :class:`~broker.amqp.host.EngineHost` (see the module docstring)."""
 
-    def __init__(self, cfg: "BrokerConfig", security, node_id: str, journal=None):
+    def __init__(self, cfg: "BrokerConfig", security, node_id: str, journal=None, *, role: "Role | None" = None,
+                 activity: ActivityLog | None = None, routed: bool = False):
+        """``role``: the role component that runs this node (``broker.role``; None: a node no
+        process runs, as in tests); ``activity``: its activity log; ``routed``: build the
+        connection routers of routed acceptors (``broker.routing``) — before any acceptor
+        listens, so a routed acceptor never skips its router."""
         self.cfg = cfg
         self.settings = EngineSettings.from_config(cfg)  # what every engine of this node runs with
         self.security = security
@@ -169,15 +177,11 @@ class Node:
         self.container_id = f"lodestone-{cfg.name}-{self.short_id}"
         self.journal = journal
         self._dirty = Wakeup()
-        #: broker.ha.replication.ReplicationSource of an active replication member
-        self.replication = None
+        self.role = role
         #: the internal link services (EngineHost.services): $lodestone.replication.* here,
         #: the cluster's for the other $lodestone. addresses once there is one (set_cluster)
         self.services = InternalServices()
         self.services.register(REPLICATION_PREFIX, _ReplicationLinks(self))
-        #: a shared-store primary's waiting backup, ``(connector, management URL, True)``, or None
-        #: (broker.ha.shared_store; listed by ClusterNode.own_backups)
-        self.shared_backup = None
         store = JournalStore(journal, self._dirty.set) if journal is not None else None
         cl = cfg.cluster
         dups = DuplicateIds(size=cfg.id_cache_size, persist=cfg.persist_id_cache and journal is not None,
@@ -198,12 +202,13 @@ class Node:
         self.active = False
         self.started_at = time.time()
         self.started_mono = time.monotonic()
-        self.connection_nursery: trio.Nursery | None = None
-        self.activity: ActivityLog | None = None
+        self._connections: trio.Nursery | None = None   # open while serving: connections_open()
+        self.activity = activity
         self.recovery: dict = {}
         self.internal_records: dict[str, list[tuple[int, bytes]]] = {}  # recovered, see recover()
         self.cluster = None  # broker.cluster.bridge.ClusterNode when [cluster] is configured
-        self.routing = None  # broker.routing.EmbeddedRouting when [routers.*] are configured
+        #: broker.routing.EmbeddedRouting when [routers.*] are configured
+        self.routing = EmbeddedRouting(self, cfg) if routed else None
         self.broadcast_counters: dict[str, dict] = {}  # broadcast group -> sent / send_failed
         # authentication and per-source admission (broker.wire.io.login, broker.wire.limits)
         self.login_gate = LoginGate(security, name=cfg.name) if security is not None else None
@@ -279,6 +284,53 @@ class Node:
             self.counters[f"denied_{permission}"] += 1
         return ok
 
+    # -- the role and the lifecycle (broker.role, broker.lifecycle) --------------------------
+    @property
+    def replication(self):
+        """The replication stream of an active replication primary
+        (``broker.ha.replication.ReplicationSource``, the role's), else None."""
+        return self.role.replication if self.role is not None else None
+
+    def backups(self) -> tuple[tuple[str, str, bool], ...]:
+        """This node's HA backups, ``(connector, management URL, in sync)``: a replication
+        backup connected to it, or the shared-store backup waiting on its data directory."""
+        return self.role.backups() if self.role is not None else ()
+
+    def set_active(self, active: bool) -> None:
+        """Serving clients (``/health``, the embedded routers' own target) or not."""
+        self.active = active
+        if self.routing is not None:
+            self.routing.set_active(active)
+
+    @contextlib.asynccontextmanager
+    async def connections_open(self):
+        """The nursery every accepted connection runs in (``connection_nursery``), open while
+        the node serves (``broker.lifecycle.NodeProcess.serve``)."""
+        async with trio.open_nursery() as nursery:
+            self._connections = nursery
+            try:
+                yield nursery
+            finally:
+                self._connections = None
+
+    @property
+    def connection_nursery(self) -> trio.Nursery | None:
+        return self._connections
+
+    async def close_connections(self, grace_s: float) -> None:
+        """Close every client connection (``amqp:connection:forced``) and wait up to
+        ``grace_s`` for them to end."""
+        self.shutdown_connections()
+        with trio.move_on_after(grace_s):
+            while self.engines:
+                await trio.sleep(0.02)
+
+    def close_activity(self) -> None:
+        """Write the last activity records and close the activity log."""
+        self.flush_all_activity()
+        if self.activity is not None:
+            self.activity.close()
+
     def set_cluster(self, cluster) -> None:
         """This node's cluster (``broker.cluster.bridge.ClusterNode``): it serves the
         ``$lodestone.`` addresses (but replication's) from now on."""
@@ -306,12 +358,7 @@ class Node:
         or a shared-store node with a backup waiting on its files, Artemis's
         ``failover-server-list`` (docs/ha.md)."""
         props = self.cluster.open_properties() if self.cluster is not None else {}
-        if self.replication is not None:
-            fsl = self.replication.failover_server_list()
-        elif self.shared_backup is not None:   # a shared-store backup waiting on our files
-            fsl = failover_server_list([self.shared_backup[0]])
-        else:
-            fsl = []
+        fsl = failover_server_list([connector for connector, _mgmt, in_sync in self.backups() if in_sync])
         if fsl:
             props = {**props, "failover-server-list": fsl}
         return props

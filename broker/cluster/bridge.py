@@ -618,13 +618,7 @@ class ClusterNode:
         backup connected to it (in sync once it holds the initial copy), or the shared-store backup
         waiting on its data directory (``broker.ha.shared_store``; in sync: it reads the same files).
         Told to the other members (the ``backups`` notification) and announced by broadcast groups."""
-        out: list[tuple[str, str, bool]] = []
-        repl = self.node.replication
-        if repl is not None and repl.session is not None and repl.backup_connector:
-            out.append((repl.backup_connector, repl.backup_management_url or "", repl.state == "in-sync"))
-        if self.node.shared_backup is not None:
-            out.append(self.node.shared_backup)
-        return tuple(out)
+        return tuple(self.node.backups())
 
     def backups_changed(self) -> None:
         """This node's backups may have changed (a replication backup connected, got in sync or

@@ -12,7 +12,7 @@ accepts): ``POST <member management URL>/api/v1/ha/colocated`` with the cluster 
 
 **Hosting** (``max-backups`` ≥ 1, :class:`ColocatedHost`): a node accepts a request from
 another node id while it hosts fewer than ``max-backups``; it then runs, in its own process, a
-replication backup (``broker.ha.replicated.run_replicated``) of a configuration derived from its
+replication backup (``broker.ha.replicated.Replicated``, in a ``NodeProcess`` of its own) of a configuration derived from its
 own (:func:`derive_config`): named ``<name>-colocated-<n>`` (Artemis's ``colocated_backup_n``),
 data directory ``<data-dir>/colocated/<node id>``, every acceptor port, the management port and
 the cluster connector's port increased by ``backup-port-offset`` (acceptors named in
@@ -28,11 +28,15 @@ import base64
 import dataclasses
 import json
 import logging
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+import math
+from typing import TYPE_CHECKING, Any, Callable
+from urllib.parse import urlsplit
 
 import trio
-from broker.cluster.settings import HaConfig
-from broker.cluster.settings import parse_connector
+
+from broker.cluster.settings import HaConfig, parse_connector
+from broker.lifecycle import NodeProcess
+from broker.role import Role
 from broker.wire.io.http import http_request
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -76,19 +80,34 @@ def derive_config(cfg: "BrokerConfig", n: int, requester_connector: str, group: 
 
 
 class ColocatedHost:
-    """The backups this node hosts for other primaries (``[ha.colocated] max-backups``)."""
+    """The backups this node hosts for other primaries (``[ha.colocated] max-backups``): a
+    component of the node's role (``broker.ha.replicated.Replicated``), run in the process's
+    nursery; each hosted backup is one more ``broker.lifecycle.NodeProcess`` in this process."""
 
-    def __init__(self, cfg: "BrokerConfig", security, nursery: trio.Nursery, stop: trio.Event,
-                 own_node_id: str, run_backup: Callable[..., Awaitable[int]]) -> None:
-        """``run_backup``: ``broker.ha.replicated.run_replicated``, handed in by the node that
-        hosts (it runs this host; importing it here would close a circle)."""
-        self.run_backup = run_backup
+    def __init__(self, cfg: "BrokerConfig", security, own_node_id: str,
+                 make_role: Callable[["BrokerConfig"], Role]) -> None:
+        """``make_role(derived config)``: the role of a hosted backup (``Replicated``, handed in
+        by the role that hosts: importing it here would close a circle)."""
+        self.make_role = make_role
         self.cfg = cfg
         self.security = security
-        self.nursery = nursery
-        self.stop = stop
         self.own_node_id = own_node_id
-        self.backups: dict[str, dict[str, Any]] = {}   # requester node id -> {n, name, status}
+        self.backups: dict[str, dict[str, Any]] = {}   # requester node id -> {n, name, role, ...}
+        self._to_start, self._starts = trio.open_memory_channel(math.inf)
+        self.stopped = False
+
+    async def run(self) -> None:
+        """Run every hosted backup as it is accepted, until stopped."""
+        async with trio.open_nursery() as nursery:
+            async for derived, entry in self._starts:
+                nursery.start_soon(self._run, derived, entry)
+
+    def stop(self) -> None:
+        """Stop every hosted backup (its host is stopping) and take no more."""
+        self.stopped = True
+        for e in self.backups.values():
+            e["role"].stop()
+        self._to_start.close()
 
     def request(self, body: Any) -> tuple[int, dict]:
         """``POST /api/v1/ha/colocated``: host a backup for the node in ``body``."""
@@ -106,6 +125,8 @@ class ColocatedHost:
             return 400, {"error": f"connector: {exc}"}
         if group is not None and (not isinstance(group, str) or not group):
             return 400, {"error": "group must be a non-empty string or null"}
+        if self.stopped:
+            return 503, {"error": "this node is stopping"}
         if node_id == self.own_node_id:
             return 409, {"error": "a node cannot host its own backup"}
         if node_id in self.backups:
@@ -116,19 +137,20 @@ class ColocatedHost:
                                   f"{co.max_backups})"}
         n = len(self.backups) + 1
         derived = derive_config(self.cfg, n, connector, group)
-        entry = {"n": n, "name": derived.name, "node_id": node_id, "connector": connector, "status": None,
+        entry = {"n": n, "name": derived.name, "node_id": node_id, "connector": connector,
+                 "role": self.make_role(derived),
                  "management_port": derived.management.port, "amqp_ports": [a.port for a in derived.acceptors]}
         self.backups[node_id] = entry
-        self.nursery.start_soon(self._run, derived, entry)
+        self._to_start.send_nowait((derived, entry))
         log.warning("ha: hosting colocated backup %s for node %s (%s)", derived.name, node_id, connector)
         return 202, {"name": derived.name, "amqp_ports": entry["amqp_ports"],
                      "management_port": entry["management_port"]}
 
     async def _run(self, derived: "BrokerConfig", entry: dict) -> None:
 
+        proc = NodeProcess(derived, self.security, label=f"colocated-{entry['n']}", signals=False)
         try:
-            await self.run_backup(derived, self.security, stop=self.stop, label=f"colocated-{entry['n']}",
-                                 on_status=lambda st: entry.__setitem__("status", st))
+            await proc.run(entry["role"])
         except Exception as exc:   # noqa: BLE001 - one hosted backup failing must not stop the node
             log.error("ha: colocated backup %s stopped: %r", derived.name, exc)
             entry["error"] = repr(exc)
@@ -136,10 +158,9 @@ class ColocatedHost:
     def describe(self) -> list[dict]:
         out = []
         for e in self.backups.values():
-            st = e["status"]
+            st = e["role"].status
             out.append({"name": e["name"], "for_node_id": e["node_id"], "connector": e["connector"],
-                        "phase": st.phase if st is not None else "starting",
-                        "active": bool(st is not None and st.active), "error": e.get("error")})
+                        "phase": st.phase, "active": st.active, "error": e.get("error")})
         return out
 
 
@@ -152,13 +173,11 @@ async def request_backups(node, cfg: "BrokerConfig") -> None:
                        "group": cfg.ha.group_name, "name": cfg.name}).encode()
     attempts = 0
     turn = 0
-    from urllib.parse import urlsplit
-
     while co.backup_request_retries < 0 or attempts <= co.backup_request_retries:
         await trio.sleep(co.backup_request_retry_interval_ms / 1000.0)
         repl = node.replication
-        if repl is None or repl.session is not None or node.cluster is None:
-            continue            # a backup is connected (or syncing): nothing to ask
+        if not node.active or repl is None or repl.session is not None or node.cluster is None:
+            continue            # not serving yet, or a backup is connected (or syncing): nothing to ask
         members = [(nid, mgmt) for nid, _c, mgmt in node.cluster.live_members() if mgmt]
         if not members:
             continue

@@ -22,39 +22,35 @@ looks for the primary again, as Artemis's backup restarts as a backup.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
-import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import trio
 
+from broker.amqp.peer import PeerConnected, PeerConnection, PeerDisconnected, RetrySettings
 from broker.core.departures import Target, target_from_connector
+from broker.ha.colocated import ColocatedHost, request_backups
 from broker.ha.protocol import ACKS_ADDRESS, FAILBACK, HELLO, RECORDS_ADDRESS, SYNCED, Hello, encode
 from broker.ha.replication import ReplicationSink, ReplicationSource
-from broker.ha.shared_store import HaStatus
+from broker.ha.status import HaStatus
 from broker.ha.vote import ask_backup_vote, ask_primary_vote, vote_with_retries
-from broker.wire.io.trioutil import Wakeup
-from broker.wire.discovery import DiscoveryGroup
-from broker.wire.io.udp import listen
-from broker.wire.frames import CLUSTER_MEMBERS
-from broker.wire.io.http import serve_http
-from broker.wire.io.logsetup import print_listening
-from broker.node import Node
-from broker.server import SHUTDOWN_GRACE_S, ManagementSlot, hostport, serve_active
+from broker.lifecycle import SHUTDOWN_GRACE_S, ScaleDown
+from broker.role import Role
 from broker.store.datadir import open_data_dir
-from broker.amqp.peer import PeerConnected, PeerConnection, PeerDisconnected, RetrySettings
-from broker.ha.colocated import ColocatedHost, request_backups
+from broker.wire.discovery import DiscoveryGroup
+from broker.wire.frames import CLUSTER_MEMBERS
+from broker.wire.io.trioutil import Wakeup
+from broker.wire.io.udp import listen
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.config import BrokerConfig
 
 log = logging.getLogger("lodestone.broker.ha")
 
-__all__ = ["run_replicated", "ISOLATED_EXIT"]
+__all__ = ["Replicated", "ISOLATED_EXIT"]
 
 ISOLATED_EXIT = 3
 
@@ -66,33 +62,6 @@ def _write_node_id(path: Path, node_id: str) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.rename(tmp, path / "node.id")
-
-
-async def _when_active(status: HaStatus, cfg, task) -> None:
-    """Run ``task(node, cfg)`` once this member's node is active (``attach_source`` records it)."""
-    while getattr(status, "node", None) is None or not status.node.active:
-        await trio.sleep(0.05)
-    await task(status.node, cfg)
-
-
-def attach_source(cfg: "BrokerConfig", status: HaStatus, isolated: trio.Event,
-                  failback: trio.Event | None = None, colocated_host=None):
-    """``on_node`` for an active member: it takes a backup, and reports replication; an
-    activated backup with allow-failback hands over when the node id's primary asks
-    (``failback`` is set)."""
-    def on_node(node) -> None:
-        node.ha = status
-        status.node = node
-        node.colocated = colocated_host
-        src = ReplicationSource(node)
-        node.replication = src
-        status.replication_view = src.describe
-        if cfg.ha.vote_on_replication_failure:
-            src.quorum_check = lambda: primary_quorum_check(node, cfg)
-        src.on_isolated = isolated.set
-        if failback is not None:
-            src.on_failback = failback.set
-    return on_node
 
 
 DISCOVERY_LISTEN_S = 2.5   # how long a member looking for its pair listens to the discovery group
@@ -170,7 +139,7 @@ def failback_redirect(node, cfg: "BrokerConfig") -> Target | None:
     return target_from_connector(s.hello.connector, [own] if own else [])
 
 
-async def primary_quorum_check(node, cfg: "BrokerConfig") -> bool:
+async def primary_quorum_check(node, cfg: "BrokerConfig", status: HaStatus) -> bool:
     """After losing an in-sync backup: may this primary keep serving? (vote-on-replication-failure)"""
     ha, ccfg = cfg.ha, cfg.cluster
     cluster = node.cluster
@@ -184,260 +153,270 @@ async def primary_quorum_check(node, cfg: "BrokerConfig") -> bool:
     creds = (ccfg.user, ccfg.password)
     result = await vote_with_retries(lambda: ask_primary_vote(node.node_id, all_voters or voters, n, creds),
                                      ha.vote_retries, ha.vote_retry_wait_ms / 1000.0, ha.quorum_vote_wait_s)
-    status = getattr(node, "ha", None)
-    if status is not None:
-        status.votes["won" if result.won else "lost"] += 1
+    status.votes["won" if result.won else "lost"] += 1
     log.warning("ha: quorum check after losing the backup: %s (%d of %d needed votes; %s)",
                 "still in the majority" if result.won else "ISOLATED", result.votes, result.needed,
                 ", ".join(result.detail) or "no voter")
     return result.won
 
 
-async def run_replicated(cfg: "BrokerConfig", security, *, stop: trio.Event | None = None, label: str | None = None,
-                         on_status=None, task_status=trio.TASK_STATUS_IGNORED) -> int:
-    """Run one member of a replicated pair until SIGTERM/SIGINT; returns the exit status.
-    ``stop``/``label``/``on_status``: a colocated backup inside another node's process
-    (``broker.ha.colocated``) — stopped with its host, listeners printed as ``<label>-<what>``,
-    its status handed to the host."""
 
-    ha = cfg.ha
-    backup = ha.role == "backup"
-    datadir = open_data_dir(cfg.data_dir)
-    status = HaStatus(ha.policy, ha.role, str(cfg.data_dir), node_id=None if backup else datadir.node_id)
-    status.replication_view = None
-    if on_status is not None:
-        on_status(status)
-    slot = ManagementSlot()
-    exit_code = 0
-    mgmt_label = f"{label}-management" if label else "management"
+class Replicated(Role):
+    """A member of a replicated pair (``[ha] policy = "replication"``; see the module doc): a
+    role of ``broker.lifecycle.NodeProcess``. It starts as the primary or the backup its config
+    says; an activated backup that hands the node id back with ``restart-backup`` is a backup
+    again, so both are one component."""
 
-    def passive_node() -> Node:
-        node = Node(cfg, security, status.node_id or "", None)
-        node.ha = status
-        slot.serve(node)
-        return node
+    def __init__(self, cfg: "BrokerConfig") -> None:
+        super().__init__(cfg)
+        ha = cfg.ha
+        self.is_backup = ha.role == "backup"
+        self.status = HaStatus(ha.policy, ha.role, str(cfg.data_dir))
+        self.exit_code = 0
+        #: the backups this node hosts for other primaries ([ha.colocated] max-backups ≥ 1)
+        self.colocated: ColocatedHost | None = None
+        self._view = None            # the replication view: the primary's stream, or the copy it follows
+        self._deactivate: trio.Event | None = None   # per activation: isolated, or handing over
+        self._handing_over = False
+        self._scaling_down = False
 
-    try:
-        with (trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) if stop is None
-              else contextlib.nullcontext(None)) as signals:
-            stop = stop if stop is not None else trio.Event()
-            async with trio.open_nursery() as nursery:
-                async def on_signal() -> None:
-                    async for sig in signals:
-                        log.info("signal %s: shutting down", signal.Signals(sig).name)
-                        stop.set()
-                        return
-                if signals is not None:
-                    nursery.start_soon(on_signal)
-                colocated_host = None
-                co = cfg.ha.colocated
-                if co is not None and co.max_backups > 0:
-                    colocated_host = ColocatedHost(cfg, security, nursery, stop, datadir.node_id, run_replicated)
-                    status.colocated = colocated_host
-                host = passive_node()
-                if (backup or cfg.ha.check_for_live_server) and cfg.management.enabled:
-                    # a passive member answers at once (active: false); a plain primary opens
-                    # its management API when it serves
-                    h, p = await nursery.start(serve_http, slot, cfg.management.host, cfg.management.port)
-                    slot.url = f"http://{hostport(h, p)}"
-                    print_listening(mgmt_label, slot.url)
-                role_backup = backup
-                while not stop.is_set():
-                    failback = False
-                    if role_backup:
-                        outcome = await _follow_primaries(cfg, datadir, status, slot, stop, host, passive_node)
-                        if not outcome:
+    # -- what the node and the management API read -------------------------------------------------
+    def describe(self, node) -> dict:
+        return self.status.describe(replication=self._view() if self._view is not None else None,
+                                    colocated=self.colocated.describe() if self.colocated is not None else None)
+
+    def backups(self) -> tuple[tuple[str, str, bool], ...]:
+        return self.replication.backups() if self.replication is not None else ()
+
+    def host_backup(self, body) -> tuple[int, dict] | None:
+        return self.colocated.request(body) if self.colocated is not None else None
+
+    def stop(self) -> None:
+        super().stop()
+        if self.colocated is not None:
+            self.colocated.stop()
+
+    # -- the loop ----------------------------------------------------------------------------------
+    async def run(self, proc) -> int:
+        cfg, ha, status = self.cfg, self.cfg.ha, self.status
+        datadir = open_data_dir(cfg.data_dir)
+        try:
+            status.node_id = None if self.is_backup else datadir.node_id
+            co = ha.colocated
+            if co is not None and co.max_backups > 0:
+                self.colocated = ColocatedHost(cfg, proc.security, datadir.node_id, Replicated)
+                proc.spawn(self.colocated.run)
+            host = proc.passive(self, status.node_id)   # the EngineHost of the connections it dials
+            if self.is_backup or ha.check_for_live_server:
+                # a passive member answers at once (active: false); a plain primary opens its
+                # management API when it serves
+                await proc.open_management()
+            while not self.stopping.is_set():
+                failback = False
+                if self.is_backup:
+                    if not await self._follow_primaries(proc, datadir, host):
+                        break
+                elif ha.check_for_live_server:
+                    status.change("checking-for-live-server", "is another node serving our node id?")
+                    url = await find_live_self(cfg, host, datadir.node_id, self.stopping)
+                    if url is not None:
+                        log.warning("ha: node %s is served at %s: failing back (copy its journal, then ask "
+                                    "for the node id back)", datadir.node_id, url)
+                        failback = True
+                        if not await self._follow_primaries(proc, datadir, host, candidates=[url], failback=True):
                             break
-                    elif cfg.ha.check_for_live_server:
-                        status.change("checking-for-live-server", "is another node serving our node id?")
-                        url = await find_live_self(cfg, host, datadir.node_id, stop)
-                        if url is not None:
-                            log.warning("ha: node %s is served at %s: failing back (copy its journal, then ask "
-                                        "for the node id back)", datadir.node_id, url)
-                            failback = True
-                            outcome = await _follow_primaries(cfg, datadir, status, slot, stop, host, passive_node,
-                                                              candidates=[url], failback=True)
-                            if not outcome:
-                                break
-                    if role_backup and cfg.ha.scale_down:
-                        # Artemis's backup scale-down: move the node id's messages to another live
-                        # node instead of serving them, then stop
-                        status.change("scaling-down", "took over to move the messages to another node")
-                        await serve_active(cfg, security, datadir, stop, management=slot if slot.url else None,
-                                           on_node=lambda node: setattr(node, "ha", status), scale_down_only=True,
-                                           task_status=task_status)
-                        status.change("stopping", "scaled down", active=False)
-                        break
-                    isolated = trio.Event()
-                    handing_over = trio.Event()
-                    status.activations += 1
-                    if role_backup:
-                        status.failovers += 1
-                    status.change("active", "took over the node id" if role_backup else
-                                  ("the node id was handed back" if failback else "primary started"), active=True)
-                    deactivate = trio.Event()
-
-                    async def watch(ev: trio.Event, code: int, deactivate=deactivate) -> None:
-                        nonlocal exit_code
-                        await ev.wait()
-                        if code:
-                            exit_code = code
-                        deactivate.set()
-
-                    async with trio.open_nursery() as wn:
-                        wn.start_soon(watch, isolated, ISOLATED_EXIT)
-                        wn.start_soon(watch, handing_over, 0)
-                        on_node = attach_source(cfg, status, isolated,
-                                                handing_over if role_backup and cfg.ha.allow_failback else None,
-                                                colocated_host)
-                        if co is not None and co.request_backup:
-                            wn.start_soon(_when_active, status, cfg, request_backups)
-
-                        async def on_deactivate(node) -> None:
-                            if handing_over.is_set() and node.replication is not None:
-                                # clients first (no send may land after the last record handed
-                                # over): those that follow redirects to the primary, the rest
-                                # ended without a Close; then the hand-over itself
-                                await node.depart_all(failback_redirect(node, cfg), "failing back to the primary",
-                                                      SHUTDOWN_GRACE_S)
-                                await node.replication.hand_over(cfg.cluster.call_timeout_ms / 1000.0)
-
-                        reason = await serve_active(cfg, security, datadir, stop, deactivate=deactivate,
-                                                    management=slot if slot.url else None, on_node=on_node,
-                                                    on_deactivate=on_deactivate, label=label,
-                                                    task_status=task_status)
-                        wn.cancel_scope.cancel()
-                    if reason == "deactivate" and handing_over.is_set():
-                        status.failbacks += 1
-                        status.change("stopping", "handed the node id back to its primary", active=False)
-                        passive_node()
-                        if cfg.ha.restart_backup:
-                            continue      # a backup again, of the primary that just took over
-                        break
-                    status.change("stopping", "isolated from the cluster's majority" if reason == "deactivate"
-                                  else "stopped", active=False)
+                if self.is_backup and ha.scale_down:
+                    # Artemis's backup scale-down: move the node id's messages to another live
+                    # node instead of serving them, then stop
+                    status.change("scaling-down", "took over to move the messages to another node")
+                    self._scaling_down = True
+                    await proc.serve(self, datadir, scale_down=ScaleDown(cfg))
+                    status.change("stopping", "scaled down", active=False)
                     break
-                nursery.cancel_scope.cancel()
-    finally:
-        datadir.close()
-    return exit_code
+                reason = await self._activate(proc, datadir, failback)
+                if reason == "deactivate" and self._handing_over:
+                    status.failbacks += 1
+                    status.change("stopping", "handed the node id back to its primary", active=False)
+                    proc.passive(self, status.node_id)
+                    if ha.restart_backup:
+                        continue      # a backup again, of the primary that just took over
+                    break
+                status.change("stopping", "isolated from the cluster's majority" if reason == "deactivate"
+                              else "stopped", active=False)
+                break
+        finally:
+            datadir.close()
+        return self.exit_code
 
+    async def _activate(self, proc, datadir, failback: bool) -> str:
+        """Serve the node id; the reason it stopped serving (``"deactivate"``: isolated, or
+        handing the node id back)."""
+        status = self.status
+        self._deactivate = trio.Event()
+        self._handing_over = False
+        status.activations += 1
+        if self.is_backup:
+            status.failovers += 1
+        status.change("active", "took over the node id" if self.is_backup else
+                      ("the node id was handed back" if failback else "primary started"), active=True)
+        try:
+            return await proc.serve(self, datadir, deactivate=self._deactivate)
+        finally:
+            self.replication = None
 
-async def _follow_primaries(cfg: "BrokerConfig", datadir, status: HaStatus, slot, stop: trio.Event, host,
-                            passive_node, *, candidates: list[str] | None = None, failback: bool = False):
-    """The backup's loop: find a primary, copy and follow it. Returns ``"vote"`` once a won
-    vote lets it activate, ``"handover"`` once the node handed its id over (a failback), False
-    when stopped. ``candidates``: the connectors to try (default: the cluster's); ``failback``:
-    ask the node for our node id back once in sync (the original primary, check-for-live-server)."""
+    # -- each activation ---------------------------------------------------------------------------
+    def activated(self, node, nursery: trio.Nursery) -> None:
+        """The active member takes a backup and reports replication; an activated backup with
+        allow-failback hands over when the node id's primary asks."""
+        if self._scaling_down:
+            return
+        cfg = self.cfg
+        src = ReplicationSource(node)
+        self.replication = src
+        self._view = src.describe
+        if cfg.ha.vote_on_replication_failure:
+            src.quorum_check = lambda: primary_quorum_check(node, cfg, self.status)
+        src.on_isolated = self._isolated
+        if self.is_backup and cfg.ha.allow_failback:
+            src.on_failback = self._failback_asked
+        ccfg = cfg.cluster
+        nursery.start_soon(src.run, (ccfg.call_timeout_ms if ccfg else 30000) / 1000.0)
+        co = cfg.ha.colocated
+        if co is not None and co.request_backup:
+            nursery.start_soon(request_backups, node, cfg)
 
-    ha, ccfg = cfg.ha, cfg.cluster
-    own = {ccfg.connector}
-    tokens = itertools.count(1)
-    while not stop.is_set():
-        urls = candidates if candidates is not None else [u for u in await cluster_connectors(cfg) if u not in own]
-        status.change("looking-for-primary", f"trying {len(urls)} connector(s)", active=False)
-        for url in urls:
-            if stop.is_set():
-                return False
-            lost_in_sync = False
-            ended: dict = {}
+    def _isolated(self) -> None:
+        self.exit_code = ISOLATED_EXIT
+        self._deactivate.set()
 
-            def set_node_id(node_id: str) -> None:
-                _write_node_id(datadir.path, node_id)
-                datadir.node_id = node_id
-                status.node_id = node_id
-                passive_node()
+    def _failback_asked(self) -> None:
+        self._handing_over = True
+        self._deactivate.set()
 
-            sink = ReplicationSink(datadir, cfg.journal, keep_saved=ha.max_saved_replicated_journals_size,
-                                   fsync=ha.backup_fsync, on_node_id=set_node_id)
-            status.replication_view = lambda: {"state": "in-sync" if sink.in_sync else "syncing",
-                                               "primary": url, "applied_seq": sink.applied_seq,
-                                               "synced_seq": sink.synced_seq,
-                                               "records": sink.records_received, "lag_records": None}
+    async def deactivating(self, node, reason: str, close_listeners) -> None:
+        if reason == "deactivate" and self._handing_over and self.replication is not None:
+            # clients first (no send may land after the last record handed over): those that
+            # follow redirects to the primary, the rest ended without a Close; then the hand-over
+            close_listeners()
+            await node.depart_all(failback_redirect(node, self.cfg), "failing back to the primary", SHUTDOWN_GRACE_S)
+            await self.replication.hand_over(self.cfg.cluster.call_timeout_ms / 1000.0)
 
-            def on_event(ev) -> None:
-                if isinstance(ev, PeerDisconnected):
-                    ended["condition"], ended["description"] = ev.condition, ev.description
+    async def _follow_primaries(self, proc, datadir, host, *, candidates: list[str] | None = None,
+                                failback: bool = False):
+        """The backup's loop: find a primary, copy and follow it. Returns ``"vote"`` once a won
+        vote lets it activate, ``"handover"`` once the node handed its id over (a failback), False
+        when stopped. ``candidates``: the connectors to try (default: the cluster's); ``failback``:
+        ask the node for our node id back once in sync (the original primary, check-for-live-server)."""
 
-            peer = PeerConnection(host, url, credentials=(ccfg.user, ccfg.password),
-                                  retry=RetrySettings(initial_connect_attempts=1, reconnect_attempts=0),
-                                  ca_file=ccfg.ca_file, name=f"replica-{cfg.name}", on_event=on_event,
-                                  idle_timeout_s=ccfg.connection_ttl_ms / 1000.0 if ccfg.connection_ttl_ms > 0 else None)
-            acks = peer.sender(ACKS_ADDRESS, lambda token, state: None)
-            got = Wakeup()
+        cfg, status, stop = self.cfg, self.status, self.stopping
+        ha, ccfg = cfg.ha, cfg.cluster
+        own = {ccfg.connector}
+        tokens = itertools.count(1)
+        while not stop.is_set():
+            urls = candidates if candidates is not None else [u for u in await cluster_connectors(cfg) if u not in own]
+            status.change("looking-for-primary", f"trying {len(urls)} connector(s)", active=False)
+            for url in urls:
+                if stop.is_set():
+                    return False
+                lost_in_sync = False
+                ended: dict = {}
 
-            def on_message(body: bytes) -> str:
-                state = sink.on_message(body)
-                got.set()
-                return state
+                def set_node_id(node_id: str) -> None:
+                    _write_node_id(datadir.path, node_id)
+                    datadir.node_id = node_id
+                    status.node_id = node_id
+                    proc.passive(self, status.node_id)
 
-            peer.receiver(RECORDS_ADDRESS, on_message, credit=64)
-            acks.send(encode(HELLO, Hello(ha.group_name, cfg.name, ccfg.connector, slot.url or None)), next(tokens))
-            status.change("syncing", f"replicating from {url}")
-            announced = False
-            async with trio.open_nursery() as pn:
-                async def run_peer() -> None:
-                    await peer.run()
-                    pn.cancel_scope.cancel()
+                sink = ReplicationSink(datadir, cfg.journal, keep_saved=ha.max_saved_replicated_journals_size,
+                                       fsync=ha.backup_fsync, on_node_id=set_node_id)
+                self._view = lambda: {"state": "in-sync" if sink.in_sync else "syncing",
+                                                   "primary": url, "applied_seq": sink.applied_seq,
+                                                   "synced_seq": sink.synced_seq,
+                                                   "records": sink.records_received, "lag_records": None}
 
-                async def confirm() -> None:
-                    nonlocal announced
-                    while True:
-                        await got.wait()
-                        if sink.error is not None:
-                            log.error("ha: replication from %s: %s; starting over", url, sink.error)
-                            if peer.engine is not None:
-                                peer.engine.close_with("amqp:decode-error", sink.error[:200])
-                                peer._wake()
-                            return
-                        if sink.pending_flush:
-                            sink.pending_flush = False
-                            seq = await trio.to_thread.run_sync(sink.flush)
-                            acks.send(encode(SYNCED, seq), next(tokens))
-                            if sink.in_sync and not announced:
-                                announced = True
-                                status.change("in-sync", f"a copy of {url} (node {status.node_id})")
-                                if failback:
-                                    acks.send(encode(FAILBACK, None), next(tokens))
+                def on_event(ev) -> None:
+                    if isinstance(ev, PeerDisconnected):
+                        ended["condition"], ended["description"] = ev.condition, ev.description
 
-                async def on_stop() -> None:
-                    await stop.wait()
-                    if peer.engine is not None:
-                        peer.engine.close_with("amqp:connection:forced", "backup stopping")
-                        peer._wake()
-                    pn.cancel_scope.cancel()
+                peer = PeerConnection(host, url, credentials=(ccfg.user, ccfg.password),
+                                      retry=RetrySettings(initial_connect_attempts=1, reconnect_attempts=0),
+                                      ca_file=ccfg.ca_file, name=f"replica-{cfg.name}", on_event=on_event,
+                                      idle_timeout_s=ccfg.connection_ttl_ms / 1000.0 if ccfg.connection_ttl_ms > 0 else None)
+                acks = peer.sender(ACKS_ADDRESS, lambda token, state: None)
+                got = Wakeup()
 
-                pn.start_soon(run_peer)
-                pn.start_soon(confirm)
-                pn.start_soon(on_stop)
-            lost_in_sync = sink.in_sync and sink.error is None
-            handed = sink.handover_seq is not None and sink.synced_seq >= sink.handover_seq
-            sink.close()
-            if handed and not stop.is_set():
-                log.warning("ha: node %s handed its id over through seq %d", status.node_id, sink.handover_seq)
-                return "handover"
-            if stop.is_set():
-                return False
-            cond = ended.get("condition")
-            if not lost_in_sync:
-                if cond is not None:
-                    log.info("ha: %s did not take this backup: %s %s", url, cond, ended.get("description"))
-                continue
-            # the in-sync primary is gone (or unreachable): vote
-            primary_id = status.node_id
-            topo = sink.topology
-            voters = [(nid, mgmt) for nid, mgmt in (topo.members if topo else ()) if nid != primary_id and mgmt]
-            n = ha.quorum_size if ha.quorum_size > 0 else sink.max_cluster_size
-            status.change("voting", f"lost the primary at {url} ({cond or 'connection lost'})")
-            result = await vote_with_retries(
-                lambda: ask_backup_vote(primary_id, voters, n, (ccfg.user, ccfg.password)),
-                ha.vote_retries, ha.vote_retry_wait_ms / 1000.0, ha.quorum_vote_wait_s)
-            status.votes["won" if result.won else "lost"] += 1
-            log.warning("ha: vote to take over node %s: %s (%d of %d needed votes from %d primaries; %s)",
-                        primary_id, "WON" if result.won else "lost", result.votes, result.needed, result.asked,
-                        ", ".join(result.detail) or "no other primary")
-            if result.won:
-                return "vote"
-        with trio.move_on_after(ccfg.retry_interval_ms / 1000.0):
-            await stop.wait()
-    return False
+                def on_message(body: bytes) -> str:
+                    state = sink.on_message(body)
+                    got.set()
+                    return state
+
+                peer.receiver(RECORDS_ADDRESS, on_message, credit=64)
+                acks.send(encode(HELLO, Hello(ha.group_name, cfg.name, ccfg.connector, proc.management.url or None)), next(tokens))
+                status.change("syncing", f"replicating from {url}")
+                announced = False
+                async with trio.open_nursery() as pn:
+                    async def run_peer() -> None:
+                        await peer.run()
+                        pn.cancel_scope.cancel()
+
+                    async def confirm() -> None:
+                        nonlocal announced
+                        while True:
+                            await got.wait()
+                            if sink.error is not None:
+                                log.error("ha: replication from %s: %s; starting over", url, sink.error)
+                                if peer.engine is not None:
+                                    peer.engine.close_with("amqp:decode-error", sink.error[:200])
+                                    peer._wake()
+                                return
+                            if sink.pending_flush:
+                                sink.pending_flush = False
+                                seq = await trio.to_thread.run_sync(sink.flush)
+                                acks.send(encode(SYNCED, seq), next(tokens))
+                                if sink.in_sync and not announced:
+                                    announced = True
+                                    status.change("in-sync", f"a copy of {url} (node {status.node_id})")
+                                    if failback:
+                                        acks.send(encode(FAILBACK, None), next(tokens))
+
+                    async def on_stop() -> None:
+                        await stop.wait()
+                        if peer.engine is not None:
+                            peer.engine.close_with("amqp:connection:forced", "backup stopping")
+                            peer._wake()
+                        pn.cancel_scope.cancel()
+
+                    pn.start_soon(run_peer)
+                    pn.start_soon(confirm)
+                    pn.start_soon(on_stop)
+                lost_in_sync = sink.in_sync and sink.error is None
+                handed = sink.handover_seq is not None and sink.synced_seq >= sink.handover_seq
+                sink.close()
+                if handed and not stop.is_set():
+                    log.warning("ha: node %s handed its id over through seq %d", status.node_id, sink.handover_seq)
+                    return "handover"
+                if stop.is_set():
+                    return False
+                cond = ended.get("condition")
+                if not lost_in_sync:
+                    if cond is not None:
+                        log.info("ha: %s did not take this backup: %s %s", url, cond, ended.get("description"))
+                    continue
+                # the in-sync primary is gone (or unreachable): vote
+                primary_id = status.node_id
+                topo = sink.topology
+                voters = [(nid, mgmt) for nid, mgmt in (topo.members if topo else ()) if nid != primary_id and mgmt]
+                n = ha.quorum_size if ha.quorum_size > 0 else sink.max_cluster_size
+                status.change("voting", f"lost the primary at {url} ({cond or 'connection lost'})")
+                result = await vote_with_retries(
+                    lambda: ask_backup_vote(primary_id, voters, n, (ccfg.user, ccfg.password)),
+                    ha.vote_retries, ha.vote_retry_wait_ms / 1000.0, ha.quorum_vote_wait_s)
+                status.votes["won" if result.won else "lost"] += 1
+                log.warning("ha: vote to take over node %s: %s (%d of %d needed votes from %d primaries; %s)",
+                            primary_id, "WON" if result.won else "lost", result.votes, result.needed, result.asked,
+                            ", ".join(result.detail) or "no other primary")
+                if result.won:
+                    return "vote"
+            with trio.move_on_after(ccfg.retry_interval_ms / 1000.0):
+                await stop.wait()
+        return False

@@ -305,6 +305,9 @@ class ReplicationSource:
         self.node = node
         self.cfg = node.cfg.ha
         self.session: _Session | None = None
+        #: each backup connection's session, by its engine (both of its links join it); a
+        #: session leaves when it is lost (``session_lost``)
+        self._sessions: dict["AmqpEngine", _Session] = {}
         self.held: collections.deque = collections.deque()   # (seq, waiters, since)
         self.state = "no-backup"      # no-backup | syncing | in-sync
         self.backup_name: str | None = None
@@ -339,9 +342,9 @@ class ReplicationSource:
             return ("amqp:unauthorized-access", f"address {address!r} is for a backup logged in as the cluster user")
         if self.node.journal is None:
             return ("amqp:not-implemented", "this node keeps no journal ([node] persistent = false): nothing to replicate")
-        s = getattr(engine, "_replication_session", None)
+        s = self._sessions.get(engine)
         if s is None:
-            s = engine._replication_session = _Session(self, engine)
+            s = self._sessions[engine] = _Session(self, engine)
         if address == RECORDS_ADDRESS and link.is_sender:
             return s.out
         if address == ACKS_ADDRESS and link.is_receiver:
@@ -479,6 +482,8 @@ class ReplicationSource:
         return ok
 
     def session_lost(self, session: _Session, why: str) -> None:
+        if self._sessions.get(session.engine) is session:
+            del self._sessions[session.engine]
         if session is not self.session:
             return
         was = self.state
@@ -515,13 +520,12 @@ class ReplicationSource:
         if self.state == "syncing" and s.started and time.monotonic() - s.started_mono > limit:
             s.close("amqp:resource-limit-exceeded", f"the initial sync did not complete within {limit:g} s")
 
-    def failover_server_list(self) -> list:
-        """Artemis's Open property ``failover-server-list`` (``AMQPConnectionContext``): one map
-        for the backup — symbol keys ``network-host``, ``scheme``, ``hostname``, ``port`` — while
-        a backup is in sync and said where it would serve; else empty."""
-        if self.state != "in-sync" or not self.backup_connector:
-            return []
-        return failover_server_list([self.backup_connector])
+    def backups(self) -> tuple[tuple[str, str, bool], ...]:
+        """The backup connected to this primary as ``(connector, management URL, in sync)``
+        (in sync once it holds the initial copy; ``Node.backups``), if it said where it would serve."""
+        if self.session is None or not self.backup_connector:
+            return ()
+        return ((self.backup_connector, self.backup_management_url or "", self.state == "in-sync"),)
 
     def topology(self) -> Topology:
         cluster = self.node.cluster

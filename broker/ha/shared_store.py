@@ -32,7 +32,7 @@ backup. Without ``allow-failback`` the restarted primary waits (it is then the s
 **Topology.** The backup that holds the backup lock writes where it will serve to
 ``backup.json`` (its ``[cluster] connector``, else its first acceptor with a fixed port, and its
 management URL). The active node reads it every :data:`BACKUP_CHECK_S` and, while the backup lock
-is held, lists that backup as its own (``node.shared_backup``: ``GET /api/v1/cluster`` role
+is held, lists that backup as its own (``Node.backups``: ``GET /api/v1/cluster`` role
 ``backup``, the ``backups`` notification to the cluster's members, broadcast announcements,
 Artemis's ``failover-server-list`` in its Open), as an Artemis shared-store backup announces
 itself to its live node. A stale file (its writer gone, the lock free) is ignored.
@@ -57,28 +57,24 @@ import fcntl
 import json
 import logging
 import os
-import signal
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import trio
 
-from broker.store.errors import DataDirLocked
-from broker.store.datadir import open_data_dir
-from broker.wire.io.http import serve_http
-from broker.wire.io.logsetup import print_listening
-from broker.node import Node
 from broker.core.departures import target_from_connector
-from broker.server import SHUTDOWN_GRACE_S, ManagementSlot, hostport, serve_active
+from broker.ha.status import HaStatus
+from broker.lifecycle import SHUTDOWN_GRACE_S, ScaleDown
+from broker.role import Role
+from broker.store.datadir import open_data_dir
+from broker.store.errors import DataDirLocked
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.config import BrokerConfig
 
 log = logging.getLogger("lodestone.broker.ha")
 
-__all__ = ["SharedStore", "HaStatus", "run_shared_store", "POLL_S"]
+__all__ = ["SharedStore", "SharedStoreMember", "POLL_S"]
 
 POLL_S = 0.05            # how often a waiting node tries the live lock
 FAILBACK_CHECK_S = 0.2   # how often an active backup reads ha.state for a failing-back primary
@@ -210,49 +206,6 @@ class SharedStore:
         return text or None
 
 
-@dataclass
-class HaStatus:
-    """What ``GET /api/v1/ha`` and ``/metrics`` report (one per process, across activations)."""
-
-    policy: str
-    role: str
-    store: str
-    node_id: str | None = None
-    active: bool = False
-    phase: str = "starting"   # starting | waiting-for-backup-lock | waiting-for-live-lock | active | stopping
-    activations: int = 0      # times this process became active
-    failovers: int = 0        # activations of a backup (the live node had failed)
-    failbacks: int = 0        # times this active backup handed over to a returning primary
-    votes: dict = field(default_factory=lambda: {"won": 0, "lost": 0})   # quorum votes this member asked for
-    since: float = field(default_factory=time.time)
-    last_change: str | None = None
-    #: replication: a callable giving ``{"state", "lag_records", ...}`` (broker.ha.replication)
-    replication_view: object = None
-    colocated: object = None   # broker.ha.colocated.ColocatedHost: the backups this node hosts
-
-    def change(self, phase: str, why: str, *, active: bool | None = None) -> None:
-        """A role/phase change: one log line each, as the issue asks."""
-        old = self.phase
-        self.phase = phase
-        if active is not None:
-            self.active = active
-        self.since = time.time()
-        self.last_change = why
-        level = logging.WARNING if phase in ("active", "stopping") else logging.INFO
-        log.log(level, "ha: %s -> %s (%s)", old, phase, why, extra={"fields": {
-            "policy": self.policy, "role": self.role, "node_id": self.node_id, "active": self.active}})
-
-    def describe(self, store: SharedStore | None = None) -> dict:
-        state = store.state() if store is not None else None
-        return {"policy": self.policy, "role": self.role, "active": self.active, "node_id": self.node_id,
-                "phase": self.phase, "since": self.since, "last_change": self.last_change,
-                "pair": {"store": self.store, "state": STATE_NAMES.get(state) if state else None,
-                         "activations": self.activations, "failovers": self.failovers,
-                         "failbacks": self.failbacks, "votes": dict(self.votes)},
-                "replication": self.replication_view() if callable(self.replication_view) else None,
-                "colocated": self.colocated.describe() if self.colocated is not None else None}
-
-
 async def _acquire_live(store: SharedStore, path: Path, *, backup: bool, status: HaStatus):
     """Poll for the live lock; a backup takes it only when the state says the live node is gone
     (``L``). Returns the open, locked ``DataDir``."""
@@ -294,158 +247,146 @@ def backup_connector(cfg: "BrokerConfig") -> str | None:
     return None
 
 
-async def _watch_backup(store: SharedStore, node) -> None:
-    """The active node follows its waiting backup (``backup.json`` + the backup lock) into
-    ``node.shared_backup``; the cluster's members are told when it changes."""
-    own = node.cluster.connector if node.cluster is not None else None
-    while True:
-        now = await trio.to_thread.run_sync(store.waiting_backup, own)
-        if now != node.shared_backup:
-            node.shared_backup = now
-            log.info("ha: %s", f"a backup waits on the shared store: {now[0]}" if now else "no backup waits any more")
-            if node.cluster is not None:
-                node.cluster.backups_changed()
-        await trio.sleep(BACKUP_CHECK_S)
+class SharedStoreMember(Role):
+    """A primary or backup of a shared-store pair (``[ha] policy = "shared-store"``; see the
+    module doc): a role of ``broker.lifecycle.NodeProcess``."""
 
+    def __init__(self, cfg: "BrokerConfig") -> None:
+        super().__init__(cfg)
+        ha = cfg.ha
+        self.store = SharedStore(cfg.data_dir)
+        self.is_backup = ha.role == "backup"
+        self.status = HaStatus(ha.policy, ha.role, str(cfg.data_dir), node_id=self.store.node_id())
+        #: while active: the backup waiting on our files, ``(connector, management URL, True)``
+        self.waiting_backup: tuple[str, str, bool] | None = None
+        self._failing_back: trio.Event | None = None   # per activation: the primary asks for the lock
 
-async def run_shared_store(cfg: "BrokerConfig", security, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Run one member of a shared-store pair until SIGTERM/SIGINT (see the module doc)."""
+    # -- what the node and the management API read -------------------------------------------------
+    def describe(self, node) -> dict:
+        state = self.store.state()
+        return self.status.describe(pair_state=STATE_NAMES.get(state) if state else None)
 
-    ha = cfg.ha
-    store = SharedStore(cfg.data_dir)
-    backup = ha.role == "backup"
-    status = HaStatus(ha.policy, ha.role, str(cfg.data_dir), node_id=store.node_id())
-    slot = ManagementSlot()
-    slot.status = status
-    slot.store = store
-    started = False
+    def backups(self) -> tuple[tuple[str, str, bool], ...]:
+        return (self.waiting_backup,) if self.waiting_backup is not None else ()
 
-    def passive_node() -> None:
-        node = Node(cfg, security, status.node_id or "", None)
-        node.ha = status
-        node.ha_store = store
-        slot.serve(node)
-
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        stop = trio.Event()
-        async with trio.open_nursery() as nursery:
-            async def on_signal() -> None:
-                async for sig in signals:
-                    log.info("signal %s: shutting down", signal.Signals(sig).name)
-                    stop.set()
-                    return
-            nursery.start_soon(on_signal)
-
-            async def open_management() -> None:
-                if cfg.management.enabled and not slot.url:
-                    host, port = await nursery.start(serve_http, slot, cfg.management.host, cfg.management.port)
-                    slot.url = f"http://{hostport(host, port)}"
-                    print_listening("management", slot.url)
-
-            passive_node()
-            if backup or not ha.wait_for_activation:
-                await open_management()
-            if not backup:
-                store.write_primary_info(backup_connector(cfg))   # where the backup sends its clients
-                store.set_state(FAILING_BACK)   # an active backup with allow-failback hands over
-            while not stop.is_set():
-                dd = None
-                with trio.CancelScope() as waiting:
-                    async def cancel_on_stop() -> None:
-                        await stop.wait()
-                        waiting.cancel()
-                    async with trio.open_nursery() as wn:
-                        wn.start_soon(cancel_on_stop)
-                        if backup:
-                            status.change("waiting-for-backup-lock", "backup started", active=False)
-                            while not store.try_backup_lock():
-                                await trio.sleep(POLL_S)
-                            connector = backup_connector(cfg)
-                            if connector and not ha.scale_down:   # the active node lists us (topology)
-                                store.write_backup_info(connector, slot.url or "")
-                            else:   # a scale-down backup never serves: nobody's failover target
-                                store.clear_backup_info()
-                            status.change("waiting-for-live-lock", "this node is the pair's waiting backup")
-                        else:
-                            status.change("waiting-for-live-lock", "primary started", active=False)
-                        dd = await _acquire_live(store, cfg.data_dir, backup=backup, status=status)
-                        wn.cancel_scope.cancel()
+    # -- the loop ----------------------------------------------------------------------------------
+    async def run(self, proc) -> int:
+        ha, store, status = self.cfg.ha, self.store, self.status
+        proc.passive(self, status.node_id)
+        if self.is_backup or not ha.wait_for_activation:
+            await proc.open_management()
+        if not self.is_backup:
+            store.write_primary_info(backup_connector(self.cfg))   # where the backup sends its clients
+            store.set_state(FAILING_BACK)   # an active backup with allow-failback hands over
+        try:
+            while not self.stopping.is_set():
+                dd = await self._wait_for_live_lock(proc)
                 if dd is None:   # stopped while waiting
                     break
                 try:
-                    store.set_state(LIVE)
-                    if backup:
-                        store.clear_backup_info()     # no longer waiting: the next spare writes its own
-                    store.release_backup_lock()   # the next spare backup may wait now
-                    status.node_id = dd.node_id
-                    if backup and ha.scale_down:
-                        # Artemis's shared-store backup scale-down: move the node id's messages to
-                        # another live node instead of serving them, then stop; the pair is left
-                        # paused (no spare takes the emptied node id over; its primary may return)
-                        status.change("scaling-down", "took over to move the messages to another node")
-                        await open_management()
-
-                        def on_scale_down_node(node) -> None:
-                            node.ha = status
-                            node.ha_store = store
-
-                        await serve_active(cfg, security, dd, stop, management=slot if slot.url else None,
-                                           on_node=on_scale_down_node, scale_down_only=True,
-                                           task_status=task_status if not started else trio.TASK_STATUS_IGNORED)
-                        started = True
-                        store.set_state(PAUSED)
-                        status.change("stopping", "scaled down", active=False)
-                        break
-                    status.activations += 1
-                    if backup:
-                        status.failovers += 1
-                    status.change("active", "took over a failed live node" if backup else "primary activated",
-                                  active=True)
-                    await open_management()
-                    deactivate = trio.Event()
-                    async with trio.open_nursery() as an:
-                        if backup and ha.allow_failback:
-                            an.start_soon(_watch_failback, store, deactivate)
-
-                        def on_node(node) -> None:
-                            node.ha = status
-                            node.ha_store = store
-
-                        async def on_deactivate(node) -> None:
-                            # the primary is failing back: clients that follow redirects go to it
-                            # (primary.json), the rest have their connections ended without a Close
-                            own = node.cluster.connector if node.cluster is not None else backup_connector(cfg)
-                            target = target_from_connector(store.primary_connector(),
-                                                           [own] if own and ha.restart_backup else [])
-                            await node.depart_all(target, "failing back to the primary", SHUTDOWN_GRACE_S)
-
-                        async def serve(task_status=trio.TASK_STATUS_IGNORED) -> None:
-                            nonlocal reason
-                            reason = await serve_active(cfg, security, dd, stop, deactivate=deactivate,
-                                                        management=slot if slot.url else None,
-                                                        on_node=on_node, on_deactivate=on_deactivate,
-                                                        task_status=task_status)
-                            an.cancel_scope.cancel()
-                        reason = "stop"
-                        node = await an.start(serve)
-                        an.start_soon(_watch_backup, store, node)
-                        if not started:
-                            started = True
-                            task_status.started(node)
-                    if reason == "deactivate":
-                        status.failbacks += 1
-                        status.change("stopping", "the primary is failing back: handing over", active=False)
-                    elif not ha.failover_on_shutdown:
-                        store.set_state(PAUSED)     # a clean stop: the backup stays passive
-                    else:
-                        log.warning("ha: stopping with failover-on-shutdown: the backup takes over")
+                    reason = await self._activate(proc, dd)
                 finally:
                     dd.close()    # the live lock frees: a backup or the returning primary takes it
-                passive_node()
+                    self.waiting_backup = None
+                proc.passive(self, status.node_id)
                 status.active = False
-                if reason == "stop" or not (backup and ha.restart_backup):
+                if reason != "deactivate" or not (self.is_backup and ha.restart_backup):
                     break
-            nursery.cancel_scope.cancel()
-    store.release_backup_lock()
-    if not started:
-        task_status.started(None)
+        finally:
+            store.release_backup_lock()
+        return 0
+
+    async def _wait_for_live_lock(self, proc):
+        """A backup takes the backup lock (and says where it will serve), then both wait for the
+        live lock; the open, locked ``DataDir``, or None when stopped first."""
+        store, status = self.store, self.status
+        with trio.CancelScope() as waiting:
+            async def cancel_on_stop() -> None:
+                await self.stopping.wait()
+                waiting.cancel()
+            async with trio.open_nursery() as wn:
+                wn.start_soon(cancel_on_stop)
+                if self.is_backup:
+                    status.change("waiting-for-backup-lock", "backup started", active=False)
+                    while not store.try_backup_lock():
+                        await trio.sleep(POLL_S)
+                    connector = backup_connector(self.cfg)
+                    if connector and not self.cfg.ha.scale_down:   # the active node lists us (topology)
+                        store.write_backup_info(connector, proc.management.url or "")
+                    else:   # a scale-down backup never serves: nobody's failover target
+                        store.clear_backup_info()
+                    status.change("waiting-for-live-lock", "this node is the pair's waiting backup")
+                else:
+                    status.change("waiting-for-live-lock", "primary started", active=False)
+                dd = await _acquire_live(store, self.cfg.data_dir, backup=self.is_backup, status=status)
+                wn.cancel_scope.cancel()
+                return dd
+        return None
+
+    async def _activate(self, proc, dd) -> str:
+        """Serve the pair's node id on the live lock; the reason it stopped serving."""
+        ha, store, status = self.cfg.ha, self.store, self.status
+        store.set_state(LIVE)
+        if self.is_backup:
+            store.clear_backup_info()     # no longer waiting: the next spare writes its own
+        store.release_backup_lock()   # the next spare backup may wait now
+        status.node_id = dd.node_id
+        if self.is_backup and ha.scale_down:
+            # Artemis's shared-store backup scale-down: move the node id's messages to another
+            # live node instead of serving them, then stop; the pair is left paused (no spare
+            # takes the emptied node id over; its primary may return)
+            status.change("scaling-down", "took over to move the messages to another node")
+            self._failing_back = None
+            await proc.open_management()
+            reason = await proc.serve(self, dd, scale_down=ScaleDown(self.cfg))
+            store.set_state(PAUSED)
+            status.change("stopping", "scaled down", active=False)
+            return reason
+        status.activations += 1
+        if self.is_backup:
+            status.failovers += 1
+        status.change("active", "took over a failed live node" if self.is_backup else "primary activated",
+                      active=True)
+        await proc.open_management()
+        self._failing_back = trio.Event()
+        reason = await proc.serve(self, dd, deactivate=self._failing_back)
+        if reason == "deactivate":
+            status.failbacks += 1
+            status.change("stopping", "the primary is failing back: handing over", active=False)
+        elif not ha.failover_on_shutdown:
+            store.set_state(PAUSED)     # a clean stop: the backup stays passive
+        else:
+            log.warning("ha: stopping with failover-on-shutdown: the backup takes over")
+        return reason
+
+    # -- each activation ---------------------------------------------------------------------------
+    def activated(self, node, nursery: trio.Nursery) -> None:
+        if self.is_backup and self.cfg.ha.allow_failback and self._failing_back is not None:
+            nursery.start_soon(_watch_failback, self.store, self._failing_back)
+        nursery.start_soon(self._watch_backup, node)
+
+    async def _watch_backup(self, node) -> None:
+        """The active node follows its waiting backup (``backup.json`` + the backup lock); the
+        cluster's members are told when it changes."""
+        while not node.active:   # listening, in the cluster (a scaling-down node never is)
+            await trio.sleep(POLL_S)
+        while True:
+            own = node.cluster.connector if node.cluster is not None else None
+            now = await trio.to_thread.run_sync(self.store.waiting_backup, own)
+            if now != self.waiting_backup:
+                self.waiting_backup = now
+                log.info("ha: %s", f"a backup waits on the shared store: {now[0]}" if now else "no backup waits any more")
+                if node.cluster is not None:
+                    node.cluster.backups_changed()
+            await trio.sleep(BACKUP_CHECK_S)
+
+    async def deactivating(self, node, reason: str, close_listeners) -> None:
+        if reason != "deactivate":
+            return
+        # the primary is failing back: clients that follow redirects go to it (primary.json), the
+        # rest have their connections ended without a Close
+        close_listeners()
+        ha = self.cfg.ha
+        own = node.cluster.connector if node.cluster is not None else backup_connector(self.cfg)
+        target = target_from_connector(self.store.primary_connector(), [own] if own and ha.restart_backup else [])
+        await node.depart_all(target, "failing back to the primary", SHUTDOWN_GRACE_S)

@@ -225,7 +225,7 @@ def ring_violations(proj: Project) -> list[str]:
         if _under(m, "broker.core", "broker.store") and (_under(t, "broker.amqp") or imp.external == "proton"):
             bad.append(f"{where} (the broker core and the store do not know the engine)")
         if (_under(m, "broker.amqp") and m != "broker.amqp.driver"
-                and _under(t, "broker.node", "broker.server", "broker.process", "broker.management",
+                and _under(t, "broker.node", "broker.lifecycle", "broker.role", "broker.process", "broker.management",
                            "broker.routing", "broker.cluster", "broker.ha", "broker.amqp.driver")):
             bad.append(f"{where} (the engine knows its host only as an EngineHost)")
         if _under(t, "broker.amqp.pn") and not _under(m, "broker.amqp"):
