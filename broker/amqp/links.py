@@ -118,11 +118,7 @@ class Incoming:
         self.engine.accept_when_synced(self.raw)
 
     def release(self) -> None:
-        d = self.raw
-        if not pn_delivery_settled(d):
-            pn_delivery_update(d, Delivery.RELEASED)
-        pn_delivery_settle(d)
-        self.engine.wake()
+        self._settle_as(Delivery.RELEASED)
 
     def reject(self, condition: str, description: str) -> None:
         self.engine.reject(self.raw, condition, description)
@@ -130,15 +126,18 @@ class Incoming:
     def settle(self, outcome: str) -> None:
         """``accept``, ``release`` or ``reject`` (the latter without an error) by name."""
         if outcome == "released":
-            self.release()
+            self._settle_as(Delivery.RELEASED)
         elif outcome == "rejected":
-            d = self.raw
-            if not pn_delivery_settled(d):
-                pn_delivery_update(d, Delivery.REJECTED)
-            pn_delivery_settle(d)
-            self.engine.wake()
+            self._settle_as(Delivery.REJECTED)
         else:
             self.accept()
+
+    def _settle_as(self, state) -> None:
+        d = self.raw
+        if not pn_delivery_settled(d):
+            pn_delivery_update(d, state)
+        pn_delivery_settle(d)
+        self.engine.wake()
 
 
 class LinkHandler(Protocol):

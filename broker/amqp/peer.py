@@ -235,7 +235,7 @@ class PeerSender:
             self.sent += 1
             moved = True
         if moved:
-            self.peer._wake()
+            self.peer.wake()
 
 
 class PeerReceiver:
@@ -265,7 +265,7 @@ class PeerReceiver:
     def on_message(self, link: OwnedLink, data: bytes, delivery: Incoming) -> None:
         self.received += 1
         delivery.settle(self.on_message_cb(data) or "accepted")
-        self.peer._wake()
+        self.peer.wake()
 
     def _attach(self, engine: AmqpEngine) -> int:
         self._link = engine.open_link(self, name=self.name, sender=False, address=self.address, credit=self.credit)
@@ -345,11 +345,19 @@ class PeerConnection:
         self.links.append(link)
         if self.connected:
             link._attach(self.engine)
-            self._wake()
+            self.wake()
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
+        """Something is ready to send: the connection's writer runs."""
         if self._wakeup is not None:
             self._wakeup.set()
+
+    def close(self, condition: str, description: str) -> None:
+        """Close the current connection with ``condition`` (what follows is the retry policy's:
+        a peer with ``reconnect_attempts = 0`` ends ``run``)."""
+        if self.engine is not None:
+            self.engine.close_with(condition, description)
+            self.wake()
 
     def _link_detached(self, link, condition) -> None:
         if condition is not None and self.engine is not None and not self.engine.closed:

@@ -56,6 +56,7 @@ import collections
 import hmac
 import itertools
 import logging
+import math
 import os
 import struct
 import time
@@ -257,7 +258,7 @@ class Bridge:
         if self._batch_bytes >= BATCH_BYTES or len(batch) >= BATCH_MESSAGES:
             self._flush()
         elif len(batch) == 1:
-            self.peer._wake()  # the writer's take_output calls _flush first
+            self.peer.wake()  # the writer's take_output calls _flush first
 
     def _flush(self) -> None:
         """Send the batch as one transfer (the engine's ``before_output``; also when it is full)."""
@@ -442,7 +443,8 @@ class ClusterNode:
         self.redistributed = 0
         self._epoch = os.urandom(8)
         self._seq = count(1)
-        self._nursery: trio.Nursery | None = None
+        #: bridges to start: connect() queues them, run() starts each in its own nursery
+        self._to_start, self._starts = trio.open_memory_channel(math.inf)
         self._changed = Wakeup()
         self._sf: dict[str, object] = {}   # node id -> its store-and-forward queue
         self.groups: dict[str, str | None] = {}   # node id -> its scale-down group (from its hello)
@@ -469,7 +471,7 @@ class ClusterNode:
     # -- lifecycle ---------------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
-            self._nursery = nursery
+            nursery.start_soon(self._start_bridges, nursery)
             for url in self.cfg.static_connectors:
                 self.connect(url)
             nursery.start_soon(self.redistributor)
@@ -543,11 +545,19 @@ class ClusterNode:
             return None
         b = Bridge(self, url)
         self.bridges[url] = b
-        if self._nursery is not None:
-            self._nursery.start_soon(b.run)
+        try:
+            self._to_start.send_nowait(b)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):   # stopped: it starts no bridge any more
+            pass
         return b
 
+    async def _start_bridges(self, nursery: trio.Nursery) -> None:
+        async with self._starts:
+            async for b in self._starts:
+                nursery.start_soon(b.run)
+
     def stop(self) -> None:
+        self._to_start.close()
         for b in list(self.bridges.values()):
             b.stop()
 

@@ -109,8 +109,7 @@ async def find_live_self(cfg: "BrokerConfig", host, node_id: str, stop: trio.Eve
         def on_event(ev) -> None:
             if isinstance(ev, PeerConnected) and peer is not None and peer.engine is not None:
                 seen["props"] = peer.engine.remote_properties or {}
-                peer.engine.close_with("amqp:connection:forced", "checked for a live server")
-                peer._wake()
+                peer.close("amqp:connection:forced", "checked for a live server")
 
         peer = PeerConnection(host, url, credentials=(ccfg.user, ccfg.password),
                               retry=RetrySettings(initial_connect_attempts=1, reconnect_attempts=0),
@@ -309,7 +308,7 @@ class Replicated(Role):
         ask the node for our node id back once in sync (the original primary, check-for-live-server)."""
 
         cfg, status, stop = self.cfg, self.status, self.stopping
-        ha, ccfg = cfg.ha, cfg.cluster
+        ccfg = cfg.cluster
         own = {ccfg.connector}
         tokens = itertools.count(1)
         while not stop.is_set():
@@ -318,77 +317,7 @@ class Replicated(Role):
             for url in urls:
                 if stop.is_set():
                     return False
-                lost_in_sync = False
-                ended: dict = {}
-
-                def set_node_id(node_id: str) -> None:
-                    _write_node_id(datadir.path, node_id)
-                    datadir.node_id = node_id
-                    status.node_id = node_id
-                    proc.passive(self, status.node_id)
-
-                sink = ReplicationSink(datadir, cfg.journal, keep_saved=ha.max_saved_replicated_journals_size,
-                                       fsync=ha.backup_fsync, on_node_id=set_node_id)
-                self._view = lambda: {"state": "in-sync" if sink.in_sync else "syncing",
-                                                   "primary": url, "applied_seq": sink.applied_seq,
-                                                   "synced_seq": sink.synced_seq,
-                                                   "records": sink.records_received, "lag_records": None}
-
-                def on_event(ev) -> None:
-                    if isinstance(ev, PeerDisconnected):
-                        ended["condition"], ended["description"] = ev.condition, ev.description
-
-                peer = PeerConnection(host, url, credentials=(ccfg.user, ccfg.password),
-                                      retry=RetrySettings(initial_connect_attempts=1, reconnect_attempts=0),
-                                      ca_file=ccfg.ca_file, name=f"replica-{cfg.name}", on_event=on_event,
-                                      idle_timeout_s=ccfg.connection_ttl_ms / 1000.0 if ccfg.connection_ttl_ms > 0 else None)
-                acks = peer.sender(ACKS_ADDRESS, lambda token, state: None)
-                got = Wakeup()
-
-                def on_message(body: bytes) -> str:
-                    state = sink.on_message(body)
-                    got.set()
-                    return state
-
-                peer.receiver(RECORDS_ADDRESS, on_message, credit=64)
-                acks.send(encode(HELLO, Hello(ha.group_name, cfg.name, ccfg.connector, proc.management.url or None)), next(tokens))
-                status.change("syncing", f"replicating from {url}")
-                announced = False
-                async with trio.open_nursery() as pn:
-                    async def run_peer() -> None:
-                        await peer.run()
-                        pn.cancel_scope.cancel()
-
-                    async def confirm() -> None:
-                        nonlocal announced
-                        while True:
-                            await got.wait()
-                            if sink.error is not None:
-                                log.error("ha: replication from %s: %s; starting over", url, sink.error)
-                                if peer.engine is not None:
-                                    peer.engine.close_with("amqp:decode-error", sink.error[:200])
-                                    peer._wake()
-                                return
-                            if sink.pending_flush:
-                                sink.pending_flush = False
-                                seq = await trio.to_thread.run_sync(sink.flush)
-                                acks.send(encode(SYNCED, seq), next(tokens))
-                                if sink.in_sync and not announced:
-                                    announced = True
-                                    status.change("in-sync", f"a copy of {url} (node {status.node_id})")
-                                    if failback:
-                                        acks.send(encode(FAILBACK, None), next(tokens))
-
-                    async def on_stop() -> None:
-                        await stop.wait()
-                        if peer.engine is not None:
-                            peer.engine.close_with("amqp:connection:forced", "backup stopping")
-                            peer._wake()
-                        pn.cancel_scope.cancel()
-
-                    pn.start_soon(run_peer)
-                    pn.start_soon(confirm)
-                    pn.start_soon(on_stop)
+                sink, ended = await self._replicate_from(proc, datadir, host, url, tokens, failback)
                 lost_in_sync = sink.in_sync and sink.error is None
                 handed = sink.handover_seq is not None and sink.synced_seq >= sink.handover_seq
                 sink.close()
@@ -402,21 +331,99 @@ class Replicated(Role):
                     if cond is not None:
                         log.info("ha: %s did not take this backup: %s %s", url, cond, ended.get("description"))
                     continue
-                # the in-sync primary is gone (or unreachable): vote
-                primary_id = status.node_id
-                topo = sink.topology
-                voters = [(nid, mgmt) for nid, mgmt in (topo.members if topo else ()) if nid != primary_id and mgmt]
-                n = ha.quorum_size if ha.quorum_size > 0 else sink.max_cluster_size
-                status.change("voting", f"lost the primary at {url} ({cond or 'connection lost'})")
-                result = await vote_with_retries(
-                    lambda: ask_backup_vote(primary_id, voters, n, (ccfg.user, ccfg.password)),
-                    ha.vote_retries, ha.vote_retry_wait_ms / 1000.0, ha.quorum_vote_wait_s)
-                status.votes["won" if result.won else "lost"] += 1
-                log.warning("ha: vote to take over node %s: %s (%d of %d needed votes from %d primaries; %s)",
-                            primary_id, "WON" if result.won else "lost", result.votes, result.needed, result.asked,
-                            ", ".join(result.detail) or "no other primary")
-                if result.won:
+                if await self._vote(url, sink, cond):
                     return "vote"
             with trio.move_on_after(ccfg.retry_interval_ms / 1000.0):
                 await stop.wait()
         return False
+
+    async def _replicate_from(self, proc, datadir, host, url: str, tokens, failback: bool):
+        """Copy and follow the primary at ``url`` until the connection ends (or this member
+        stops); the sink that holds the copy, and how the connection ended (``condition``,
+        ``description``)."""
+        cfg, status, stop = self.cfg, self.status, self.stopping
+        ha, ccfg = cfg.ha, cfg.cluster
+        ended: dict = {}
+
+        def set_node_id(node_id: str) -> None:
+            _write_node_id(datadir.path, node_id)
+            datadir.node_id = node_id
+            status.node_id = node_id
+            proc.passive(self, status.node_id)
+
+        sink = ReplicationSink(datadir, cfg.journal, keep_saved=ha.max_saved_replicated_journals_size,
+                               fsync=ha.backup_fsync, on_node_id=set_node_id)
+        self._view = lambda: {"state": "in-sync" if sink.in_sync else "syncing", "primary": url,
+                              "applied_seq": sink.applied_seq, "synced_seq": sink.synced_seq,
+                              "records": sink.records_received, "lag_records": None}
+
+        def on_event(ev) -> None:
+            if isinstance(ev, PeerDisconnected):
+                ended["condition"], ended["description"] = ev.condition, ev.description
+
+        peer = PeerConnection(host, url, credentials=(ccfg.user, ccfg.password),
+                              retry=RetrySettings(initial_connect_attempts=1, reconnect_attempts=0),
+                              ca_file=ccfg.ca_file, name=f"replica-{cfg.name}", on_event=on_event,
+                              idle_timeout_s=ccfg.connection_ttl_ms / 1000.0 if ccfg.connection_ttl_ms > 0 else None)
+        acks = peer.sender(ACKS_ADDRESS, lambda token, state: None)
+        got = Wakeup()
+
+        def on_message(body: bytes) -> str:
+            state = sink.on_message(body)
+            got.set()
+            return state
+
+        peer.receiver(RECORDS_ADDRESS, on_message, credit=64)
+        acks.send(encode(HELLO, Hello(ha.group_name, cfg.name, ccfg.connector, proc.management.url or None)), next(tokens))
+        status.change("syncing", f"replicating from {url}")
+        announced = False
+        async with trio.open_nursery() as pn:
+            async def run_peer() -> None:
+                await peer.run()
+                pn.cancel_scope.cancel()
+
+            async def confirm() -> None:
+                nonlocal announced
+                while True:
+                    await got.wait()
+                    if sink.error is not None:
+                        log.error("ha: replication from %s: %s; starting over", url, sink.error)
+                        peer.close("amqp:decode-error", sink.error[:200])
+                        return
+                    if sink.pending_flush:
+                        sink.pending_flush = False
+                        seq = await trio.to_thread.run_sync(sink.flush)
+                        acks.send(encode(SYNCED, seq), next(tokens))
+                        if sink.in_sync and not announced:
+                            announced = True
+                            status.change("in-sync", f"a copy of {url} (node {status.node_id})")
+                            if failback:
+                                acks.send(encode(FAILBACK, None), next(tokens))
+
+            async def on_stop() -> None:
+                await stop.wait()
+                peer.close("amqp:connection:forced", "backup stopping")
+                pn.cancel_scope.cancel()
+
+            pn.start_soon(run_peer)
+            pn.start_soon(confirm)
+            pn.start_soon(on_stop)
+        return sink, ended
+
+    async def _vote(self, url: str, sink: ReplicationSink, cond: str | None) -> bool:
+        """The in-sync primary at ``url`` is gone (or unreachable): ask the other primaries it
+        named whether this backup may take its node id over."""
+        ha, ccfg, status = self.cfg.ha, self.cfg.cluster, self.status
+        primary_id = status.node_id
+        topo = sink.topology
+        voters = [(nid, mgmt) for nid, mgmt in (topo.members if topo else ()) if nid != primary_id and mgmt]
+        n = ha.quorum_size if ha.quorum_size > 0 else sink.max_cluster_size
+        status.change("voting", f"lost the primary at {url} ({cond or 'connection lost'})")
+        result = await vote_with_retries(
+            lambda: ask_backup_vote(primary_id, voters, n, (ccfg.user, ccfg.password)),
+            ha.vote_retries, ha.vote_retry_wait_ms / 1000.0, ha.quorum_vote_wait_s)
+        status.votes["won" if result.won else "lost"] += 1
+        log.warning("ha: vote to take over node %s: %s (%d of %d needed votes from %d primaries; %s)",
+                    primary_id, "WON" if result.won else "lost", result.votes, result.needed, result.asked,
+                    ", ".join(result.detail) or "no other primary")
+        return result.won

@@ -24,7 +24,9 @@ docs/architecture.md draws the map; this test reads every module of the project 
   * the broker imports from the router only its pure core and the embedding module
     (``router.embed``); the router imports from the broker only the shared package;
     ``router.local`` (``lodestone-local``, which runs both programs) may import both;
-- a private name (``_x``) or private module imported from another package.
+- a private name (``_x``) or private module imported from another package;
+- an attribute of the broker's node set from outside ``broker.node`` (``node.ha = …``): a role
+  or a service goes through the node's methods or is asked by the node (``Node.role``).
 """
 
 from __future__ import annotations
@@ -268,6 +270,44 @@ def private_imports(proj: Project) -> list[str]:
     return bad
 
 
+def node_attribute_assignments(proj: Project) -> list[str]:
+    """Assignments to an attribute of the broker's node from outside ``broker.node``
+    (``node.x = …``, ``self.node.x = …``): the node's state is its own; a role or a service
+    hands it what it needs through the node's methods (``Node.set_cluster``, ``Node.set_active``,
+    ``node.services.register``) or is asked for it (``Node.role``). Items of the node's tables
+    (``node.counters[k] += 1``) are not attributes of the node."""
+    bad = []
+    for mod, path in proj.modules.items():
+        if not mod.startswith("broker.") or mod == "broker.node":
+            continue
+        for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(n, ast.Assign):
+                targets = n.targets
+            elif isinstance(n, (ast.AugAssign, ast.AnnAssign)):
+                targets = [n.target]
+            else:
+                continue
+            for t in targets:
+                for x in ast.walk(t):
+                    if isinstance(x, ast.Attribute) and _names_the_node(x.value) and x is _direct(t, x):
+                        bad.append(f"{path.relative_to(proj.root)}:{n.lineno}: {mod} sets {ast.unparse(x)}")
+    return bad
+
+
+def _names_the_node(v: ast.expr) -> bool:
+    return (isinstance(v, ast.Name) and v.id == "node") or (isinstance(v, ast.Attribute) and v.attr == "node")
+
+
+def _direct(target: ast.expr, x: ast.Attribute):
+    """``x`` when it is what the assignment sets (or one of a tuple's targets), not a part of a
+    subscript or of a deeper attribute."""
+    if target is x:
+        return x
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return x if any(e is x for e in target.elts) else None
+    return None
+
+
 def lazy_imports(proj: Project) -> list[str]:
     """Imports inside functions, but those of an optional dependency: a module in ``OPTIONAL``,
     or one of ours that imports such a module at its top (``spark.transforms``: pyspark)."""
@@ -304,6 +344,10 @@ def test_the_rings_hold():
 
 def test_no_private_name_is_imported_across_packages():
     assert private_imports(PROJECT) == []
+
+
+def test_nothing_outside_the_node_sets_its_attributes():
+    assert node_attribute_assignments(PROJECT) == []
 
 
 def test_project_modules_are_imported_at_the_top():
@@ -400,3 +444,14 @@ def test_a_private_name_from_another_package_fails(toy):
                  "broker/wire/other.py": "from broker.wire.codec import _secret\n"})
     bad = private_imports(scan(toy, ("broker", "router")))
     assert len(bad) == 1 and "broker.core.queues takes _secret" in bad[0]
+
+
+def test_setting_a_node_attribute_from_outside_fails(toy):
+    _write(toy, {"broker/node.py": "class Node:\n    def __init__(self):\n        self.ha = None\n",
+                 "broker/ha/member.py": "def on_node(node, status):\n    node.ha = status\n"
+                                        "    node.counters['x'] += 1\n",
+                 "broker/cluster/bridge.py": "class C:\n    def f(self):\n        self.node.shared_backup = 1\n"
+                                             "        self.node.cluster.x = 2\n"})
+    bad = node_attribute_assignments(scan(toy, ("broker", "router")))
+    assert len(bad) == 2 and "broker.ha.member sets node.ha" in bad[0] + bad[1]
+    assert "broker.cluster.bridge sets self.node.shared_backup" in bad[0] + bad[1]
