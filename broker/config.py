@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
+from broker.connections.settings import BrokerConnectionConfig, LinkElement, parse_uri
 from broker.cluster.settings import (HA_POLICIES, LOAD_BALANCING_MODES, BroadcastGroupConfig, ClusterConfig,
                                      DiscoveryGroupConfig, HaConfig, parse_connector)
 from broker.cluster.settings import HA_ROLES, ColocatedConfig
@@ -168,6 +169,7 @@ class BrokerConfig:
     discovery_groups: tuple[DiscoveryGroupConfig, ...] = ()  # [discovery-groups.<name>]
     routers: Mapping[str, "RouterConfig"] = field(default_factory=dict)  # [routers.<name>] (embedded)
     routing_log: "RoutingLogConfig | None" = None  # [routing-log] of the embedded routers
+    broker_connections: tuple[BrokerConnectionConfig, ...] = ()   # [broker-connections.<name>]
 
 
 def _address_settings(t: Table, base: AddressSettings) -> AddressSettings:
@@ -339,6 +341,49 @@ def _discovery_group(name: str, t: Table) -> DiscoveryGroupConfig:
     initial = t.int("initial-wait-timeout-ms", 10000, min=0)
     t.done()
     return DiscoveryGroupConfig(name, group, port, bind, refresh, initial)
+
+
+def _broker_connection(name: str, t: Table) -> BrokerConnectionConfig:
+    """``[broker-connections.<name>]`` (Artemis ``<amqp-connection>``; docs/broker-connections.md)."""
+    text = t.str("uri")
+    try:
+        uris = parse_uri(text)
+    except ValueError as exc:
+        raise t.error("uri", f"{text!r}: {exc}") from None
+    user = _not_empty(t, "user", t.str("user", None))
+    password = t.str("password", None)
+    if password is not None and user is None:
+        raise t.error("password", "set without a user (no user logs in with SASL ANONYMOUS)")
+    retry = t.int("retry-interval-ms", 5000, min=1)
+    attempts = t.int("reconnect-attempts", -1, min=-1)
+    auto_start = t.bool("auto-start", True)
+    ca = t.path_value("ca-file", None)
+    if ca is not None and not ca.is_file():
+        raise t.error("ca-file", f"{str(ca)!r}: no such file")
+    elements: dict[str, list[LinkElement]] = {"sender": [], "receiver": []}
+    for kind, key in (("sender", "senders"), ("receiver", "receivers")):
+        for i, et in enumerate(t.array_of_tables(key)):
+            match = _not_empty(et, "address-match", et.str("address-match", None))
+            queue = _not_empty(et, "queue-name", et.str("queue-name", None))
+            remote = _not_empty(et, "remote-address", et.str("remote-address", None))
+            if (match is None) == (queue is None):
+                raise ConfigError(t.file, f"{t.key_path(key)}[{i}]", "needs exactly one of address-match and queue-name")
+            if match is not None:
+                try:
+                    check_pattern(match)
+                except ValueError as exc:
+                    raise et.error("address-match", f"{match!r}: {exc}") from None
+            et.done()
+            elements[kind].append(LinkElement(kind, match, queue, remote))
+    for i, r in enumerate(elements["receiver"]):
+        for s in elements["sender"]:
+            if (r.queue_name, r.address_match) == (s.queue_name, s.address_match):
+                raise ConfigError(t.file, f"{t.key_path('receivers')}[{i}]",
+                                  f"{r.destination} is also a sender's: messages would loop between the brokers")
+    t.done()
+    return BrokerConnectionConfig(name, uris, user, password, retry, attempts, auto_start,
+                                  tuple(elements["sender"]), tuple(elements["receiver"]),
+                                  None if ca is None else str(ca))
 
 
 #: [ha] keys of the replication policy (Artemis <replication>)
@@ -557,6 +602,8 @@ def load_config(file: str | Path) -> BrokerConfig:
                 raise ConfigError(root.file, f"ha.colocated.excludes[{i}]",
                                   f"{name!r} is not an acceptor (acceptors: {', '.join(sorted(names))})")
 
+    broker_connections = tuple(_broker_connection(cname, t) for cname, t in root.tables("broker-connections").items())
+
     lg = root.table("logging")
     level = lg.choice("level", ("DEBUG", "INFO", "WARNING", "ERROR"), "INFO")
     json_lines = lg.bool("json", False)
@@ -570,7 +617,7 @@ def load_config(file: str | Path) -> BrokerConfig:
                         id_cache_max_ids=id_cache_max_ids,
                         cluster=cluster, ha=ha, broadcast_groups=broadcast_groups,
                         discovery_groups=tuple(discovery_groups.values()), routers=routers,
-                        routing_log=routing_log)
+                        routing_log=routing_log, broker_connections=broker_connections)
 
 
 def _routers(root: Table, acceptors: list[AcceptorConfig], cluster: ClusterConfig | None,

@@ -134,7 +134,7 @@ class NodeProcess:
     def passive(self, role: Role, node_id: str | None) -> Node:
         """Put a passive node (no journal, no listener: ``active: false``) behind the
         management API, for a role waiting to serve."""
-        node = Node(self.cfg, self.security, node_id or "", None, role=role)
+        node = Node(self.cfg, self.security, node_id or "", None, role=role, components=self.components)
         self.management.serve(node)
         return node
 
@@ -165,7 +165,7 @@ class NodeProcess:
             activity = (ActivityLog(cfg.activity.path or (cfg.data_dir / "activity.jsonl"), datadir.node_id, cfg.name)
                         if cfg.activity.enabled else None)
             node = Node(cfg, self.security, datadir.node_id, journal, role=role, activity=activity,
-                        routed=bool(cfg.routers))
+                        routed=bool(cfg.routers), components=self.components)
             node.recover()
             node.declare_configured_addresses()
             log.info("node starting", extra={"fields": {"node_id": node.node_id, "name": cfg.name,

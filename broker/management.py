@@ -52,6 +52,7 @@ __all__ = ["make_handler", "MANAGEMENT_ADDRESS", "openapi_document"]
 CLUSTER_READABLE = frozenset({"/api/v1/broker", "/api/v1/cluster", "/api/v1/ha"})
 COLOCATED_PATH = "/api/v1/ha/colocated"   # another primary asks this node to host its backup
 CLOSE_PATH = "/api/v1/connections/close"   # close (redirect) client connections: a router's drain
+CONNECTIONS_PATH = "/api/v1/broker-connections"   # the connections this broker dials (broker.connections)
 
 
 async def _principal(node: "Node", request: Request):
@@ -214,6 +215,27 @@ def metrics(node: "Node", exporter: "MetricsExporter | None" = None) -> list[Met
             Metric("lodestone_broker_cluster_events_total", "counter", "cluster events by outcome",
                    tuple(({"event": k}, v) for k, v in sorted(cl.counters.items()))),
         ]
+    bc = node.component("broker-connections")
+    if bc is not None:
+        views = bc.describe()
+        out += [
+            Metric("lodestone_broker_connection_up", "gauge", "1 while a broker connection is connected",
+                   tuple(({"connection": v["name"]}, 1 if v["connected"] else 0) for v in views)),
+            Metric("lodestone_broker_connection_attempts_total", "counter", "connection attempts of a broker connection",
+                   tuple(({"connection": v["name"]}, v["attempts"]) for v in views)),
+            Metric("lodestone_broker_connection_sent_total", "counter",
+                   "messages a broker connection's senders handed to the peer (resends excluded)",
+                   tuple(({"connection": v["name"], "queue": s["queue"]}, s["sent"]) for v in views
+                         for s in v["senders"])),
+            Metric("lodestone_broker_connection_acknowledged_total", "counter",
+                   "messages the peer accepted from a broker connection's senders",
+                   tuple(({"connection": v["name"], "queue": s["queue"]}, s["acknowledged"]) for v in views
+                         for s in v["senders"])),
+            Metric("lodestone_broker_connection_received_total", "counter",
+                   "messages a broker connection's receivers stored here",
+                   tuple(({"connection": v["name"], "local": r["local"]}, r["stored"]) for v in views
+                         for r in v["receivers"])),
+        ]
     j = node.journal
     if j is not None:
         out.append(Metric("lodestone_broker_journal_bytes", "gauge", "journal record bytes on disk",
@@ -341,6 +363,11 @@ def make_handler(node: "Node"):
                 return json_response(cluster_view(node))
             if path == "/api/v1/ha":
                 return json_response(ha_view(node))
+            if path == CONNECTIONS_PATH:
+                bc = node.component("broker-connections")
+                return json_response(bc.describe() if bc is not None else [])
+        if method == "POST" and path.startswith(CONNECTIONS_PATH + "/"):
+            return _broker_connection_call(node, path[len(CONNECTIONS_PATH) + 1:])
         if method == "POST" and path == COLOCATED_PATH:
             answer = node.role.host_backup(request.json()) if node.role is not None else None
             if answer is None:
@@ -359,6 +386,17 @@ def make_handler(node: "Node"):
         raise HttpError(404 if method in ("GET", "DELETE", "POST") else 405, f"no route {method} {path}")
 
     return handler
+
+
+def _broker_connection_call(node: "Node", rest: str) -> Response:
+    """``POST /api/v1/broker-connections/<name>/start`` (or ``/stop``)."""
+    name, _, action = rest.rpartition("/")
+    bc = node.component("broker-connections")
+    if action not in ("start", "stop") or not name:
+        raise HttpError(404, f"no route POST {CONNECTIONS_PATH}/{rest} (…/<name>/start or …/<name>/stop)")
+    if bc is None or name not in bc.connections:
+        raise HttpError(404, f"no broker connection {name!r} ([broker-connections.<name>])")
+    return json_response(bc.start(name) if action == "start" else bc.stop_connection(name))
 
 
 class _EmbeddedRouters(RouterResources):
@@ -542,6 +580,19 @@ def openapi_document() -> dict:
                                        "node_id": {"type": "string", "nullable": True}, "phase": s_str,
                                        "pair": {"type": "object", "nullable": True},
                                        "replication": {"type": "object", "nullable": True}}})}},
+            "/api/v1/broker-connections": {"get": {"summary": "the connections this broker dials "
+                                                              "(docs/broker-connections.md)",
+                                                   "security": secured,
+                                                   "responses": {"200": {"description": "one entry per "
+                                                                                        "[broker-connections.<name>]"}}}},
+            "/api/v1/broker-connections/{name}/start": {"post": {"summary": "start a broker connection",
+                                                                 "security": secured,
+                                                                 "responses": {"200": {"description": "its state"},
+                                                                               "404": {"description": "no such connection"}}}},
+            "/api/v1/broker-connections/{name}/stop": {"post": {"summary": "stop a broker connection",
+                                                                "security": secured,
+                                                                "responses": {"200": {"description": "its state"},
+                                                                              "404": {"description": "no such connection"}}}},
             "/api/v1/ha/colocated": {"post": {"summary": "ask this node to host a colocated backup (cluster user)",
                                               "security": secured,
                                               "responses": {"202": {"description": "hosting it"},

@@ -164,11 +164,12 @@ class Node:
     """One running broker node: an :class:`~broker.amqp.host.EngineHost` (see the module docstring)."""
 
     def __init__(self, cfg: "BrokerConfig", security, node_id: str, journal=None, *, role: "Role | None" = None,
-                 activity: ActivityLog | None = None, routed: bool = False):
+                 activity: ActivityLog | None = None, routed: bool = False, components: tuple = ()):
         """``role``: the role component that runs this node (``broker.role``; None: a node no
         process runs, as in tests); ``activity``: its activity log; ``routed``: build the
         connection routers of routed acceptors (``broker.routing``) — before any acceptor
-        listens, so a routed acceptor never skips its router."""
+        listens, so a routed acceptor never skips its router; ``components``: what runs beside
+        the role (``broker.role.Component``), found by name (:meth:`component`)."""
         self.cfg = cfg
         self.settings = EngineSettings.from_config(cfg)  # what every engine of this node runs with
         self.security = security
@@ -178,6 +179,7 @@ class Node:
         self.journal = journal
         self._dirty = Wakeup()
         self.role = role
+        self._components = {c.name: c for c in components if c.name}
         #: the internal link services (EngineHost.services): $lodestone.replication.* here,
         #: the cluster's for the other $lodestone. addresses once there is one (set_cluster)
         self.services = InternalServices()
@@ -290,6 +292,10 @@ class Node:
         """The replication stream of an active replication primary
         (``broker.ha.replication.ReplicationSource``, the role's), else None."""
         return self.role.replication if self.role is not None else None
+
+    def component(self, name: str):
+        """The component of that name running beside this node's role, or None."""
+        return self._components.get(name)
 
     def backups(self) -> tuple[tuple[str, str, bool], ...]:
         """This node's HA backups, ``(connector, management URL, in sync)``: a replication

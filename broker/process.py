@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING
 import trio
 
 from broker.config import check_anonymous
+from broker.connections.service import BrokerConnections
 from broker.ha.replicated import Replicated
 from broker.ha.shared_store import SharedStoreMember
 from broker.lifecycle import LiveOnly, NodeProcess
-from broker.role import Role
+from broker.role import Component, Role
 from broker.wire.io.users import load_users
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -26,7 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("lodestone.broker")
 
-__all__ = ["run_node", "role_for"]
+__all__ = ["run_node", "role_for", "components_for"]
 
 
 def role_for(cfg: "BrokerConfig") -> Role:
@@ -38,6 +39,11 @@ def role_for(cfg: "BrokerConfig") -> Role:
     return LiveOnly(cfg)
 
 
+def components_for(cfg: "BrokerConfig") -> list[Component]:
+    """What runs beside the role, whatever it is: the broker connections."""
+    return [BrokerConnections(cfg.broker_connections)] if cfg.broker_connections else []
+
+
 async def run_node(cfg: "BrokerConfig", *, task_status=trio.TASK_STATUS_IGNORED) -> int:
     """Run a broker node until SIGTERM/SIGINT (or cancellation); returns the exit status (an
     isolated replication primary: ``broker.ha.replicated.ISOLATED_EXIT``)."""
@@ -46,6 +52,6 @@ async def run_node(cfg: "BrokerConfig", *, task_status=trio.TASK_STATUS_IGNORED)
     check_anonymous(cfg, security.anonymous_enabled)
     for w in security.warnings():
         log.warning("security: %s", w)
-    code = await NodeProcess(cfg, security).run(role_for(cfg), task_status=task_status)
+    code = await NodeProcess(cfg, security, components=components_for(cfg)).run(role_for(cfg), task_status=task_status)
     log.info("node stopped")
     return code

@@ -64,7 +64,10 @@ def plain_view(node: "Node") -> dict:
 class Component:
     """Something that runs while the node serves, whatever its role (a mirror, a broker
     connection): given to ``broker.lifecycle.NodeProcess``, which calls ``activated`` and
-    ``deactivating`` at each activation, after the role's."""
+    ``deactivating`` at each activation, after the role's. ``name``: how the node and the
+    management API find it (``Node.component``)."""
+
+    name = ""
 
     def activated(self, node: "Node", nursery: trio.Nursery) -> None:
         pass

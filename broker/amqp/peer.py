@@ -43,7 +43,7 @@ import itertools
 import logging
 import ssl
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 from urllib.parse import urlsplit
 
 import trio
@@ -264,7 +264,11 @@ class PeerReceiver:
 
     def on_message(self, link: OwnedLink, data: bytes, delivery: Incoming) -> None:
         self.received += 1
-        delivery.settle(self.on_message_cb(data) or "accepted")
+        state = self.on_message_cb(data) or "accepted"
+        if state == "synced":   # stored: accepted once the host's journal has it on disk
+            delivery.accept_when_synced()
+        else:
+            delivery.settle(state)
         self.peer.wake()
 
     def _attach(self, engine: AmqpEngine) -> int:
@@ -291,16 +295,15 @@ class PeerConnection:
     def __init__(self, host: "EngineHost", url: str, *, credentials: tuple[str, str] | None = None,
                  retry: RetrySettings = RetrySettings(), ca_file: str | None = None,
                  ssl_context: ssl.SSLContext | None = None, name: str | None = None,
-                 on_event: Callable[[object], None] | None = None, idle_timeout_s: float | None = None):
-        parts = urlsplit(url)
-        if parts.scheme not in ("amqp", "amqps") or not parts.hostname:
-            raise ValueError(f"peer url {url!r}: expected amqp://host:port or amqps://host:port")
+                 on_event: Callable[[object], None] | None = None, idle_timeout_s: float | None = None,
+                 alternates: Sequence[str] = ()):
         self.host = host
-        self.url = url
-        self.hostname = parts.hostname
-        self.port = parts.port or (5671 if parts.scheme == "amqps" else 5672)
-        self.tls = parts.scheme == "amqps"
-        if self.tls and ssl_context is None:
+        #: where it dials: ``url`` first, then the ``alternates`` in turn while attempts fail;
+        #: after a connection that opened, the first again (Artemis's broker connections)
+        self.targets = [_target(u) for u in (url, *alternates)]
+        self._turn = 0
+        self.url, self.hostname, self.port, self.tls = self.targets[0]
+        if any(t[3] for t in self.targets) and ssl_context is None:
             ssl_context = ssl.create_default_context(cafile=ca_file)
         self.ssl_context = ssl_context
         self.credentials = credentials
@@ -383,11 +386,13 @@ class PeerConnection:
         failures = 0
         while True:
             self.attempts += 1
+            self.url, self.hostname, self.port, self.tls = self.targets[self._turn % len(self.targets)]
             self._emit(PeerAttemptStarted(self.attempts))
             self._links_refused = False
             opened = await self._attempt(self.attempts)
             if opened and not self._links_refused:
                 failures = 0
+            self._turn = 0 if opened else self._turn + 1
             failures += 1
             if not self.retry.may_retry(failures, connected_before=self.connections > 0):
                 log.warning("peer connection: giving up", extra={"fields": {
@@ -500,6 +505,15 @@ class PeerConnection:
                 self.host.count("peer_protocol_error")
             self._emit(PeerConnectFailed(attempt, cond, desc or "closed before open"))
         return opened
+
+
+def _target(url: str) -> tuple[str, str, int, bool]:
+    """``(url, host, port, tls)`` of an ``amqp[s]://host:port`` URL."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("amqp", "amqps") or not parts.hostname:
+        raise ValueError(f"peer url {url!r}: expected amqp://host:port or amqps://host:port")
+    tls = parts.scheme == "amqps"
+    return url, parts.hostname, parts.port or (5671 if tls else 5672), tls
 
 
 def _describe(exc: BaseException) -> str:

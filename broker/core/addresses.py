@@ -408,6 +408,12 @@ class Broker:
         """Call ``fn(queue, created)`` when a queue is created or deleted (not on recovery)."""
         self._queue_listeners.append(fn)
 
+    def remove_queue_listener(self, fn: Callable[[Queue, bool], None]) -> None:
+        try:
+            self._queue_listeners.remove(fn)
+        except ValueError:
+            pass
+
     def anycast_queue(self, address: str) -> Queue:
         """The competing-consumer queue of an anycast address."""
         return self.addresses[address].queues[address]
