@@ -40,6 +40,9 @@ from pathlib import Path
 from broker.wire.io.users import hash_password
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from tests.rabbitproc import RabbitMQ as RabbitNode  # noqa: E402  (the repository's test helpers)
+
 REPO = HERE.parent
 CLIENT = HERE / "amqp_client.py"
 
@@ -99,86 +102,22 @@ class Lodestone:
 # -- RabbitMQ ----------------------------------------------------------------------------------
 
 class RabbitMQ:
+    """RabbitMQ (``tests/rabbitproc.py``: a scratch node on loopback) with the bench's queues."""
+
     name = "rabbitmq"
-    SBIN = Path("/usr/lib/rabbitmq/bin")
 
     def __init__(self, work: Path):
-        if not (self.SBIN / "rabbitmq-server").exists():
-            print("installing rabbitmq-server (apt-get) ...", file=sys.stderr, flush=True)
-            subprocess.run(["apt-get", "install", "-y", "rabbitmq-server"], check=True,
-                           env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}, stdout=subprocess.DEVNULL)
-        self.dir = work / "rmq"
-        for d in ("home", "log", "mnesia"):
-            (self.dir / d).mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
-        dist = free_port()
-        self.nodename = f"lodestone-bench-{os.getpid()}@localhost"
-        self.env = {**os.environ,
-                    "HOME": str(self.dir / "home"),
-                    "RABBITMQ_CONF_ENV_FILE": str(self.dir / "rabbitmq-env.conf"),
-                    "RABBITMQ_CONFIG_FILE": str(self.dir / "rabbitmq.conf"),
-                    "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.dir / "enabled_plugins"),
-                    "RABBITMQ_MNESIA_BASE": str(self.dir / "mnesia"),
-                    "RABBITMQ_LOG_BASE": str(self.dir / "log"),
-                    "RABBITMQ_NODENAME": self.nodename,
-                    "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
-                    "RABBITMQ_NODE_PORT": str(self.port),
-                    "RABBITMQ_DIST_PORT": str(dist),  # else AMQP port + 20000, which may exceed 65535
-                    "ERL_EPMD_ADDRESS": "127.0.0.1",
-                    "PATH": f"{self.SBIN}:{os.environ.get('PATH', '')}"}
-        (self.dir / "rabbitmq-env.conf").write_text("")
-        (self.dir / "rabbitmq.conf").write_text(
-            f"listeners.tcp.1 = 127.0.0.1:{self.port}\n"
-            "distribution.listener.interface = 127.0.0.1\n"
-            f"distribution.listener.port_range.min = {dist}\ndistribution.listener.port_range.max = {dist}\n"
-            "loopback_users.guest = true\nlog.console = false\nlog.file.level = warning\n")
-        self.epmd_was_running = self._epmd_pid() is not None
-        self._ctl("rabbitmq-plugins", "enable", "--offline", "rabbitmq_amqp1_0")
-        self.proc = subprocess.Popen([str(self.SBIN / "rabbitmq-server")], cwd=self.dir, env=self.env,
-                                     stdout=open(self.dir / "log" / "stdout.log", "wb"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        self.pidfile = self.dir / "mnesia" / f"{self.nodename}.pid"
-        try:
-            self._ctl("rabbitmqctl", "-q", "wait", "--timeout", "180", str(self.pidfile))
-        except subprocess.SubprocessError:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # our own process group (start_new_session)
-            self.proc.wait()
-            log = "\n".join(p.read_text(errors="replace")[-2000:] for p in (self.dir / "log").glob("*.log"))
-            raise SystemExit(f"rabbitmq did not start:\n{log}")
-        self.pid = int(self.pidfile.read_text().strip())
-        for q, durable in (("bench-t", "false"), ("bench-d", "true")):
-            self._ctl("rabbitmqctl", "-q", "eval",
-                      f'rabbit_amqqueue:declare(rabbit_misc:r(<<"/">>, queue, <<"{q}">>), {durable}, '
-                      f'false, [], none, <<"bench">>).')
-        self.url = f"amqp://guest:guest@127.0.0.1:{self.port}"
-
-    def _ctl(self, *args: str) -> None:
-        subprocess.run([str(self.SBIN / args[0]), *args[1:]], env=self.env, check=True, cwd=self.dir,
-                       stdout=subprocess.DEVNULL, timeout=120)
-
-    @staticmethod
-    def _epmd_pid() -> int | None:
-        out = subprocess.run(["ss", "-ltnpH", "sport = :4369"], capture_output=True, text=True).stdout
-        for part in out.split("pid=")[1:]:
-            return int(part.split(",")[0])
-        return None
+        self.node = RabbitNode(work, name="lodestone-bench").start()
+        self.node.declare("bench-t", durable=False)
+        self.node.declare("bench-d", durable=True)
+        self.pid = self.node.pid
+        self.url = self.node.client_url
 
     def address(self, durable: bool) -> str:
-        return "/amq/queue/bench-d" if durable else "/amq/queue/bench-t"
+        return self.node.address("bench-d" if durable else "bench-t")
 
     def stop(self) -> None:
-        try:
-            self._ctl("rabbitmqctl", "-q", "stop", str(self.pidfile))
-        except subprocess.SubprocessError:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        if not self.epmd_was_running:  # we started epmd with this node: stop it, by its pid
-            pid = self._epmd_pid()
-            if pid is not None and Path(f"/proc/{pid}/comm").read_text().strip() == "epmd":
-                os.kill(pid, signal.SIGTERM)
+        self.node.stop()
 
 
 # -- running -----------------------------------------------------------------------------------
