@@ -585,11 +585,11 @@ def openapi_document() -> dict:
                                                    "security": secured,
                                                    "responses": {"200": {"description": "one entry per "
                                                                                         "[broker-connections.<name>]"}}}},
-            "/api/v1/broker-connections/{name}/start": {"post": {"summary": "start a broker connection",
+            "/api/v1/broker-connections/{name}/start": {"parameters": [name_param], "post": {"summary": "start a broker connection",
                                                                  "security": secured,
                                                                  "responses": {"200": {"description": "its state"},
                                                                                "404": {"description": "no such connection"}}}},
-            "/api/v1/broker-connections/{name}/stop": {"post": {"summary": "stop a broker connection",
+            "/api/v1/broker-connections/{name}/stop": {"parameters": [name_param], "post": {"summary": "stop a broker connection",
                                                                 "security": secured,
                                                                 "responses": {"200": {"description": "its state"},
                                                                               "404": {"description": "no such connection"}}}},

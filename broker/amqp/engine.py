@@ -1053,6 +1053,13 @@ class AmqpEngine:
         for w in [w for w in self.producers.values() if w.link.session == session] + \
                  [w for w in self.consumers.values() if w.link.session == session]:
             self._forget_link(w.link, closed=False)
+        # the owners' links end with their session: RabbitMQ ends the session (amqp:not-found)
+        # instead of refusing an attach to a queue it does not have
+        ended = [raw for raw, o in self.owned.items() if o.proton.session == session]
+        why = session.remote_condition or Condition("amqp:link:detach-forced", "the peer ended the session")
+        for raw in ended:
+            o = self.owned.pop(raw)
+            o.handler.on_detached(o, why)
         if self.txn is not None:
             self.txn.end_session(session)
         session.close()

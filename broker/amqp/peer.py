@@ -288,8 +288,11 @@ class PeerConnection:
     """One peer connection kept alive by :meth:`run` (see the module docstring).
 
     ``url``: ``amqp://host:port`` or ``amqps://host:port`` (then ``ca_file`` verifies the peer,
-    or ``ssl_context`` is used as given). ``credentials``: (user, password) for PLAIN, None for
-    ANONYMOUS. ``on_event`` gets the connection's events (PeerConnected, …).
+    or ``ssl_context`` is used as given). ``alternates``: more such URLs, tried in turn while
+    attempts fail; after a connection that opened, ``url`` is tried first again (Artemis's broker
+    connections). ``credentials``: (user, password) for PLAIN, None for ANONYMOUS. ``on_event``
+    gets the connection's events (PeerConnected, …); :attr:`url` is the target of the current
+    attempt.
     """
 
     def __init__(self, host: "EngineHost", url: str, *, credentials: tuple[str, str] | None = None,

@@ -33,7 +33,6 @@ journal's fsync for a durable one), so a crash loses nothing the peer let go of.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +45,7 @@ from broker.connections.settings import BrokerConnectionConfig, LinkElement
 from broker.core.deliveries import Message, Outcome
 from broker.core.queues import Subscription
 from broker.role import Component
+from broker.wire.io.trioutil import Wakeup
 from broker.wire.wildcards import wildcard_match
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -68,27 +68,10 @@ class BrokerConnections(Component):
 
     def __init__(self, configs: tuple[BrokerConnectionConfig, ...]) -> None:
         self.connections = {c.name: Connection(c) for c in configs}
-        self._starts: trio.MemorySendChannel | None = None   # this activation's start requests
 
     def activated(self, node: "Node", nursery: trio.Nursery) -> None:
-        send, receive = trio.open_memory_channel(math.inf)
-        self._starts = send
-        nursery.start_soon(self._run, node, receive)
-
-    async def _run(self, node: "Node", requests: trio.MemoryReceiveChannel) -> None:
-        try:
-            async with trio.open_nursery() as nursery:
-                for c in self.connections.values():
-                    if c.wanted:
-                        nursery.start_soon(c.run, node)
-                async for c in requests:
-                    if c.wanted and not c.running:
-                        nursery.start_soon(c.run, node)
-        finally:
-            self._starts = None
-
-    async def deactivating(self, node, reason: str, close_listeners) -> None:
-        self._starts = None
+        for c in self.connections.values():
+            nursery.start_soon(c.supervise, node)
 
     def stop(self) -> None:
         for c in self.connections.values():
@@ -101,17 +84,14 @@ class BrokerConnections(Component):
     def start(self, name: str) -> dict:
         """``POST …/<name>/start``: run it now if the node serves, else from its next activation."""
         c = self.connections[name]
-        c.wanted = True
-        if self._starts is not None:
-            self._starts.send_nowait(c)
+        c.start()
         log.info("broker connection %s: start requested", name)
         return c.describe()
 
     def stop_connection(self, name: str) -> dict:
         """``POST …/<name>/stop``: close it and keep it closed until started again."""
         c = self.connections[name]
-        c.wanted = False
-        c.cancel()
+        c.stop()
         log.info("broker connection %s: stopped by request", name)
         return c.describe()
 
@@ -122,15 +102,25 @@ class Connection:
     def __init__(self, cfg: BrokerConnectionConfig) -> None:
         self.cfg = cfg
         self.wanted = cfg.auto_start
-        self.running = False
         self.state = "stopped" if not cfg.auto_start else "starting"
         self.peer: PeerConnection | None = None
         self.since: float | None = None
         self.last_error: str | None = None
+        self._changed = Wakeup()
         self._scope: trio.CancelScope | None = None
         self._links: _Links | None = None
 
+    def start(self) -> None:
+        self.wanted = True
+        self._changed.set()
+
+    def stop(self) -> None:
+        self.wanted = False
+        self.cancel()
+        self._changed.set()
+
     def cancel(self) -> None:
+        """End the current session (a stop, or the activation ending)."""
         if self._scope is not None:
             self._scope.cancel()
 
@@ -145,35 +135,45 @@ class Connection:
                              max_retry_interval_ms=self.cfg.retry_interval_ms, reconnect_attempts=limit,
                              initial_connect_attempts=limit)
 
-    async def run(self, node: "Node") -> None:
-        """Dial and keep the connection (with its senders and receivers) until cancelled, or
-        until the attempts are spent."""
-        cfg = self.cfg
-        self.running = True
-        if cfg.password in SAMPLE_PASSWORDS:
+    async def supervise(self, node: "Node") -> None:
+        """For one activation: a session whenever the connection is started, until the
+        activation ends. A session that gave up leaves it stopped until started again."""
+        if self.cfg.password in SAMPLE_PASSWORDS:
             log.warning("broker connection %s logs in with a published sample password (%r): set "
-                        "[broker-connections.%s] password", cfg.name, cfg.password, cfg.name)
+                        "[broker-connections.%s] password", self.cfg.name, self.cfg.password, self.cfg.name)
         try:
-            with trio.CancelScope() as scope:
-                self._scope = scope
-                peer = PeerConnection(node, cfg.uris[0], alternates=cfg.uris[1:], credentials=cfg.credentials,
-                                      retry=self.retry, ca_file=cfg.ca_file, name=f"broker-connection-{cfg.name}",
-                                      on_event=self._on_event)
-                self.peer = peer
-                self._links = links = _Links(node, cfg, peer)
-                self._set("connecting", f"dialling {cfg.uri}")
-                links.start()
-                try:
-                    await peer.run()
-                finally:
-                    links.stop()
-                self._set("failed", f"gave up after {peer.attempts} attempts ([broker-connections.{cfg.name}] "
-                                    f"reconnect-attempts = {cfg.reconnect_attempts})", level=logging.ERROR)
+            while True:
+                while not self.wanted:
+                    await self._changed.wait()
+                if await self._session(node) == "gave-up":
+                    self.wanted = False
         finally:
-            self.running = False
-            self._scope = None
             if self.state != "failed":
                 self._set("stopped", "stopped")
+
+    async def _session(self, node: "Node") -> str:
+        """Dial and keep the connection (with its senders and receivers) until cancelled
+        (``"stopped"``) or until the attempts are spent (``"gave-up"``)."""
+        cfg = self.cfg
+        with trio.CancelScope() as scope:
+            self._scope = scope
+            peer = PeerConnection(node, cfg.uris[0], alternates=cfg.uris[1:], credentials=cfg.credentials,
+                                  retry=self.retry, ca_file=cfg.ca_file, name=f"broker-connection-{cfg.name}",
+                                  on_event=self._on_event)
+            self.peer = peer
+            self._links = links = _Links(node, cfg, peer)
+            self._set("connecting", f"dialling {cfg.uri}")
+            links.start()
+            try:
+                await peer.run()
+            finally:
+                links.stop()
+                self._scope = None
+            self._set("failed", f"gave up after {peer.attempts} attempts ([broker-connections.{cfg.name}] "
+                                f"reconnect-attempts = {cfg.reconnect_attempts})", level=logging.ERROR)
+            return "gave-up"
+        self._set("stopped", "stopped")
+        return "stopped"
 
     def _on_event(self, ev) -> None:
         if isinstance(ev, PeerConnected):

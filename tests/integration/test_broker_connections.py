@@ -158,3 +158,22 @@ def test_auto_start_false_waits_for_the_start_call_and_stop_closes(tmp_path):
     finally:
         a.stop()
         b.stop()
+
+
+def test_spent_reconnect_attempts_leave_it_failed_until_started_again(tmp_path):
+    with socket.socket() as s:   # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    a = start(tmp_path, "a", extra=connection(f"amqp://127.0.0.1:{dead}", reconnect_attempts=2,
+                                              senders=[{"queue-name": "orders"}]))
+    try:
+        v = wait_for(lambda: view(a), 20, until=lambda v: v["state"] == "failed", what="failed")
+        assert (v["attempts"], v["started"], v["connected"]) == (3, False, False)   # 1 + 2 retries
+        assert "127.0.0.1" in (v["last_error"] or "")
+        assert any("gave up after 3 attempts" in line for line in a.stderr_text().splitlines())
+        status, body = http_json(a.management_url + "/api/v1/broker-connections/to-b/start", "POST", {}, auth=ADMIN)
+        assert status == 200 and body["started"] is True
+        v = wait_for(lambda: view(a), 20, until=lambda v: v["state"] == "failed" and v["attempts"] == 3
+                     and v["since"] > body["since"], what="failed again after three more attempts")
+    finally:
+        a.stop()

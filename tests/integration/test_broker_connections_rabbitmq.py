@@ -102,3 +102,20 @@ def test_rabbitmq_restarted_mid_stream_loses_nothing(tmp_path, rabbit):
         assert view(a)["connections"] >= 2
     finally:
         a.stop()
+
+
+def test_a_refused_attach_is_retried_until_rabbitmq_has_the_queue(tmp_path, rabbit):
+    extra = connection(rabbit.url, receivers=[{"queue-name": "inbound", "remote-address": rabbit.address("later")}]
+                       ).replace('user = "app"\npassword = "app"', 'user = "guest"\npassword = "guest"')
+    a = start(tmp_path, "a", extra=extra)
+    try:
+        # RabbitMQ refuses a link to a queue it does not have: the connection starts over, with back-off
+        v = wait_for(lambda: view(a), 30, until=lambda v: v["connections"] >= 2, what="retried after the refusal")
+        assert not v["receivers"][0]["attached"]
+        rabbit.declare("later")
+        wait_for(lambda: view(a)["receivers"][0]["attached"], 30, what="attached once the queue exists")
+        rabbit_send(rabbit, "later", [f"l-{i}" for i in range(50)])
+        wait_for(lambda: depth(a, "inbound") == 50, 30, what="the 50 on A")
+        assert sorted(receive_all(a, "inbound", quiet_s=2.0)) == sorted(f"l-{i}" for i in range(50))
+    finally:
+        a.stop()
