@@ -170,7 +170,7 @@ class NodeProcess:
             node.declare_configured_addresses()
             log.info("node starting", extra={"fields": {"node_id": node.node_id, "name": cfg.name,
                                                          "data_dir": str(cfg.data_dir)}})
-            async with node.connections_open():
+            async with node.connections_open() as connections:
                 async with trio.open_nursery() as tasks:
                     for part in (role, *self.components):
                         part.activated(node, tasks)
@@ -194,6 +194,7 @@ class NodeProcess:
                         await part.deactivating(node, reason, close_listeners)
                     tasks.cancel_scope.cancel()
                 await node.close_connections(SHUTDOWN_GRACE_S)
+                connections.cancel_scope.cancel()   # what did not end within the grace
             node.close_activity()
         finally:
             if journal is not None:

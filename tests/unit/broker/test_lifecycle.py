@@ -190,3 +190,31 @@ def test_the_listening_port_is_free_after_the_process_ends(tmp_path, capsys):
     for port in ports:
         with socket.socket() as s:
             assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_a_connection_that_never_ends_does_not_hold_the_stop(tmp_path, capsys):
+    """A client that opened a socket and said nothing (its handshake deadline is 10 s away) is
+    cancelled once the shutdown grace (2 s) has passed: the stop does not wait for it."""
+    cfg = load_config(write_config(tmp_path))
+    assert cfg.handshake_timeout_s >= 10
+    role = TwoActivations(cfg)
+    proc = NodeProcess(cfg, load_users(cfg.users_file), signals=False)
+    took: dict = {}
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            n.start_soon(proc.run, role)
+            await wait_for_async(lambda: role.nodes and role.nodes[-1].active, timeout_s=10)
+            url = next(line.split()[2] for line in capsys.readouterr().out.splitlines()
+                       if line.startswith("listening amqp "))
+            host, port = url.split("://", 1)[1].rsplit(":", 1)
+            silent = await trio.open_tcp_stream(host, int(port))
+            await wait_for_async(lambda: role.nodes[-1].acceptor_active["amqp"] == 1, timeout_s=10)
+            role.hand_over.set()
+            t0 = trio.current_time()
+            await wait_for_async(lambda: len(role.nodes) == 2, timeout_s=9)
+            took["s"] = trio.current_time() - t0
+            proc.stop(role)
+            await silent.aclose()
+    trio.run(main)
+    assert took["s"] < 5.0, took   # the grace, not the handshake deadline
