@@ -38,8 +38,8 @@ The node (:class:`broker.node.Node`, ``node.role``) and the management API read:
 * ``backups()``: this node's backups, ``(connector, management URL, in sync)``;
 * ``host_backup(body)``: ``POST /api/v1/ha/colocated``, or None where this node hosts none.
 
-Adding a role (a mirror source, say) is one more subclass: docs/architecture.md, "Adding a
-role".
+A service that runs whatever the role (a mirror source, say) is one more :class:`Component`:
+docs/architecture.md, "Worked example: adding a component that owns a link".
 """
 
 from __future__ import annotations

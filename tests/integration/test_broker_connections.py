@@ -43,6 +43,13 @@ def connection(uri: str, *, senders=(), receivers=(), **keys) -> str:
     return "\n".join(lines) + "\n"
 
 
+def dead_port() -> int:
+    """A loopback port nobody listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def depth(b: BrokerProcess, queue: str) -> int:
     q = b.queue(queue)
     return -1 if q is None else q["depth"]
@@ -116,9 +123,7 @@ def test_the_peer_killed_and_restarted_mid_stream_loses_nothing(tmp_path):
 
 
 def test_the_first_host_down_lands_on_the_alternate(tmp_path):
-    with socket.socket() as s:   # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        dead = s.getsockname()[1]
+    dead = dead_port()
     b = start(tmp_path, "b")
     a = start(tmp_path, "a", extra=connection(f"amqp://127.0.0.1:{dead}#{b.amqp_url}",
                                               senders=[{"address-match": "orders.#"}]))
@@ -161,9 +166,7 @@ def test_auto_start_false_waits_for_the_start_call_and_stop_closes(tmp_path):
 
 
 def test_spent_reconnect_attempts_leave_it_failed_until_started_again(tmp_path):
-    with socket.socket() as s:   # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        dead = s.getsockname()[1]
+    dead = dead_port()
     a = start(tmp_path, "a", extra=connection(f"amqp://127.0.0.1:{dead}", reconnect_attempts=2,
                                               senders=[{"queue-name": "orders"}]))
     try:
