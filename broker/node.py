@@ -31,6 +31,7 @@ import trio
 from broker.activity import ActivityLog, iso_utc
 from broker.amqp.host import EngineSettings
 from broker.amqp.links import InternalServices, OwnedLink
+from broker.amqp.message import body_duplicate_key
 from broker.wire.frames import INTERNAL_PREFIX
 from broker.wire.io.login import LoginGate
 from broker.core.addresses import Broker
@@ -252,6 +253,8 @@ class Node:
                     orphans += 1
                     j.ack(qname, m.message_id)
         duplicate_ids = core.duplicates.restore(self.internal_records)  # ids with their messages
+        if duplicate_ids:
+            self._hold_recovered_ids()
         rep = j.report
         self.recovery = {"messages": restored, "orphans_dropped": orphans, "queues": len(core.queues),
                          "duplicate_ids": duplicate_ids,
@@ -262,6 +265,18 @@ class Node:
             "messages": restored, "queues": len(core.queues), "duplicate_ids": duplicate_ids,
             "torn_bytes": rep.torn_bytes_truncated, "records": rep.records_read}})
         return self.recovery
+
+    def _hold_recovered_ids(self) -> None:
+        """Which recovered queue holds a copy of which remembered id (``DuplicateIds.hold``: a
+        copy of the same message moved here later is dropped)."""
+        dups = self.core.duplicates
+        for q in self.core.queues.values():
+            if q.name.startswith(INTERNAL_PREFIX):
+                continue
+            for msg in q.messages:
+                key = body_duplicate_key(msg.body)
+                if key is not None:
+                    dups.hold(msg.address, key, (q.name,))
 
     def declare_configured_addresses(self) -> None:
         for decl in self.cfg.addresses:

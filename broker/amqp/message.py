@@ -11,7 +11,7 @@ import struct
 import time
 
 from broker.core.deliveries import DEFAULT_PRIORITY
-from broker.core.duplicates import DUPLICATE_ID_PROPERTY, InvalidDuplicateId
+from broker.core.duplicates import DUPLICATE_ID_PROPERTY, InvalidDuplicateId, duplicate_key
 from broker.wire.codec import Described, UInt, ULong, decode as amqp_decode, encode as amqp_encode
 from broker.wire.errors import DecodeError
 
@@ -280,6 +280,19 @@ def may_carry_duplicate_id(data: bytes) -> bool:
     except (IndexError, struct.error, DecodeError):
         return DUPLICATE_ID_NEEDLE in data  # not walkable: as a small one (the reader says why)
     return False
+
+
+def body_duplicate_key(data: bytes) -> bytes | None:
+    """The duplicate-cache key (``broker.core.duplicates.duplicate_key``) of a stored message's
+    ``_AMQ_DUPL_ID``, or None when it has none or it cannot be read (a stored message was checked
+    when it came in; one whose id is unreadable is simply not tracked)."""
+    if not may_carry_duplicate_id(data):
+        return None
+    try:
+        found = message_duplicate_id(data)
+    except (InvalidDuplicateId, DecodeError):
+        return None
+    return None if found is None else duplicate_key(found[0], string=found[1])
 
 
 def message_duplicate_id(data: bytes) -> tuple[bytes, bool] | None:

@@ -29,8 +29,11 @@ forwarded exactly once across kills of either side.
 **A producer's duplicate id** (``_AMQ_DUPL_ID``, Artemis duplicate detection) is checked by the
 node a producer sent the message to, and again by each node that stores a forwarded copy, in its
 own cache of the address (a producer that resends through another node is caught where the first
-copy went). A message moved by redistribution or scale-down (the envelope's ``moved``) is not
-checked — its id is the one it came with, already remembered somewhere — only remembered here.
+copy went). A message moved by redistribution or scale-down (the envelope's ``moved``) is dropped
+only for the target queues here that hold a copy of the same id already (``DuplicateIds.holds``:
+the producer's resend, stored here before the first copy moved in); elsewhere it is stored — its
+id may be known here because the message passed through — and remembered. A copy moving away
+releases its queue's hold (``_move``).
 
 **Serving other nodes** (:meth:`ClusterNode.attach`, the node's internal link service): an
 inbound cluster connection (logged in as the cluster user, with the cluster key if one is set)
@@ -68,7 +71,7 @@ from urllib.parse import urlsplit
 import trio
 
 from broker.amqp.links import Incoming, OwnedLink
-from broker.amqp.message import may_carry_duplicate_id, message_duplicate_id
+from broker.amqp.message import body_duplicate_key
 from broker.wire.frames import CLUSTER_MEMBERS, MAX_CLUSTER_MEMBERS
 from broker.amqp.host import INTERNAL_PREFIX
 from broker.amqp.peer import (PeerConnected, PeerConnectFailed, PeerConnection, PeerDisconnected, PeerGaveUp,
@@ -84,9 +87,8 @@ from broker.core.addresses import ANYCAST, MULTICAST
 from broker.core.balancing import LoadBalancing
 from broker.core.bindings import RemoteBinding
 from broker.core.deliveries import DEFAULT_PRIORITY, Message, Outcome
-from broker.core.duplicates import MISSING, ORIGIN_RECORDS, DuplicateCache, InvalidDuplicateId, duplicate_key
+from broker.core.duplicates import MISSING, ORIGIN_RECORDS, DuplicateCache
 from broker.core.queues import Subscription
-from broker.wire.errors import DecodeError
 from broker.wire.io.trioutil import Wakeup
 from broker.wire.io.udp import listen
 
@@ -883,16 +885,10 @@ class ClusterNode:
     def _duplicate_key(self, f: Forwarded) -> bytes | None:
         """The cache key of a forwarded message's ``_AMQ_DUPL_ID`` when this node stores it (a
         target here), else None. One the node it entered accepted is not refused here."""
-        if not may_carry_duplicate_id(f.message):
-            return None
         me = self.node.node_id
         if not any(node_id == me for node_id, _q in f.targets):
             return None  # only passing through (max-hops): the node that stores it checks
-        try:
-            found = message_duplicate_id(f.message)
-        except (InvalidDuplicateId, DecodeError):
-            return None
-        return None if found is None else duplicate_key(found[0], string=found[1])
+        return body_duplicate_key(f.message)
 
     def receive_forward(self, fin: _ForwardIn, d: Incoming, data: bytes) -> None:
         """One transfer of a neighbour's forward link: its forwarded messages are stored (or sent
@@ -927,18 +923,27 @@ class ClusterNode:
                     sync = sync or (f.durable and journal)  # the first copy may still wait for its fsync
                     continue
                 key = self._duplicate_key(f)
-                duplicate = False
-                if key is not None and not f.moved:
+                skip: bool | set[str] = False
+                if key is not None:
                     token = dups.lookup(f.address, key)
-                    if token is not MISSING:  # the producer's resend, through another node
+                    if token is MISSING:
+                        pass
+                    elif not f.moved:  # the producer's resend, through another node
                         dups.duplicate(f.address)
-                        duplicate = True
+                        skip = True
                         sync = sync or token is not None
-                stored, local, local_stored = self._deliver(f, peer or f.origin, skip_local=duplicate)
+                    else:  # moved here: a queue that holds a copy of this message already skips it
+                        me = self.node.node_id
+                        skip = {q for n, q in f.targets if n == me and dups.holds(f.address, key, q)}
+                        if skip:
+                            dups.duplicate(f.address)
+                            self.counters["moved_duplicates_dropped"] += 1
+                            sync = sync or token is not None
+                stored, local, local_stored = self._deliver(f, peer or f.origin, skip_local=skip)
                 if stored:
                     sync = True
                 if key is not None and local:
-                    dups.remember(f.address, key, persist=local_stored)
+                    dups.remember(f.address, key, persist=local_stored, held=local)
                 if dedup:
                     dups.remember_from(f.origin, f.dup_id, persist=f.durable and journal)
         finally:
@@ -949,18 +954,19 @@ class ClusterNode:
         else:
             d.accept()
 
-    def _deliver(self, f: Forwarded, peer: str, *, skip_local: bool = False) -> tuple[bool, int, bool]:
+    def _deliver(self, f: Forwarded, peer: str, *, skip_local: bool | set[str] = False) -> tuple[bool, list[str], bool]:
         """Enqueue a forwarded message in its target queues here, or send it on (max-hops):
-        ``(store written, copies enqueued here, a copy here written)``. ``skip_local``: the
-        targets here are dropped (a duplicate ``_AMQ_DUPL_ID``), the others still go on."""
+        ``(store written, the queues here it was enqueued in, a copy here written)``.
+        ``skip_local``: the targets here (True) or those named are dropped (a duplicate
+        ``_AMQ_DUPL_ID``), the others still go on."""
         core = self.core
         me = self.node.node_id
         stored = local_stored = False
         onward: dict[str, list[tuple[str, str]]] = {}
-        delivered = 0
+        local: list[str] = []
         for node_id, qname in f.targets:
             if node_id == me:
-                if skip_local:
+                if skip_local is True or (skip_local and qname in skip_local):
                     continue
                 q = core.queues.get(qname)
                 if q is None and f.create is not None and not qname.startswith(INTERNAL_PREFIX):
@@ -971,7 +977,7 @@ class ClusterNode:
                 msg = Message(core.next_mid(), f.message, f.durable, f.address, 0, f.priority, f.expires)
                 if q.enqueue(msg):
                     stored = local_stored = True
-                delivered += 1
+                local.append(q.name)
                 continue
             b = core.cluster.get(node_id, qname)
             if b is None or f.hops + 1 >= max(self.cfg.max_hops, 1):
@@ -981,11 +987,11 @@ class ClusterNode:
         for via, targets in onward.items():
             if self._enqueue_forward(via, replace(f, targets=tuple(targets), hops=f.hops + 1)):
                 stored = True
-        if delivered:
+        if local:
             acc = self.activity.setdefault(peer, {}).setdefault((f.address, "forward-in"), [0, 0])
-            acc[0] += delivered
-            acc[1] += len(f.message) * delivered
-        return stored, delivered, local_stored
+            acc[0] += len(local)
+            acc[1] += len(f.message) * len(local)
+        return stored, local, local_stored
 
     def _create_for_scale_down(self, f: Forwarded, qname: str):
         """A node scaling down moves a queue this node lacks: create it as it was there."""
@@ -1147,7 +1153,12 @@ class ClusterNode:
             store.begin_group()
         try:
             picked = self.core.take_for_redistribution(q, now_ms, REDISTRIBUTE_BATCH)
+            dups = self.core.duplicates
             for msg, b in picked:
+                key = body_duplicate_key(msg.body)
+                if key is not None:
+                    dups.release(msg.address, key, q.name)  # this copy may come back here
+
                 env = Forwarded(self._dup_id(), self.node.node_id, msg.address, ((b.node_id, b.queue),), 0,
                                 msg.durable, msg.priority, msg.expires, msg.body, moved=True)
                 sf = self._sf_queue(b.next_hop)

@@ -458,9 +458,10 @@ class Broker:
 
     # -- routing ---------------------------------------------------------------------------
     def publish(self, address: str, body: bytes, durable: bool, priority: int = DEFAULT_PRIORITY,
-                expires: float = 0, origin: object = None) -> bool:
+                expires: float = 0, origin: object = None, into: list | None = None) -> bool:
         """Route one message to every queue of ``address`` (and of the wildcard addresses that
-        match it). True when the store was written.
+        match it). True when the store was written. ``into``: the names of the local queues that
+        got a copy are appended to it.
 
         The address must exist (the driver resolved it when the producer attached). A message
         that reaches no queue (a multicast address without subscribers) is dropped, as in Artemis;
@@ -473,7 +474,7 @@ class Broker:
         remote = self.cluster.by_address
         if remote and (address in remote or self._remote_wild(address) or (
                 self.wildcard_addresses and any(w.name in remote for w in self._targets(address)))):
-            return self._publish_clustered(address, body, durable, priority, expires, origin)
+            return self._publish_clustered(address, body, durable, priority, expires, origin, into)
         targets = self._targets(address)
         stored = False
         routed = False
@@ -483,6 +484,8 @@ class Broker:
                 if q.filter is not None and not q.filter(msg):
                     continue
                 routed = True
+                if into is not None:
+                    into.append(q.name)
                 if q.enqueue(msg):
                     stored = True
         if not routed:
@@ -507,9 +510,10 @@ class Broker:
             return True, token is not None
         store = self.store
         store.begin_group()
+        held: list[str] = []
         try:
-            stored = self.publish(address, body, durable, priority, expires, origin)
-            dups.remember(address, key, persist=stored)
+            stored = self.publish(address, body, durable, priority, expires, origin, held)
+            dups.remember(address, key, persist=stored, held=held)
         finally:
             wrote = store.end_group()
         return False, wrote
@@ -554,7 +558,7 @@ class Broker:
         return hit
 
     def _publish_clustered(self, address: str, body: bytes, durable: bool, priority: int, expires: float,
-                           origin: object) -> bool:
+                           origin: object, into: list | None = None) -> bool:
         """``publish`` with remote bindings: per target address, ``balancing.route`` decides; the
         local part is applied here, each remote copy goes to ``on_forward`` (the bridge)."""
         cluster = self.cluster
@@ -572,6 +576,8 @@ class Broker:
                 msg = Message(self.next_mid(), body, durable, address, 0, priority, expires, origin)
                 msg.view = probe.view
                 routed = True
+                if into is not None:
+                    into.append(name)
                 if view.local[name].enqueue(msg):
                     stored = True
             forwards += decision.forwards

@@ -93,7 +93,7 @@ def duplicate_key(value: bytes, *, string: bool) -> bytes:
 class DuplicateCache:
     """The last ``size`` ids, oldest first; ``token`` is whatever the owner keys its record by."""
 
-    __slots__ = ("size", "_ids", "dropped")
+    __slots__ = ("size", "_ids", "dropped", "held")
 
     def __init__(self, size: int):
         if size < 1:
@@ -101,6 +101,8 @@ class DuplicateCache:
         self.size = size
         self._ids: "collections.OrderedDict[bytes, object]" = collections.OrderedDict()
         self.dropped = 0  # duplicates seen
+        #: id -> names of the local queues holding a copy of its message (see ``DuplicateIds.hold``)
+        self.held: dict[bytes, set[str]] = {}
 
     def __contains__(self, dup_id: bytes) -> bool:
         return dup_id in self._ids
@@ -126,10 +128,13 @@ class DuplicateCache:
         out = []
         while len(ids) > self.size:
             out.append(ids.popitem(last=False))
+            self.held.pop(out[-1][0], None)
         return out
 
     def pop_oldest(self) -> tuple[bytes, object]:
-        return self._ids.popitem(last=False)
+        dup_id, token = self._ids.popitem(last=False)
+        self.held.pop(dup_id, None)
+        return dup_id, token
 
     def set_token(self, dup_id: bytes, token: object) -> None:
         if dup_id in self._ids:
@@ -194,15 +199,17 @@ class DuplicateIds:
         if self.on_duplicate is not None:
             self.on_duplicate(address, transactional)
 
-    def remember(self, address: str, key: bytes, *, persist: bool) -> None:
+    def remember(self, address: str, key: bytes, *, persist: bool, held: Iterable[str] = ()) -> None:
         """Remember ``key`` for ``address`` (a message carrying it was routed); ``persist``: its
-        message was written to the store, so the id is too (in the caller's store group)."""
+        message was written to the store, so the id is too (in the caller's store group);
+        ``held``: the local queues a copy was enqueued in (:meth:`hold`)."""
         cache = self.addresses.get(address)
         if cache is None:
             size = self.size_for(address) if self.size_for is not None else None
             cache = self.addresses[address] = DuplicateCache(size or self.size)
         elif key in cache:
-            return  # a moved message's id (see the bridge): already remembered here
+            self.hold(address, key, held)  # a moved message's id (see the bridge): already remembered here
+            return
         else:
             self.addresses.move_to_end(address)
         name = ADDRESS_RECORDS + address
@@ -210,8 +217,41 @@ class DuplicateIds:
         out = cache.add(key, token)
         self.address_ids += 1 - len(out)
         self._unwrite(name, out)
+        self.hold(address, key, held)
         if self.address_ids > self.max_ids:
             self._cap(keep=cache)
+
+    # -- which local queues hold a copy (moved messages) ---------------------------------------
+    def hold(self, address: str, key: bytes, queues: Iterable[str]) -> None:
+        """A copy of the message with id ``key`` was enqueued in each of ``queues`` here. A copy
+        of the *same id* moved here later (redistribution, scale-down) for one of these queues is
+        a second copy of one message — the producer's resend stored elsewhere, or the original
+        after its resend — and is dropped (:meth:`holds`); one for another queue is stored. The
+        entry lives as long as the id (it goes with the ring), consuming the copy keeps it (the
+        message was delivered: its other copy must not be), moving the copy away drops it
+        (:meth:`release`: the same copy may come back)."""
+        cache = self.addresses.get(address)
+        if cache is None or key not in cache:
+            return
+        for q in queues:
+            cache.held.setdefault(key, set()).add(q)
+
+    def holds(self, address: str, key: bytes, queue: str) -> bool:
+        """Did ``queue`` here get a copy of the message with id ``key`` (not moved away since)?"""
+        cache = self.addresses.get(address)
+        if cache is None:
+            return False
+        held = cache.held.get(key)
+        return held is not None and queue in held
+
+    def release(self, address: str, key: bytes, queue: str) -> None:
+        """The copy of ``queue`` moved to another node (redistribution): it may come back."""
+        cache = self.addresses.get(address)
+        held = None if cache is None else cache.held.get(key)
+        if held is not None:
+            held.discard(queue)
+            if not held:
+                del cache.held[key]
 
     def forget_address(self, address: str) -> None:
         """The address is gone: so are its cache, its records and its count."""

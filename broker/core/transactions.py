@@ -166,9 +166,10 @@ class Transaction:
         store.begin_group()
         try:
             for p in self.publishes:
-                stored = broker.publish(p.address, p.body, p.durable, p.priority, p.expires, p.origin)
+                held: list[str] | None = None if p.dup_key is None else []
+                stored = broker.publish(p.address, p.body, p.durable, p.priority, p.expires, p.origin, held)
                 if p.dup_key is not None:
-                    broker.duplicates.remember(p.address, p.dup_key, persist=stored)
+                    broker.duplicates.remember(p.address, p.dup_key, persist=stored, held=held)
             for a in self.acks:
                 a.queue.settle_held(a.msg, a.outcome, delivery_failed=a.delivery_failed,
                                     undeliverable_here=a.undeliverable_here)

@@ -25,8 +25,9 @@ where the optional tenth field ``create`` (scale-down only; else null when ``mov
 [routing type, filter (string or null)]: the receiving node creates a missing target queue with
 that routing type and filter (Artemis's scale-down creates the queues it moves messages to); the
 optional eleventh, ``moved`` (boolean), says the message was stored on the sending node already
-and is moving (redistribution, scale-down): its ``_AMQ_DUPL_ID`` is not checked again (Artemis
-skips the producer's duplicate id for a bridged message, ``PostOfficeImpl.checkDuplicateID``).
+and is moving (redistribution, scale-down): its ``_AMQ_DUPL_ID`` is checked only against the
+copies the receiving queue holds (``DuplicateIds.holds``; Artemis skips the producer's duplicate
+id for a bridged message, ``PostOfficeImpl.checkDuplicateID``).
 
 so the message itself crosses untouched (its header, annotations, properties and body), and what
 the sending node decided rides beside it (Artemis's ``_AMQ_ROUTE_TO`` queue ids and
@@ -138,7 +139,7 @@ class Forwarded:
     expires: float
     message: bytes
     create: tuple[str, str | None] | None = None   # scale-down: (routing type, filter) of a missing queue
-    moved: bool = False   # redistribution, scale-down: not checked for _AMQ_DUPL_ID again
+    moved: bool = False   # redistribution, scale-down: _AMQ_DUPL_ID checked only per queue held
 
 
 def encode_forward(f: Forwarded) -> bytes:

@@ -1,8 +1,10 @@
 """Duplicate-id detection (``_AMQ_DUPL_ID``) in a cluster of real broker processes: the node a
 producer sent to checks the id, and so does the node that stores a forwarded copy (a resend
 through another node is caught where the first copy went, also after a kill -9 of that node);
-messages moved by redistribution and scale-down are never dropped for an id the target already
-knows, and the target remembers their ids. Unmodified python-qpid-proton clients."""
+a message moved by redistribution or scale-down is dropped only where its queue already holds a
+copy of the same id (the producer's resend, stored on another node first — also after a kill -9
+of the target), never for an id the target only passed on, and the target remembers its id.
+Unmodified python-qpid-proton clients."""
 
 from __future__ import annotations
 
@@ -105,7 +107,11 @@ def test_redistribution_back_and_forth_moves_messages_whose_ids_both_nodes_know(
     assert depth(a, "orders") == 0 and depth(b, "orders") == 0
 
 
-def test_scale_down_moves_messages_whose_ids_the_target_knows_and_the_target_remembers_them(tmp_path, nodes_made):
+def test_scale_down_drops_only_the_copies_the_target_holds_and_the_target_remembers_the_rest(tmp_path, nodes_made):
+    """Mode OFF: each node stores what is sent to it. B holds its own copy of the ``known`` ids
+    (the producer's resends, sent to B); A holds ``known`` and ``only_a``. A scales down to B:
+    A's copies of ``known`` are second copies of messages B's queue holds (dropped, counted);
+    ``only_a`` arrives, and B remembers those ids."""
     cfg = {"addresses.orders": {"routing-types": ["anycast"]}}
     b = start_node(tmp_path, "b", config=cfg, mode="OFF")
     a = start_node(tmp_path, "a", static=[b.amqp_url], mode="OFF", config={**cfg, "ha": {"scale-down": True}})
@@ -113,14 +119,69 @@ def test_scale_down_moves_messages_whose_ids_the_target_knows_and_the_target_rem
     wait_mesh([a, b])
     known = [f"s{i}" for i in range(10)]
     only_a = [f"t{i}" for i in range(10)]
-    send_ids(b, "orders", known, prefix="on-b")          # B remembers these
+    send_ids(b, "orders", known, prefix="on-b")          # B holds these
     send_ids(a, "orders", known + only_a, prefix="on-a")  # mode OFF: A stores its own copies
     assert depth(a, "orders") == 20 and depth(b, "orders") == 10
     assert a.terminate() == 0                            # SIGTERM: scale down to B, then exit
     assert "scale-down: done" in a.stderr_text()
-    assert depth(b, "orders") == 30                      # nothing dropped for an id B knew
-    assert dropped(b, "orders") == 0
+    assert depth(b, "orders") == 20                      # the 10 second copies were dropped
+    assert dropped(b, "orders") == 10
     send_ids(b, "orders", only_a, prefix="resend")       # B learned the moved messages' ids
-    assert depth(b, "orders") == 30 and dropped(b, "orders") == 10
+    assert depth(b, "orders") == 20 and dropped(b, "orders") == 20
     got = drain(b, "orders")
-    assert sorted(got) == sorted([f"on-b-{i}" for i in known] + [f"on-a-{i}" for i in known + only_a])
+    assert sorted(got) == sorted([f"on-b-{i}" for i in known] + [f"on-a-{i}" for i in only_a])
+
+
+def _first_on_one_resend_on_other(tmp_path, nodes_made, first, resend, n):
+    """Each of ``n`` ids sent to ``first`` (stored there: no consumer anywhere), then resent to
+    ``resend`` (which has not seen them: stored there too) — a producer whose accepts were lost
+    with its connection, resending through another node."""
+    ids = [f"d{i}" for i in range(n)]
+    send_ids(first, "orders", ids, prefix="first")
+    send_ids(resend, "orders", ids, prefix="resend")
+    assert depth(first, "orders") == n and depth(resend, "orders") == n
+    return ids
+
+
+def test_a_copy_moved_to_the_node_holding_its_resend_is_dropped_there(tmp_path, nodes_made):
+    """The first send stored on B, the resend on A; a consumer comes to A, so B's copies move to A
+    (redistribution): A's queue holds the resend of each, so each moved copy is dropped — the
+    consumer gets every message once."""
+    a, b = start_cluster(tmp_path, 2, config={"addresses.orders": {"routing-types": ["anycast"]},
+                                              "address-settings.orders": {"redistribution-delay-ms": 0}})
+    nodes_made += [a, b]
+    wait_mesh([a, b])
+    n = 20
+    ids = _first_on_one_resend_on_other(tmp_path, nodes_made, b, a, n)
+    ca = connect(a)
+    ca.create_receiver("orders", credit=0)               # B's copies now move to A
+    wait_until(lambda: depth(b, "orders") == 0 and dropped(a, "orders") == n, 30, "B's copies moved and dropped")
+    ca.close()
+    assert depth(a, "orders") == n
+    assert receive(a, "orders", n) == [f"resend-d{i}" for i in range(n)]
+    assert drain(a, "orders") == [] and drain(b, "orders") == []
+    send_ids(b, "orders", ids, prefix="x")               # both still remember them
+    send_ids(a, "orders", ids, prefix="x")
+    assert depth(a, "orders") == 0 and depth(b, "orders") == 0
+
+
+def test_after_a_kill_the_recovered_copies_still_drop_their_moved_duplicates(tmp_path, nodes_made):
+    """As above with the roles turned and B killed -9 and restarted in between: which of B's
+    queues hold which id is rebuilt from its journal, so A's resends moving to B are dropped."""
+    a, b = start_cluster(tmp_path, 2, config={"addresses.orders": {"routing-types": ["anycast"]},
+                                              "address-settings.orders": {"redistribution-delay-ms": 0}})
+    nodes_made += [a, b]
+    wait_mesh([a, b])
+    n = 20
+    _first_on_one_resend_on_other(tmp_path, nodes_made, b, a, n)
+    b.kill()
+    b = restart_same_port(b)
+    nodes_made.append(b)
+    wait_mesh([a, b])
+    assert depth(b, "orders") == n
+    cb = connect(b)
+    cb.create_receiver("orders", credit=0)               # A's copies now move to B
+    wait_until(lambda: depth(a, "orders") == 0 and dropped(b, "orders") == n, 30, "A's copies moved and dropped")
+    cb.close()
+    assert receive(b, "orders", n) == [f"first-d{i}" for i in range(n)]
+    assert drain(a, "orders") == [] and drain(b, "orders") == []

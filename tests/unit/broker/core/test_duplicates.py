@@ -483,3 +483,66 @@ def test_a_message_and_its_id_are_one_journal_record_torn_at_every_byte_both_or_
             assert (messages, ids) == ([b"first", b"second"], [k(1), k(2)])
         else:
             assert (messages, ids) == ([b"first"], [k(1)]), cut
+
+
+# -- which local queues hold a copy (a moved message is dropped only where its queue holds one) -------
+
+def test_a_publish_holds_its_id_in_the_queues_that_got_a_copy():
+    b, _ = make()
+    b.publish_once("q", k(1), b"m", True)
+    assert b.duplicates.holds("q", k(1), "q")
+    assert not b.duplicates.holds("q", k(1), "other") and not b.duplicates.holds("q", k(2), "q")
+
+
+def test_a_multicast_publish_holds_each_subscription_and_a_filtered_out_one_not():
+    b, _ = make()
+    b.declare_address("t", [MULTICAST])
+    b.subscription_queue("t", "s1", durable=True)
+    b.subscription_queue("t", "s2", durable=True)
+    b.publish_once("t", k(1), b"m", True)
+    assert b.duplicates.holds("t", k(1), "s1") and b.duplicates.holds("t", k(1), "s2")
+
+
+def test_a_publish_without_a_queue_remembers_the_id_but_holds_nothing():
+    b, _ = make()
+    b.declare_address("t", [MULTICAST])      # no subscription: the message goes nowhere
+    b.publish_once("t", k(1), b"m", True)
+    assert b.duplicates.lookup("t", k(1)) is not MISSING
+    assert not b.duplicates.holds("t", k(1), "t")
+
+
+def test_consuming_keeps_the_hold_moving_away_releases_it():
+    b, _ = make()
+    b.publish_once("q", k(1), b"m", True)
+    q = b.queues["q"]
+    q.take(q.messages[0])                     # gone from the queue (consumed or moved): still held
+    assert b.duplicates.holds("q", k(1), "q")
+    b.duplicates.release("q", k(1), "q")      # the bridge moved it: the same copy may come back
+    assert not b.duplicates.holds("q", k(1), "q")
+    assert b.duplicates.lookup("q", k(1)) is not MISSING   # the id itself is still remembered
+    b.duplicates.release("q", k(1), "q")      # twice, or for an id never held: nothing happens
+    b.duplicates.release("q", k(9), "q")
+
+
+def test_a_remembered_id_held_again_and_the_hold_goes_with_the_ring():
+    b, _ = make(size=2)
+    dups = b.duplicates
+    dups.remember("q", k(1), persist=False)               # passed on: remembered, held nowhere
+    assert not dups.holds("q", k(1), "q")
+    dups.remember("q", k(1), persist=False, held=["q"])   # a moved copy stored here later
+    assert dups.holds("q", k(1), "q")
+    dups.hold("q", k(5), ["q"])                           # an id not remembered: not held either
+    assert not dups.holds("q", k(5), "q")
+    b.publish_once("q", k(2), b"m", True)
+    b.publish_once("q", k(3), b"m", True)                 # k(1) leaves the ring of 2, its hold too
+    assert dups.lookup("q", k(1)) is MISSING and not dups.holds("q", k(1), "q")
+    assert k(1) not in dups.addresses["q"].held
+
+
+def test_a_transaction_s_publish_holds_its_id():
+    b, _ = make()
+    table = TransactionTable("c1")
+    t = table.declare()
+    t.publish("q", b"m", True, dup_key=k(7))
+    assert table.discharge(t.txn_id, False, b).committed
+    assert b.duplicates.holds("q", k(7), "q")
