@@ -5,14 +5,16 @@ The backup dials the primary (as the cluster user, ``broker.amqp.peer``) and att
 
 * ``$lodestone.replication.records`` — primary → backup: :data:`START`, the snapshot
   (:data:`SNAPSHOT` chunks then :data:`SNAPSHOT_END`), then :data:`RECORDS` batches as the
-  primary's journal grows, :data:`TOPOLOGY` whenever the cluster's members change, and
-  :data:`HANDOVER` (the last seq) when the primary hands its node id over to this backup;
+  primary's journal grows, :data:`TOPOLOGY` whenever the cluster's members change,
+  :data:`LOGINS` (the password logins the primary verified, to a backup whose hello asked for
+  them) after the snapshot and then as clients log in, and :data:`HANDOVER` (the last seq) when
+  the primary hands its node id over to this backup;
 * ``$lodestone.replication.acks`` — backup → primary: :data:`HELLO` first, then
   :data:`SYNCED` each time its journal holds more records durably, and :data:`FAILBACK` when
   the backup is the node id's original primary asking for it back (``check-for-live-server``).
 
 Every transfer body is ``b"LRP1"``, one kind byte, then the kind's payload: JSON (UTF-8) for
-START, HELLO and TOPOLOGY; for SNAPSHOT and RECORDS a sequence of journal records, each as a
+START, HELLO, TOPOLOGY and LOGINS; for SNAPSHOT and RECORDS a sequence of journal records, each as a
 u32 length then the record's own bytes (the journal's framing, CRC included, verified again by
 ``Journal.apply``); for SNAPSHOT_END, SYNCED and HANDOVER a u64 seq; FAILBACK has no payload. Anything else — another magic, an
 unknown kind, a truncated record, bad JSON, a field of the wrong type, a body over
@@ -22,6 +24,7 @@ with ``amqp:decode-error`` (the primary keeps serving its clients).
 
 from __future__ import annotations
 
+import base64
 import json
 import struct
 from dataclasses import dataclass
@@ -33,14 +36,15 @@ MAGIC = b"LRP1"
 MAX_BODY = 8 * 1024 * 1024        # one transfer: a batch of records, a chunk of the snapshot
 BATCH_BYTES = 1024 * 1024         # the primary cuts batches and snapshot chunks at this size
 
-START, SNAPSHOT, SNAPSHOT_END, RECORDS, TOPOLOGY, HANDOVER = 1, 2, 3, 4, 5, 6
+START, SNAPSHOT, SNAPSHOT_END, RECORDS, TOPOLOGY, HANDOVER, LOGINS = 1, 2, 3, 4, 5, 6, 7
+MAX_LOGINS = 1024                 # entries in one LOGINS transfer (the login cache's size)
 HELLO, SYNCED, FAILBACK = 16, 17, 18
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
 
 __all__ = ["RECORDS_ADDRESS", "ACKS_ADDRESS", "ProtocolError", "Start", "Hello", "Topology", "encode",
            "decode", "START", "SNAPSHOT", "SNAPSHOT_END", "RECORDS", "TOPOLOGY", "HANDOVER", "HELLO", "SYNCED",
-           "FAILBACK",
+           "FAILBACK", "LOGINS", "MAX_LOGINS", "logins_batches",
            "BATCH_BYTES", "batches"]
 
 
@@ -68,6 +72,7 @@ class Hello:
     name: str
     connector: str | None = None
     management_url: str | None = None
+    logins: bool = False      # it adopts verified logins (LOGINS); an older backup does not say so
 
 
 @dataclass(frozen=True)
@@ -97,9 +102,14 @@ def encode(kind: int, payload: Any) -> bytes:
         return _json(kind, {"node_id": payload.node_id, "through_seq": payload.through_seq, "name": payload.name})
     if kind == HELLO:
         return _json(kind, {"group": payload.group, "name": payload.name, "connector": payload.connector,
-                            "management_url": payload.management_url})
+                            "management_url": payload.management_url, "logins": payload.logins})
     if kind == TOPOLOGY:
         return _json(kind, {"members": [list(m) for m in payload.members], "cluster_size": payload.cluster_size})
+    if kind == LOGINS:
+        if len(payload) > MAX_LOGINS:
+            raise ValueError(f"more than {MAX_LOGINS} logins in one transfer")
+        return _json(kind, {"logins": [[u, base64.b64encode(d).decode(), base64.b64encode(f).decode()]
+                                       for u, d, f in payload]})
     if kind in (SNAPSHOT, RECORDS):
         return _records(kind, payload)
     if kind in (SNAPSHOT_END, SYNCED, HANDOVER):
@@ -107,6 +117,23 @@ def encode(kind: int, payload: Any) -> bytes:
     if kind == FAILBACK:
         return MAGIC + bytes([kind])
     raise ValueError(f"unknown kind {kind}")
+
+
+def logins_batches(entries, limit: int = MAX_LOGINS):
+    """Cut verified logins into LOGINS payloads of at most ``limit`` entries."""
+    entries = list(entries)
+    for i in range(0, len(entries), limit):
+        yield entries[i:i + limit]
+
+
+def _b64(v: Any, size: int, what: str) -> bytes:
+    try:
+        out = base64.b64decode(v, validate=True) if isinstance(v, str) else None
+    except ValueError:
+        out = None
+    if out is None or len(out) != size:
+        raise ProtocolError(f"a login's {what} must be {size} bytes in base64")
+    return out
 
 
 def batches(records, limit: int = BATCH_BYTES):
@@ -146,7 +173,7 @@ def decode(body: bytes) -> tuple[int, Any]:
         raise ProtocolError("not a replication transfer (bad magic)")
     kind = body[4]
     rest = memoryview(body)[5:]
-    if kind in (START, HELLO, TOPOLOGY):
+    if kind in (START, HELLO, TOPOLOGY, LOGINS):
         try:
             obj = json.loads(bytes(rest))
         except (ValueError, UnicodeDecodeError) as exc:
@@ -158,7 +185,18 @@ def decode(body: bytes) -> tuple[int, Any]:
                                _str(obj, "name", optional=True) or "")
         if kind == HELLO:
             return kind, Hello(_str(obj, "group", optional=True), _str(obj, "name"),
-                               _str(obj, "connector", optional=True), _str(obj, "management_url", optional=True))
+                               _str(obj, "connector", optional=True), _str(obj, "management_url", optional=True),
+                               obj.get("logins") is True)
+        if kind == LOGINS:
+            logins = obj.get("logins")
+            if not isinstance(logins, list) or len(logins) > MAX_LOGINS:
+                raise ProtocolError(f"logins must be a list of at most {MAX_LOGINS} entries")
+            entries = []
+            for e in logins:
+                if not (isinstance(e, list) and len(e) == 3 and isinstance(e[0], str) and 0 < len(e[0]) <= 4096):
+                    raise ProtocolError("a login must be [user, password digest, hash fingerprint]")
+                entries.append((e[0], _b64(e[1], 32, "password digest"), _b64(e[2], 16, "hash fingerprint")))
+            return kind, entries
         members = obj.get("members")
         if not isinstance(members, list) or len(members) > 4096:
             raise ProtocolError("members must be a list of at most 4096 entries")

@@ -351,11 +351,14 @@ class Replicated(Role):
             status.node_id = node_id
             proc.passive(self, status.node_id)
 
+        security = proc.security
         sink = ReplicationSink(datadir, cfg.journal, keep_saved=ha.max_saved_replicated_journals_size,
-                               fsync=ha.backup_fsync, on_node_id=set_node_id)
+                               fsync=ha.backup_fsync, on_node_id=set_node_id,
+                               on_logins=security.adopt_logins if security is not None else None)
         self._view = lambda: {"state": "in-sync" if sink.in_sync else "syncing", "primary": url,
                               "applied_seq": sink.applied_seq, "synced_seq": sink.synced_seq,
-                              "records": sink.records_received, "lag_records": None}
+                              "records": sink.records_received, "lag_records": None,
+                              "logins_adopted": security.logins_adopted if security is not None else 0}
 
         def on_event(ev) -> None:
             if isinstance(ev, PeerDisconnected):
@@ -374,7 +377,8 @@ class Replicated(Role):
             return state
 
         peer.receiver(RECORDS_ADDRESS, on_message, credit=64)
-        acks.send(encode(HELLO, Hello(ha.group_name, cfg.name, ccfg.connector, proc.management.url or None)), next(tokens))
+        acks.send(encode(HELLO, Hello(ha.group_name, cfg.name, ccfg.connector, proc.management.url or None,
+                                      logins=security is not None)), next(tokens))
         status.change("syncing", f"replicating from {url}")
         announced = False
         async with trio.open_nursery() as pn:

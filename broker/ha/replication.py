@@ -51,9 +51,9 @@ from broker.amqp.engine import to_proton
 from broker.amqp.links import Incoming, OwnedLink
 from broker.store.journal.replication import SnapshotOrderError, iter_snapshot
 from broker.wire.io.trioutil import Wakeup
-from broker.ha.protocol import (ACKS_ADDRESS, FAILBACK, HANDOVER, HELLO, RECORDS, RECORDS_ADDRESS, SNAPSHOT,
-                                SNAPSHOT_END, START, SYNCED, TOPOLOGY, Hello, ProtocolError, Start, Topology,
-                                batches, decode, encode)
+from broker.ha.protocol import (ACKS_ADDRESS, FAILBACK, HANDOVER, HELLO, LOGINS, RECORDS, RECORDS_ADDRESS,
+                                SNAPSHOT, SNAPSHOT_END, START, SYNCED, TOPOLOGY, Hello, ProtocolError, Start,
+                                Topology, batches, decode, encode, logins_batches)
 from broker.cluster.bridge import CLUSTER_ROLE
 from broker.wire.frames import failover_server_entries
 from broker.store.journal import Journal
@@ -153,6 +153,8 @@ class _Session:
         self.snap_records = self.snap_bytes = 0
         self.snap_encode_s = 0.0
         self.snap_done = False
+        self.logins_mark = 0        # the last verified login sent (``send_logins``)
+        self.logins_sent = 0
 
     # -- lifecycle -------------------------------------------------------------------------------
     def attached(self) -> None:
@@ -216,6 +218,7 @@ class _Session:
                     out.append(encode(TOPOLOGY, self.source.topology()))
                     self.snap_batches = None
                     self.snap_done = True
+                    self.send_logins(pump=False)
                     break
                 self.snap_records += len(batch)
                 self.snap_bytes += sum(len(r) for r in batch)
@@ -270,6 +273,20 @@ class _Session:
             self.engine.wake()
         if self.tapped and out.link is not None and out.link.credit > 0:
             self.source.kick()   # more to cut: come back (bounded work per pump)
+
+    def send_logins(self, *, pump: bool = True) -> None:
+        """The password logins verified here since the last call, to a backup that adopts them
+        (its hello said so): the clients that fail over to it are known there at once."""
+        security = self.source.node.security
+        if (security is None or self.hello is None or not self.hello.logins or not self.snap_done
+                or self.closed):
+            return
+        self.logins_mark, entries = security.verified_logins(self.logins_mark)
+        for batch in logins_batches(entries):
+            self.out.backlog.append(encode(LOGINS, batch))
+            self.logins_sent += len(batch)
+        if entries and pump:
+            self.pump()
 
     def send_topology(self) -> None:
         if self.started and not self.closed and self.snap_done:     # (the snapshot's end sends one)
@@ -402,6 +419,9 @@ class ReplicationSource:
             await self._round(call_timeout_s)
 
     async def _round(self, call_timeout_s: float) -> None:
+        s = self.session
+        if s is not None and not s.closed:
+            s.send_logins(pump=False)
         self.wake()
         self.check_timeouts(call_timeout_s)
         if not self._check_due:
@@ -589,7 +609,7 @@ class ReplicationSink:
     acks-link body. Raises nothing: bad input sets ``error`` and the owner closes."""
 
     def __init__(self, datadir, journal_config, *, keep_saved: int, fsync: bool,
-                 on_node_id: Callable[[str], None]) -> None:
+                 on_node_id: Callable[[str], None], on_logins: Callable[[list], None] | None = None) -> None:
         self.datadir = datadir
         self.journal_config = journal_config
         self.keep_saved = keep_saved
@@ -607,6 +627,8 @@ class ReplicationSink:
         self.pending_flush = False
         self.records_received = 0
         self.handover_seq: int | None = None   # the primary handed its node id over through this seq
+        self.on_logins = on_logins             # LOGINS: cache the primary's verified logins here
+        self.logins_received = 0
 
     def open_fresh(self) -> None:
         import dataclasses
@@ -668,6 +690,10 @@ class ReplicationSink:
         elif kind == TOPOLOGY:
             self.topology = payload
             self.max_cluster_size = max(self.max_cluster_size, payload.cluster_size)
+        elif kind == LOGINS:
+            self.logins_received += len(payload)
+            if self.on_logins is not None:
+                self.on_logins(payload)
         else:
             raise ProtocolError(f"kind {kind} is not for the backup")
 

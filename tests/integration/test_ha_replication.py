@@ -346,3 +346,36 @@ def test_ha_metrics(tmp_path, members):
     status, text = http_json(backup.management_url + "/metrics", auth=ADMIN)
     assert 'lodestone_broker_ha_votes_total{outcome="won"} 1' in text
     assert "lodestone_broker_ha_failovers_total 1" in text
+
+
+def _logins(member) -> dict[str, float]:
+    status, text = http_json(member.management_url + "/metrics", auth=ADMIN, timeout_s=10)
+    assert status == 200
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("lodestone_broker_logins_total{"):
+            out[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_the_backup_knows_the_logins_its_primary_verified(tmp_path, members):
+    """A reconnect storm after a failover costs no password hash per client: the primary sends
+    the logins it verified to its backup (LOGINS), which caches them. Oracle: the activated
+    backup's own login counters — its first login of ``app`` is answered from the cache, not by
+    scrypt (without the hand-over ``login_verifications`` grows by one)."""
+    primary = start_replica(tmp_path, "primary", "primary")
+    members.append(primary)
+    wait_active(primary)
+    backup = start_replica(tmp_path, "backup", "backup", static=[primary.amqp_url], ha=FAST_VOTES)
+    members.append(backup)
+    wait_phase(backup, "in-sync")
+    BlockingConnection(primary.amqp_url, **CLIENT).close()       # app logs in on the primary only
+    wait_for(lambda: ha_view(backup)["replication"]["logins_adopted"] >= 2, 10)   # admin (the test's calls), app
+    primary.kill()
+    wait_active(backup, 30)
+    before = _logins(backup)        # (admin is known to it: the test's own management calls)
+    conn = BlockingConnection(backup.amqp_url, **CLIENT)          # a failed-over client
+    conn.close()
+    after = _logins(backup)
+    assert after["login_verifications"] == before["login_verifications"]
+    assert after["login_ok_cached"] == before["login_ok_cached"] + 2   # app, and this scrape's admin

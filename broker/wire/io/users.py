@@ -82,7 +82,7 @@ import os
 import re
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -221,6 +221,10 @@ class SecurityConfig:
         self._ordered = sorted(permissions, key=lambda p: match_specificity(p.match), reverse=True)
         self._cache: OrderedDict[tuple[str, bytes], Principal] = OrderedDict()
         self._cache_lock = threading.Lock()
+        #: (mark, cache key) of each login verified or adopted, newest last (``verified_logins``)
+        self._verified: deque[tuple[int, tuple[str, bytes]]] = deque(maxlen=_CACHE_SIZE)
+        self._verified_mark = 0
+        self.logins_adopted = 0        # logins another node verified, cached here (``adopt_logins``)
         self._dummy = _ScryptHash(16384, 8, 1, b"\0" * 16, b"\0" * 32)   # for unknown users
         self.scrypt_calls = 0          # for tests and metrics: cache misses that ran scrypt
         self.login = login or LoginSettings()
@@ -279,12 +283,54 @@ class SecurityConfig:
         if not hmac.compare_digest(self._timed_scrypt(h, password), h.digest):
             return None
         principal = Principal(u.name, u.roles)
-        key = (user, self.digest(password))
+        self._remember((user, self.digest(password)), principal)
+        return principal
+
+    def _remember(self, key: tuple[str, bytes], principal: Principal) -> None:
         with self._cache_lock:
             self._cache[key] = principal
             if len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
-        return principal
+            self._verified_mark += 1
+            self._verified.append((self._verified_mark, key))
+
+    # -- verified logins shared with an HA backup ------------------------------------------------
+    def _fingerprint(self, u: User) -> bytes:
+        """What ties a verified login to the stored hash it was verified against: a node adopts
+        it only if its own users file has the same hash for that user."""
+        return hashlib.sha256(u.password.encode()).digest()[:16]
+
+    def verified_logins(self, since: int = 0) -> tuple[int, list[tuple[str, bytes, bytes]]]:
+        """The logins verified (or adopted) here after mark ``since`` and still cached:
+        ``(mark now, [(user, password digest, stored-hash fingerprint)])``, oldest first. A
+        replication primary sends them to its backup (``broker.ha.replication``), so the clients
+        that fail over to it log in without a password hash each (a reconnect storm costs one
+        scrypt per client otherwise, ~50 ms of CPU each, a few at a time)."""
+        out = []
+        with self._cache_lock:
+            mark = self._verified_mark
+            for m, key in reversed(self._verified):
+                if m <= since:
+                    break
+                u = self.users.get(key[0])
+                if key in self._cache and u is not None:
+                    out.append((key[0], key[1], self._fingerprint(u)))
+        out.reverse()
+        return mark, out
+
+    def adopt_logins(self, entries) -> int:
+        """Cache logins another node verified (``verified_logins``' entries) for the users whose
+        stored hash here is the one there; returns how many were adopted. A user whose password
+        differs here, or who is not here, is skipped: its next login is checked in full."""
+        n = 0
+        for user, digest, fingerprint in entries:
+            u = self.users.get(user)
+            if u is None or not hmac.compare_digest(self._fingerprint(u), fingerprint):
+                continue
+            self._remember((user, digest), Principal(u.name, u.roles))
+            n += 1
+        self.logins_adopted += n
+        return n
 
     def _timed_scrypt(self, h: _ScryptHash, password: str) -> bytes:
         self.scrypt_calls += 1

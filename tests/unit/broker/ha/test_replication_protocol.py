@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from broker.ha.protocol import (FAILBACK, HANDOVER, HELLO, RECORDS, SNAPSHOT, SNAPSHOT_END, START, SYNCED, TOPOLOGY,
-                                Hello, ProtocolError, Start, Topology, batches, decode, encode)
+from broker.ha.protocol import (FAILBACK, HANDOVER, HELLO, LOGINS, MAX_LOGINS, RECORDS, SNAPSHOT, SNAPSHOT_END, START,
+                                SYNCED, TOPOLOGY, Hello, ProtocolError, Start, Topology, batches, decode, encode,
+                                logins_batches)
 from broker.ha.replication import ReplicationSink, move_aside
 from broker.ha.vote import votes_needed
 from broker.store.datadir import open_data_dir
@@ -18,6 +19,9 @@ from broker.store.journal import Journal, JournalConfig
     (START, Start("0f1e2d3c-0000-4000-8000-000000000001", 42, "p1")),
     (HELLO, Hello("g1", "backup", "amqp://h:1", "http://h:2")),
     (HELLO, Hello(None, "b", None, None)),
+    (HELLO, Hello(None, "b", None, None, logins=True)),
+    (LOGINS, [("app", b"d" * 32, b"f" * 16), ("ü", bytes(32), bytes(16))]),
+    (LOGINS, []),
     (TOPOLOGY, Topology((("n1", "http://a:1"), ("n2", "http://b:2")), 3)),
     (SNAPSHOT, [b"r1", b"record two"]),
     (RECORDS, [b"x" * 1000]),
@@ -36,6 +40,10 @@ def test_round_trip(kind, payload):
     (b"LRP1\x04\x00\x00\x00\x00", "truncated record"), (b"LRP1\x11\x00\x01", "8 bytes"),
     (b"LRP1\x12x", "no payload"),
     (b"LRP1\x05{\"members\": [[\"a\"]], \"cluster_size\": 1}", "member"),
+    (b"LRP1\x07{\"logins\": 5}", "list"),
+    (b"LRP1\x07{\"logins\": [[\"u\", \"AAAA\", \"AAAA\"]]}", "32 bytes"),
+    (b"LRP1\x07{\"logins\": [[\"\", \"AAAA\", \"AAAA\"]]}", "a login must be"),
+    (b"LRP1\x07{\"logins\": [[\"u\", \"!!\", \"AAAA\"]]}", "base64"),
 ])
 def test_garbage_is_refused(body, why):
     with pytest.raises(ProtocolError) as info:
@@ -170,3 +178,17 @@ def test_the_streamed_snapshot_is_the_compaction_encoding_of_a_churned_journal(t
     assert streamed == _encode_live(*j._state.live_items())
     assert j.snapshot().records == streamed and through == j.last_seq
     j.close()
+
+
+def test_an_older_backup_s_hello_does_not_ask_for_logins():
+    body = b'LRP1\x10{"group": null, "name": "old", "connector": null, "management_url": null}'
+    assert decode(body) == (HELLO, Hello(None, "old", None, None, logins=False))
+
+
+def test_logins_are_cut_into_transfers_of_at_most_max_logins():
+    entries = [(f"u{i}", bytes(32), bytes(16)) for i in range(MAX_LOGINS * 2 + 1)]
+    cut = list(logins_batches(entries))
+    assert [len(b) for b in cut] == [MAX_LOGINS, MAX_LOGINS, 1]
+    assert [e for b in cut for e in decode(encode(LOGINS, b))[1]] == entries
+    with pytest.raises(ValueError):
+        encode(LOGINS, entries)

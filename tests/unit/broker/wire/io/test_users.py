@@ -175,6 +175,53 @@ def test_successful_verifications_are_cached(sec):
     assert sec.authenticate("bob", "bob-pw", "10.0.0.1") is None
 
 
+def test_verified_logins_are_handed_over_and_adopted_without_a_hash(tmp_path, hashes, sec):
+    """An HA backup adopts the logins its primary verified (broker.ha.replication, LOGINS): a
+    failed-over client logs in without scrypt, the source rules still apply, and a user whose
+    stored hash differs on the backup is not adopted (its password there is another)."""
+    assert sec.authenticate("alice", "alice-pw", "127.0.0.1")
+    assert sec.authenticate("bob", "bob-pw", "127.0.0.1")
+    mark, entries = sec.verified_logins()
+    assert [e[0] for e in entries] == ["alice", "bob"] and all(len(e[1]) == 32 and len(e[2]) == 16 for e in entries)
+    assert sec.verified_logins(mark) == (mark, [])                    # nothing new since
+    other = hash_password("bob-other", **FAST)
+    (tmp_path / "b").mkdir()
+    backup = load_users(write_users(tmp_path / "b", f"""
+        [users.alice]
+        password = "{hashes['alice']}"
+        roles = ["admin", "ops"]
+        [users.bob]
+        password = "{other}"
+        roles = ["app"]
+        """))
+    assert backup.adopt_logins(entries) == 1 and backup.logins_adopted == 1
+    assert backup.authenticate("alice", "alice-pw", "127.0.0.1") == Principal("alice", ("admin", "ops"))
+    assert backup.scrypt_calls == 0
+    assert backup.authenticate("alice", "alice-pw", None) is not None      # (any source: no rule for alice)
+    assert backup.authenticate("bob", "bob-pw", "127.0.0.1") is None      # bob's password is another here
+    assert backup.scrypt_calls == 1
+    # adopted logins are handed on in turn (a failback copies them back)
+    _m, again = backup.verified_logins()
+    assert [e[0] for e in again] == ["alice"]
+
+
+def test_adopted_logins_keep_the_source_rules(tmp_path, hashes, sec):
+    assert sec.authenticate("bob", "bob-pw", "127.0.0.1")           # bob: sample, loopback only
+    _m, entries = sec.verified_logins()
+    (tmp_path / "b").mkdir()
+    backup = load_users(write_users(tmp_path / "b", f"""
+        [users.bob]
+        password = "{hashes['bob']}"
+        roles = ["app"]
+        sample = true
+        """))
+    assert backup.adopt_logins(entries) == 1
+    assert backup.authenticate("bob", "bob-pw", "127.0.0.1") is not None and backup.scrypt_calls == 0
+    assert backup.authenticate("bob", "bob-pw", "10.0.0.1") is None      # the source rule still holds
+    calls = backup.scrypt_calls
+    assert backup.authenticate("bob", "wrong", "127.0.0.1") is None and backup.scrypt_calls == calls + 1
+
+
 def test_certificate_and_anonymous_principals(sec):
     assert sec.principal_for_certificate("alice", "10.0.0.5") == Principal("alice", ("admin", "ops"))
     assert sec.principal_for_certificate("nobody", "127.0.0.1") is None
