@@ -104,6 +104,15 @@ class ServerProcessMixin:
             return ""
 
 
+def metric_by_label(metrics_text: str, name: str) -> dict[str, float]:
+    """A Prometheus series with one label, from ``/metrics`` text: label value -> value."""
+    out = {}
+    for line in metrics_text.splitlines():
+        if line.startswith(name + "{"):
+            out[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def http_json(url: str, method: str = "GET", body: Any = None, auth: tuple[str, str] | None = None,
               timeout_s: float = 15.0) -> tuple[int, Any]:
     """One management-API request (blocking, urllib); returns (status, decoded JSON or text)."""

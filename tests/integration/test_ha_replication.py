@@ -14,12 +14,23 @@ from proton.utils import BlockingConnection
 from tests.brokerproc import ADMIN
 from tests.haproc import (CLIENT, broker_info, receive_all, send, ha_view, start_replica, wait_active, wait_phase,
                           wait_replication)
-from tests.serverproc import http_json
+from tests.serverproc import http_json, metric_by_label
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
 FAST_VOTES = {"vote-retries": 2, "vote-retry-wait-ms": 200, "quorum-vote-wait-s": 5}
+
+
+def in_sync_pair(tmp_path, members):
+    """A replication primary, active, and its backup in sync."""
+    primary = start_replica(tmp_path, "primary", "primary")
+    members.append(primary)
+    wait_active(primary)
+    backup = start_replica(tmp_path, "backup", "backup", static=[primary.amqp_url], ha=FAST_VOTES)
+    members.append(backup)
+    wait_phase(backup, "in-sync")
+    return primary, backup
 
 
 @pytest.fixture
@@ -268,12 +279,7 @@ def test_the_failover_client_learns_the_backup_and_keeps_sending(tmp_path, membe
 
     from router.client import FailoverConnection
 
-    primary = start_replica(tmp_path, "primary", "primary")
-    members.append(primary)
-    wait_active(primary)
-    backup = start_replica(tmp_path, "backup", "backup", static=[primary.amqp_url], ha=FAST_VOTES)
-    members.append(backup)
-    wait_phase(backup, "in-sync")
+    primary, backup = in_sync_pair(tmp_path, members)
     wait_replication(primary, "in-sync")
     conn = FailoverConnection(primary.amqp_url, reconnect_timeout_s=30, **CLIENT)
     assert conn.learned == [f"amqp://127.0.0.1:{backup.port}"]
@@ -330,12 +336,7 @@ def test_a_backup_killed_during_its_initial_sync_starts_over(tmp_path, members):
 
 
 def test_ha_metrics(tmp_path, members):
-    primary = start_replica(tmp_path, "primary", "primary")
-    members.append(primary)
-    wait_active(primary)
-    backup = start_replica(tmp_path, "backup", "backup", static=[primary.amqp_url], ha=FAST_VOTES)
-    members.append(backup)
-    wait_phase(backup, "in-sync")
+    primary, backup = in_sync_pair(tmp_path, members)
     wait_replication(primary, "in-sync")
     send(primary, "m", ["x"] * 10)
     status, text = http_json(primary.management_url + "/metrics", auth=ADMIN)
@@ -351,11 +352,7 @@ def test_ha_metrics(tmp_path, members):
 def _logins(member) -> dict[str, float]:
     status, text = http_json(member.management_url + "/metrics", auth=ADMIN, timeout_s=10)
     assert status == 200
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("lodestone_broker_logins_total{"):
-            out[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
-    return out
+    return metric_by_label(text, "lodestone_broker_logins_total")
 
 
 def test_the_backup_knows_the_logins_its_primary_verified(tmp_path, members):
@@ -363,12 +360,7 @@ def test_the_backup_knows_the_logins_its_primary_verified(tmp_path, members):
     the logins it verified to its backup (LOGINS), which caches them. Oracle: the activated
     backup's own login counters — its first login of ``app`` is answered from the cache, not by
     scrypt (without the hand-over ``login_verifications`` grows by one)."""
-    primary = start_replica(tmp_path, "primary", "primary")
-    members.append(primary)
-    wait_active(primary)
-    backup = start_replica(tmp_path, "backup", "backup", static=[primary.amqp_url], ha=FAST_VOTES)
-    members.append(backup)
-    wait_phase(backup, "in-sync")
+    primary, backup = in_sync_pair(tmp_path, members)
     BlockingConnection(primary.amqp_url, **CLIENT).close()       # app logs in on the primary only
     wait_for(lambda: ha_view(backup)["replication"]["logins_adopted"] >= 2, 10)   # admin (the test's calls), app
     primary.kill()

@@ -32,7 +32,7 @@ from proton.utils import BlockingConnection
 
 from tests.brokerproc import start_broker
 from tests.routerproc import start_router, toml_str
-from tests.serverproc import REPO, http_json
+from tests.serverproc import REPO, http_json, metric_by_label
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -137,12 +137,7 @@ class Flood:
 
 
 def _logins(metrics_text: str, prefix: str) -> dict[str, float]:
-    out = {}
-    for line in metrics_text.splitlines():
-        if line.startswith(prefix + "{"):
-            label = line.split('"')[1]
-            out[label] = float(line.rsplit(" ", 1)[1])
-    return out
+    return metric_by_label(metrics_text, prefix)
 
 
 def _within_2x(baseline: dict, during: dict) -> list[str]:
