@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
-from broker.connections.settings import BrokerConnectionConfig, LinkElement, parse_uri
+from broker.connections.settings import AddressFilter, BrokerConnectionConfig, LinkElement, MirrorConfig, parse_uri
 from broker.cluster.settings import (HA_POLICIES, LOAD_BALANCING_MODES, BroadcastGroupConfig, ClusterConfig,
                                      DiscoveryGroupConfig, HaConfig, parse_connector)
 from broker.cluster.settings import HA_ROLES, ColocatedConfig
@@ -375,6 +375,17 @@ def _broker_connection(name: str, t: Table) -> BrokerConnectionConfig:
                     raise et.error("address-match", f"{match!r}: {exc}") from None
             et.done()
             elements[kind].append(LinkElement(kind, match, queue, remote))
+    mirror = None
+    if t.has("mirror"):
+        mt = t.table("mirror")
+        text = mt.str("address-filter", "")
+        try:
+            afilter = AddressFilter.parse(text)
+        except ValueError as exc:
+            raise mt.error("address-filter", f"{text!r}: {exc}") from None
+        mirror = MirrorConfig(mt.bool("message-acknowledgements", True), mt.bool("queue-creation", True),
+                              mt.bool("queue-removal", True), afilter, mt.bool("durable", True))
+        mt.done()
     for i, r in enumerate(elements["receiver"]):
         for s in elements["sender"]:
             if (r.queue_name, r.address_match) == (s.queue_name, s.address_match):
@@ -383,7 +394,7 @@ def _broker_connection(name: str, t: Table) -> BrokerConnectionConfig:
     t.done()
     return BrokerConnectionConfig(name, uris, user, password, retry, attempts, auto_start,
                                   tuple(elements["sender"]), tuple(elements["receiver"]),
-                                  None if ca is None else str(ca))
+                                  None if ca is None else str(ca), mirror)
 
 
 #: [ha] keys of the replication policy (Artemis <replication>)

@@ -235,7 +235,19 @@ def metrics(node: "Node", exporter: "MetricsExporter | None" = None) -> list[Met
                    "messages a broker connection's receivers stored here",
                    tuple(({"connection": v["name"], "local": r["local"]}, r["stored"]) for v in views
                          for r in v["receivers"])),
+            Metric("lodestone_broker_mirror_pending", "gauge",
+                   "mirror events waiting in the store-and-forward queue (or in flight)",
+                   tuple(({"connection": v["name"]}, v["mirror"]["pending"]) for v in views if v["mirror"])),
+            Metric("lodestone_broker_mirror_events_total", "counter", "mirror events by kind (sends, acks) and "
+                   "those the target accepted (acknowledged)",
+                   tuple(({"connection": v["name"], "kind": k}, v["mirror"][k]) for v in views if v["mirror"]
+                         for k in ("sends", "acks", "acknowledged"))),
         ]
+    mt = node.component("mirror-target")
+    if mt is not None:
+        out.append(Metric("lodestone_broker_mirror_target_events_total", "counter",
+                          "what this node applied as a mirror's target, by event",
+                          tuple(({"event": k}, v) for k, v in sorted(mt.describe().items()) if k != "tracked")))
     j = node.journal
     if j is not None:
         out.append(Metric("lodestone_broker_journal_bytes", "gauge", "journal record bytes on disk",

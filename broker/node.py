@@ -45,7 +45,7 @@ from broker.core.departures import (
     close_offsets,
     plan_departures,
 )
-from broker.core.deliveries import DEFAULT_PRIORITY, Message
+from broker.core.deliveries import DEFAULT_PRIORITY, Message, Mirrored
 from broker.core.duplicates import DuplicateIds
 from broker.core.filters import compile_queue_filter
 from broker.wire.limits import OncePer, SourceLimiter
@@ -78,6 +78,9 @@ def _stored_properties(queue: str, msg: Message) -> dict | None:
     """What recovery needs beside the body: the address when it is not the queue's name, and
     the expiry and priority the broker computed on arrival (a ttl cannot be read back later)."""
     props = {"address": msg.address} if msg.address != queue else None
+    if type(msg.origin) is Mirrored:     # a mirror's copy: the source's acknowledgement names it
+        props = props or {}
+        props["mirror"] = [msg.origin.node, msg.origin.id]
     if msg.expires or msg.priority != DEFAULT_PRIORITY:
         props = props or {}
         if msg.expires:
@@ -247,7 +250,11 @@ class Node:
                 expires = props.get("expires", 0)
                 if not isinstance(priority, int) or not isinstance(expires, (int, float)):
                     priority, expires = DEFAULT_PRIORITY, 0
-                if core.restore_message(qname, m.message_id, m.body, address, m.delivery_count, priority, expires):
+                mirrored = props.get("mirror")
+                origin = (Mirrored(mirrored[0], mirrored[1]) if isinstance(mirrored, list) and len(mirrored) == 2
+                          and isinstance(mirrored[0], str) and isinstance(mirrored[1], int) else None)
+                if core.restore_message(qname, m.message_id, m.body, address, m.delivery_count, priority, expires,
+                                        origin):
                     restored += 1
                 else:
                     orphans += 1

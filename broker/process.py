@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from broker.config import check_anonymous
+from broker.connections.mirror import MirrorTarget
 from broker.connections.service import BrokerConnections
 from broker.ha.replicated import Replicated
 from broker.ha.shared_store import SharedStoreMember
@@ -40,8 +41,12 @@ def role_for(cfg: "BrokerConfig") -> Role:
 
 
 def components_for(cfg: "BrokerConfig") -> list[Component]:
-    """What runs beside the role, whatever it is: the broker connections."""
-    return [BrokerConnections(cfg.broker_connections)] if cfg.broker_connections else []
+    """What runs beside the role, whatever it is: the broker connections (and their mirrors'
+    sources), and on every node the mirrors' target."""
+    out: list[Component] = [MirrorTarget()]
+    if cfg.broker_connections:
+        out.append(BrokerConnections(cfg.broker_connections))
+    return out
 
 
 async def run_node(cfg: "BrokerConfig", *, task_status=trio.TASK_STATUS_IGNORED) -> int:

@@ -58,7 +58,8 @@ def free_port() -> int:
 class Lodestone:
     """A Lodestone broker node run from ``repo`` (this checkout, or a baseline's worktree)."""
 
-    def __init__(self, work: Path, repo: Path = REPO, name: str = "lodestone"):
+    def __init__(self, work: Path, repo: Path = REPO, name: str = "lodestone", extra: str = ""):
+        """``extra``: TOML appended to the broker's config (``bench_mirror.py``'s mirror)."""
         self.name = name
         self.repo = repo
         self.work = work / name.replace("@", "-")
@@ -66,21 +67,24 @@ class Lodestone:
         sys.path.insert(0, str(REPO))
         (self.work / "users.toml").write_text(
             f'[users.bench]\npassword = "{hash_password("bench", n=1024)}"\nroles = ["app"]\n\n'
-            '[[permissions]]\nmatch = "#"\nsend = ["app"]\nconsume = ["app"]\ncreate-address = ["app"]\n')
+            '[[permissions]]\nmatch = "#"\nsend = ["app"]\nconsume = ["app"]\ncreate-address = ["app"]\n'
+            'mirror = ["app"]\nmanage = ["app"]\n')
         (self.work / "broker.toml").write_text(
             '[node]\nname = "bench"\ndata-dir = "data"\n'
             '[acceptors.amqp]\nhost = "127.0.0.1"\nport = 0\n'
-            '[management]\nport = 0\n[activity-log]\nflush-interval-s = 10\n[logging]\nlevel = "WARNING"\n')
+            '[management]\nport = 0\n[activity-log]\nflush-interval-s = 10\n[logging]\nlevel = "WARNING"\n' + extra)
         self.proc = subprocess.Popen([sys.executable, "-m", "broker", "run", str(self.work / "broker.toml")],
                                      cwd=self.repo, stdout=subprocess.PIPE, stderr=open(self.work / "stderr.log", "wb"),
                                      env={**os.environ, "PYTHONPATH": str(self.repo)})
-        self.url = None
+        self.url = self.plain_url = self.management_url = None
         deadline = time.monotonic() + 30
         for raw in self.proc.stdout:
             parts = raw.decode().split()
             if parts[:2] == ["listening", "amqp"]:
+                self.plain_url = parts[2]
                 self.url = parts[2].replace("amqp://", "amqp://bench:bench@")
             if parts[:2] == ["listening", "management"] or time.monotonic() > deadline:
+                self.management_url = parts[2] if len(parts) > 2 else None
                 break
         if self.url is None:
             raise SystemExit(f"lodestone broker did not start: {(self.work / 'stderr.log').read_text()}")

@@ -80,7 +80,7 @@ from broker.core.filters import SelectorError, consumer_filter
 from broker.core.queues import Subscription
 from broker.wire.codec import Int, Symbol
 from broker.wire.errors import DecodeError
-from broker.wire.frames import FOLLOWS_REDIRECT, close_frames
+from broker.wire.frames import FOLLOWS_REDIRECT, MIRROR_PREFIX, close_frames
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.amqp.host import EngineHost
@@ -297,6 +297,22 @@ def to_proton(value):
 
 
 # -- the engine ------------------------------------------------------------------------------
+
+
+def _attach_extras(link: Link, owned: OwnedLink) -> None:
+    """An owned link's capabilities and properties, onto the attach we send. The capabilities
+    go on the target terminus (proton-c 0.40 has no link-level capabilities): the node that
+    receives on the link names what it wants (attaching) or offers (answering)."""
+    if owned.capabilities:
+        data = link.target.capabilities
+        data.put_array(False, Data.SYMBOL)
+        data.enter()
+        for c in owned.capabilities:
+            data.put_symbol(symbol(c))
+        data.exit()
+    if owned.properties:
+        link.properties = {symbol(k): v for k, v in owned.properties.items()}
+
 
 class AmqpEngine:
     """Proton engine for one connection: accepted, or dialled (``client=True``). See the module
@@ -623,10 +639,10 @@ class AmqpEngine:
 
     # -- client mode: the owner's links -----------------------------------------------------
     def open_link(self, handler: LinkHandler, *, name: str, sender: bool, address: str,
-                  credit: int = 0) -> OwnedLink:
+                  credit: int = 0, capabilities: tuple[str, ...] = (), properties: dict | None = None) -> OwnedLink:
         """Client mode: attach a link of ours (a sender to ``address`` at the peer, or a receiver
         from it, its credit kept topped up to ``credit``); ``handler`` gets its events
-        (:mod:`broker.amqp.links`)."""
+        (:mod:`broker.amqp.links`). ``capabilities`` are desired, ``properties`` the attach's."""
         if not self.client:
             raise RuntimeError("open_link is for client-mode engines")
         if self._session is None:
@@ -643,6 +659,9 @@ class AmqpEngine:
         link.rcv_settle_mode = Link.RCV_FIRST
         owned = OwnedLink(self, link._impl, name=name, address=address, is_sender=sender,
                           credit_window=0 if sender else credit)
+        owned.capabilities = tuple(capabilities)
+        owned.properties = dict(properties or {})
+        _attach_extras(link, owned)
         owned.handler = handler
         self.owned[link._impl] = owned
         link.open()
@@ -712,7 +731,7 @@ class AmqpEngine:
                 "max-links", limit, f"connection has {n} links attached"))
             return
         asked = link.remote_target.address if link.is_receiver else link.remote_source.address
-        if asked and asked.startswith(INTERNAL_PREFIX):
+        if asked and (asked.startswith(INTERNAL_PREFIX) or asked.startswith(MIRROR_PREFIX)):
             self._attach_internal(link, asked)
             return
         if link.is_receiver:
@@ -744,6 +763,7 @@ class AmqpEngine:
             link.source.address = address
             link.target.copy(link.remote_target)
             link.snd_settle_mode = Link.SND_UNSETTLED
+        _attach_extras(link, owned)
         link.open()
         owned.handler = handler
         self.owned[link._impl] = owned

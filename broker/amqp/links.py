@@ -52,7 +52,7 @@ class OwnedLink:
     """One link a broker service owns: its direction, address, credit, and ``send``."""
 
     __slots__ = ("engine", "raw", "name", "address", "is_sender", "credit_window", "handler", "inflight",
-                 "_tags")
+                 "_tags", "capabilities", "properties")
 
     def __init__(self, engine: "AmqpEngine", raw, *, name: str, address: str, is_sender: bool,
                  credit_window: int = 0) -> None:
@@ -65,6 +65,10 @@ class OwnedLink:
         self.handler: Any = None
         self.inflight: dict = {}        # raw pn_delivery_t* -> token (unsettled sends)
         self._tags = itertools.count(1)
+        #: what our attach carries: capabilities (on the target terminus) and link properties —
+        #: set before the attach is sent (answering: in ``LinkService.attach``)
+        self.capabilities: tuple[str, ...] = ()
+        self.properties: dict[str, Any] = {}
 
     @property
     def is_receiver(self) -> bool:
@@ -94,6 +98,27 @@ class OwnedLink:
     def wake(self) -> None:
         """Say the connection has output (after sends made outside the engine's event handling)."""
         self.engine.wake()
+
+    @property
+    def remote_capabilities(self) -> tuple[str, ...]:
+        """The capabilities of the peer's target terminus (where ``capabilities`` go, see the
+        engine's ``_attach_extras``)."""
+        data = self.proton.remote_target.capabilities
+        data.rewind()
+        try:
+            caps = data.get_object() if data.next() is not None else None
+        except Exception:   # not a type proton maps to Python: no capabilities we know
+            return ()
+        caps = getattr(caps, "elements", caps)    # an AMQP array comes as proton's Array
+        if isinstance(caps, (list, tuple)):
+            return tuple(str(c) for c in caps)
+        return (str(caps),) if caps else ()
+
+    @property
+    def remote_properties(self) -> dict[str, Any]:
+        """The properties of the peer's attach (keys as strings)."""
+        props = self.proton.remote_properties
+        return {str(k): v for k, v in props.items()} if props else {}
 
     @property
     def proton(self) -> Link:

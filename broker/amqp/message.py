@@ -257,6 +257,26 @@ def _value_end(data: bytes, pos: int) -> int:
     return pos
 
 
+def message_sections(data: bytes) -> list[tuple[int | None, int, int]]:
+    """``(descriptor code, start, end)`` of each section of an encoded message, read from the
+    constructors alone (nothing inside is decoded); raises ``DecodeError``."""
+    out = []
+    pos, n = 0, len(data)
+    try:
+        while pos < n:
+            code, vstart = _section_code(data, pos)
+            end = _value_end(data, vstart)
+            out.append((code, pos, end))
+            pos = end
+    except (IndexError, struct.error) as exc:
+        raise DecodeError(f"message sections are truncated ({exc})") from None
+    return out
+
+
+#: the section walkers under public names, for the formats built on messages (the mirror's)
+section_code = _section_code
+value_end = _value_end
+
 _SEARCH_WHOLE_UP_TO = 4096  # bytes: up to this, one search of the whole message costs less than a walk
 
 

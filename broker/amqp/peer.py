@@ -176,6 +176,9 @@ class PeerSender:
         self.attached = False
         self.sent = 0      # transfers written (resends included)
         self.accepted = 0
+        self.capabilities: tuple[str, ...] = ()
+        self.properties: dict = {}
+        self.check_attach: Callable[[OwnedLink], str | None] | None = None
 
     def send(self, body: bytes, token: Any) -> None:
         """Send one encoded message; ``token`` names it in ``on_outcome`` (must be unique)."""
@@ -187,6 +190,11 @@ class PeerSender:
 
     # the engine's link handler (broker.amqp.links)
     def on_attached(self, link: OwnedLink) -> None:
+        if self.check_attach is not None:
+            why = self.check_attach(link)
+            if why is not None:
+                link.engine.close_with("amqp:precondition-failed", why)
+                return
         self.attached = True
         self.peer._refusal_logged = False
         self._pump()
@@ -216,7 +224,8 @@ class PeerSender:
         """A new connection: attach again and queue every unacknowledged message (in order);
         returns how many of them were written before (the ones sent again)."""
         self._queued = collections.deque(self.unacked)
-        self._link = engine.open_link(self, name=self.name, sender=True, address=self.address)
+        self._link = engine.open_link(self, name=self.name, sender=True, address=self.address,
+                                      capabilities=self.capabilities, properties=self.properties)
         return len(self._transferred)
 
     def _pump(self) -> None:
@@ -329,9 +338,15 @@ class PeerConnection:
         self.links_refused = 0
 
     # -- the owner's API ------------------------------------------------------------------------
-    def sender(self, address: str, on_outcome: Callable[[Any, str], None], *, name: str | None = None) -> PeerSender:
-        """A sender to ``address`` at the peer, attached on every connection (at-least-once)."""
+    def sender(self, address: str, on_outcome: Callable[[Any, str], None], *, name: str | None = None,
+               capabilities: tuple[str, ...] = (), properties: dict | None = None,
+               on_attached: Callable[["OwnedLink"], str | None] | None = None) -> PeerSender:
+        """A sender to ``address`` at the peer, attached on every connection (at-least-once).
+        ``capabilities``/``properties`` go on its attach; ``on_attached(link)`` checks the
+        peer's answer (a string: why the link is not the one we need — the connection is closed
+        with it and dialled again later)."""
         s = PeerSender(self, address, name or f"{self.name}-snd-{next(self._names)}", on_outcome)
+        s.capabilities, s.properties, s.check_attach = tuple(capabilities), dict(properties or {}), on_attached
         self._add_link(s)
         return s
 

@@ -41,6 +41,7 @@ import trio
 from broker.amqp.message import message_meta
 from broker.amqp.peer import (PeerConnected, PeerConnectFailed, PeerConnection, PeerDisconnected, PeerLoginRefused,
                               PeerSender, RetrySettings)
+from broker.connections.mirror import MirrorSender, MirrorSource
 from broker.connections.settings import BrokerConnectionConfig, LinkElement
 from broker.core.deliveries import Message, Outcome
 from broker.core.queues import Subscription
@@ -71,7 +72,15 @@ class BrokerConnections(Component):
 
     def activated(self, node: "Node", nursery: trio.Nursery) -> None:
         for c in self.connections.values():
+            if c.mirror is not None:   # capturing starts with the activation, connected or not
+                c.mirror.install(node)
+        for c in self.connections.values():
             nursery.start_soon(c.supervise, node)
+
+    async def deactivating(self, node: "Node", reason: str, close_listeners) -> None:
+        for c in self.connections.values():
+            if c.mirror is not None:
+                c.mirror.uninstall()
 
     def stop(self) -> None:
         for c in self.connections.values():
@@ -109,6 +118,7 @@ class Connection:
         self._changed = Wakeup()
         self._scope: trio.CancelScope | None = None
         self._links: _Links | None = None
+        self.mirror = MirrorSource(cfg) if cfg.mirror is not None else None
 
     def start(self) -> None:
         self.wanted = True
@@ -161,7 +171,7 @@ class Connection:
                                   retry=self.retry, ca_file=cfg.ca_file, name=f"broker-connection-{cfg.name}",
                                   on_event=self._on_event)
             self.peer = peer
-            self._links = links = _Links(node, cfg, peer)
+            self._links = links = _Links(node, cfg, peer, self.mirror)
             self._set("connecting", f"dialling {cfg.uri}")
             links.start()
             try:
@@ -205,16 +215,21 @@ class Connection:
                 "since": self.since, "attempts": peer.attempts if peer is not None else 0,
                 "connections": peer.connections if peer is not None else 0, "last_error": self.last_error,
                 "senders": links.describe_senders() if links is not None else [],
-                "receivers": links.describe_receivers() if links is not None else []}
+                "receivers": links.describe_receivers() if links is not None else [],
+                "mirror": (self.mirror.describe(links.mirror if links is not None else None)
+                           if self.mirror is not None else None)}
 
 
 class _Links:
     """The senders' local consumers and the receivers of one connection, over its peer."""
 
-    def __init__(self, node: "Node", cfg: BrokerConnectionConfig, peer: PeerConnection) -> None:
+    def __init__(self, node: "Node", cfg: BrokerConnectionConfig, peer: PeerConnection,
+                 mirror: MirrorSource | None = None) -> None:
         self.node = node
         self.cfg = cfg
         self.peer = peer
+        self.mirror_source = mirror
+        self.mirror: MirrorSender | None = None
         self.senders: dict[str, _QueueSender] = {}        # local queue name -> its sender
         self.receivers: dict[tuple, _Receiver] = {}       # (element, local name) -> its receiver
         self._peer_senders: dict[str, PeerSender] = {}    # remote address -> the link there
@@ -222,6 +237,8 @@ class _Links:
 
     def start(self) -> None:
         core = self.node.core
+        if self.mirror_source is not None and self.mirror_source.snf is not None:
+            self.mirror = MirrorSender(self.mirror_source, self.peer)
         for q in list(core.queues.values()):
             self._queue_created(q)
         for el in self.cfg.receivers:
@@ -246,6 +263,8 @@ class _Links:
         for s in list(self.senders.values()):
             s.close()
         self.senders.clear()
+        if self.mirror is not None:
+            self.mirror.close()
 
     def peer_sender(self, remote: str) -> PeerSender:
         """The link to ``remote`` at the peer, shared by the local queues that send there; its

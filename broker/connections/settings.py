@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BrokerConnectionConfig", "LinkElement", "parse_uri", "DEFAULT_PORTS"]
+__all__ = ["BrokerConnectionConfig", "LinkElement", "MirrorConfig", "AddressFilter", "parse_uri", "DEFAULT_PORTS"]
 
 DEFAULT_PORTS = {"amqp": 5672, "amqps": 5671}
 _SCHEMES = {"amqp": "amqp", "tcp": "amqp", "amqps": "amqps"}
@@ -93,6 +93,47 @@ class LinkElement:
 
 
 @dataclass(frozen=True)
+class AddressFilter:
+    """Artemis's mirror ``address-filter``: a comma list of address prefixes; ``!prefix``
+    excludes. An address is mirrored when no exclusion matches it and, if there are inclusions,
+    one of them does (an exclusion wins). Empty: every address."""
+
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> "AddressFilter":
+        inc, exc = [], []
+        for part in text.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            if part.startswith("!"):
+                if not part[1:]:
+                    raise ValueError("'!' needs a prefix after it")
+                exc.append(part[1:])
+            else:
+                inc.append(part)
+        return cls(tuple(inc), tuple(exc))
+
+    def allows(self, address: str) -> bool:
+        if any(address.startswith(p) for p in self.exclude):
+            return False
+        return not self.include or any(address.startswith(p) for p in self.include)
+
+
+@dataclass(frozen=True)
+class MirrorConfig:
+    """``[broker-connections.<name>.mirror]`` (Artemis ``<mirror>``)."""
+
+    message_acknowledgements: bool = True
+    queue_creation: bool = True
+    queue_removal: bool = True
+    address_filter: AddressFilter = AddressFilter()
+    durable: bool = True                # the store-and-forward queue is journaled
+
+
+@dataclass(frozen=True)
 class BrokerConnectionConfig:
     """``[broker-connections.<name>]`` (Artemis ``<amqp-connection>``)."""
 
@@ -106,6 +147,7 @@ class BrokerConnectionConfig:
     senders: tuple[LinkElement, ...] = ()
     receivers: tuple[LinkElement, ...] = ()
     ca_file: str | None = None         # verifies an amqps:// peer
+    mirror: MirrorConfig | None = None
 
     @property
     def uri(self) -> str:

@@ -751,13 +751,13 @@ class Broker:
         return q
 
     def restore_message(self, queue: str, mid: int, body: bytes, address: str, delivery_count: int = 0,
-                        priority: int = DEFAULT_PRIORITY, expires: float = 0) -> bool:
+                        priority: int = DEFAULT_PRIORITY, expires: float = 0, origin: object = None) -> bool:
         """Put a recovered durable message back in its queue. False if the queue is unknown."""
         self.bump_mid(mid)
         q = self.queues.get(queue)
         if q is None:
             return False
-        q.restore(Message(mid, body, True, address, delivery_count, priority, expires))
+        q.restore(Message(mid, body, True, address, delivery_count, priority, expires, origin))
         return True
 
 

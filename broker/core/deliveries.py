@@ -22,8 +22,9 @@ This module is pure: no clock, no I/O.
 from __future__ import annotations
 
 import enum
+from typing import NamedTuple
 
-__all__ = ["Message", "Outcome", "DEFAULT_PRIORITY"]
+__all__ = ["Message", "Mirrored", "Outcome", "DEFAULT_PRIORITY"]
 
 
 class Outcome(enum.Enum):
@@ -36,6 +37,14 @@ class Outcome(enum.Enum):
 
 
 DEFAULT_PRIORITY = 4  # AMQP 1.0 §3.2.1 (and JMS): a message without a priority has 4
+
+
+class Mirrored(NamedTuple):
+    """A message's ``origin`` on a mirror's target: the source node and its id of the message
+    (``x-opt-amq-mr-id``), which the source's acknowledgement names. Journaled with the message."""
+
+    node: str
+    id: int
 
 
 class Message:

@@ -246,6 +246,9 @@ class Queue:
         self.deleted = False
         self.owner: str | None = None  # the user whose link created it (resource limits)
         self.held = 0  # settled inside a transaction not yet discharged (broker.core.transactions)
+        #: the mirrors that copy this queue's changes (``broker.connections.mirror``): each gets
+        #: ``added(queue, msg)`` and ``removed(queue, msg, reason)``
+        self.mirror: tuple = ()
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -289,6 +292,9 @@ class Queue:
             self.messages = PriorityMessages(self.messages)
         self.messages.append(msg)
         self.enqueued += 1
+        if self.mirror:   # before any dispatch: a consumer's acknowledgement must follow the send
+            for m in self.mirror:
+                m.added(self, msg)
         if self.subs:
             if self.filtered:
                 self._dispatch_new(msg)
@@ -467,6 +473,25 @@ class Queue:
         self._remove_waiting({msg.mid})
         if msg.durable and self.durable:
             self.host.store.remove(self.name, msg)
+        self._mirror_removed(msg, "normal")
+
+    def remove_waiting(self, mid: int) -> Message | None:
+        """Acknowledge the waiting message ``mid`` on another node's behalf (a mirror's
+        ``postAck``): None when it is not waiting here (delivered to a consumer, or gone)."""
+        msgs = self.messages
+        found = msgs[0] if msgs and msgs[0].mid == mid else next((m for m in msgs if m.mid == mid), None)
+        if found is None:
+            return None
+        self._remove_waiting({mid})
+        self.acked += 1
+        if found.durable and self.durable:
+            self.host.store.remove(self.name, found)
+        return found
+
+    def _mirror_removed(self, msg: Message, reason: str) -> None:
+        if self.mirror:
+            for m in self.mirror:
+                m.removed(self, msg, reason)
 
     def _browse(self) -> None:
         """Show browsers (with credit) the waiting messages they have not seen yet."""
@@ -562,11 +587,15 @@ class Queue:
         self.acked += 1
         if msg.durable and self.durable:
             self.host.store.remove(self.name, msg)
+        if self.mirror:
+            self._mirror_removed(msg, "normal")
 
     def _dead_letter(self, msg: Message) -> None:
         self.dead_lettered += 1
         if msg.durable and self.durable:
             self.host.store.remove(self.name, msg)
+        if self.mirror:
+            self._mirror_removed(msg, "killed")
         self.host.dead_letter(self, msg)
 
     # -- expiry ------------------------------------------------------------------------------
@@ -581,6 +610,8 @@ class Queue:
         self.expired += 1
         if msg.durable and self.durable:
             self.host.store.remove(self.name, msg)
+        if self.mirror:
+            self._mirror_removed(msg, "expired")
         self.host.expire(self, msg)
 
     def expire_scan(self, now: float) -> int:

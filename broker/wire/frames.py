@@ -553,6 +553,9 @@ FOLLOWS_REDIRECT = "lodestone:follows-redirect"
 #: addresses only the broker itself serves (the cluster's links); a client cannot send to, read
 #: from or create them: an attach to one goes to the internal service the engine's host registered for it
 INTERNAL_PREFIX = "$lodestone."
+#: a mirror link's target address starts so (Artemis's AMQP mirror; broker.connections.mirror_wire):
+#: like INTERNAL_PREFIX, the engine hands such an attach to the service registered for it
+MIRROR_PREFIX = "$ACTIVEMQ_ARTEMIS_MIRROR"
 #: longest JMS selector (``apache.org:selector-filter:string``) accepted, in UTF-8 bytes
 MAX_SELECTOR_BYTES = 64 * 1024
 CLUSTER_MEMBERS = "lodestone:cluster-members"

@@ -100,8 +100,8 @@ __all__ = [
 ]
 
 #: the permission names ``SecurityConfig.check`` accepts
-PERMISSIONS = ("send", "consume", "createAddress", "deleteAddress", "manage")
-_TOML_KEYS = {"send": "send", "consume": "consume", "createAddress": "create-address",
+PERMISSIONS = ("send", "consume", "createAddress", "deleteAddress", "manage", "mirror")
+_TOML_KEYS = {"send": "send", "consume": "consume", "createAddress": "create-address", "mirror": "mirror",
               "deleteAddress": "delete-address", "manage": "manage"}
 _ALIASES = {**{p: p for p in PERMISSIONS}, **{v: k for k, v in _TOML_KEYS.items()}}
 

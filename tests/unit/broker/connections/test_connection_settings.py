@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from broker.config import load_config
-from broker.connections.settings import parse_uri
+from broker.connections.settings import AddressFilter, MirrorConfig, parse_uri
 from broker.wire.io.tomlconfig import ConfigError
 from tests.brokerproc import write_config
 
@@ -77,9 +77,37 @@ def test_defaults_are_artemis_defaults(tmp_path):
      "broker-connections.x.senders[0].address-match", ""),
     ('uri = "amqp://h:1"\n[[broker-connections.x.senders]]\nqueue-name = "q"\n'
      '[[broker-connections.x.receivers]]\nqueue-name = "q"', "broker-connections.x.receivers[0]", "loop"),
+    ('uri = "amqp://h:1"\n[broker-connections.x.mirror]\naddress-filter = "a,!"',
+     "broker-connections.x.mirror.address-filter", "needs a prefix"),
+    ('uri = "amqp://h:1"\n[broker-connections.x.mirror]\ndurable = "yes"', "broker-connections.x.mirror.durable", ""),
+    ('uri = "amqp://h:1"\n[broker-connections.x.mirror]\nsync = true', "broker-connections.x.mirror.sync", ""),
 ])
 def test_a_bad_connection_names_file_key_and_value(tmp_path, extra, key, says):
     with pytest.raises(ConfigError) as raised:
         _load(tmp_path, "[broker-connections.x]\n" + extra + "\n")
     text = str(raised.value)
     assert key in text and says in text and "broker.toml" in text
+
+
+def test_a_mirror_s_keys_and_artemis_defaults(tmp_path):
+    (c,) = _load(tmp_path, '[broker-connections.dr]\nuri = "amqp://h:5672"\n[broker-connections.dr.mirror]\n'
+                           ).broker_connections
+    assert c.mirror == MirrorConfig(True, True, True, AddressFilter(), True)
+    (c,) = _load(tmp_path, '[broker-connections.dr]\nuri = "amqp://h:5672"\n[broker-connections.dr.mirror]\n'
+                           'message-acknowledgements = false\nqueue-creation = false\nqueue-removal = false\n'
+                           'durable = false\naddress-filter = "orders, !orders.secret ,audit"\n').broker_connections
+    m = c.mirror
+    assert (m.message_acknowledgements, m.queue_creation, m.queue_removal, m.durable) == (False, False, False, False)
+    assert m.address_filter == AddressFilter(("orders", "audit"), ("orders.secret",))
+    assert _load(tmp_path, '[broker-connections.x]\nuri = "amqp://h:1"\n').broker_connections[0].mirror is None
+
+
+@pytest.mark.parametrize("text, address, allowed", [
+    ("", "anything", True),
+    ("orders", "orders.eu", True), ("orders", "audit", False),
+    ("!audit", "orders", True), ("!audit", "audit.x", False),
+    ("orders,!orders.secret", "orders.secret.x", False), ("orders,!orders.secret", "orders.public", True),
+    ("!orders.secret,orders", "orders.secret", False),       # an exclusion wins, wherever it is listed
+])
+def test_the_address_filter(text, address, allowed):
+    assert AddressFilter.parse(text).allows(address) is allowed
