@@ -39,6 +39,11 @@ def mirror(uri: str, *, user: str = "admin", password: str = "admin", **keys) ->
     return "\n".join(lines) + "\n"
 
 
+def delete_queue(node: BrokerProcess, name: str) -> int:
+    status, body = http_json(f"{node.management_url}/api/v1/queues/{name}", method="DELETE", auth=ADMIN)
+    return status
+
+
 def mirrored_pair(tmp_path: Path, procs: list, **mirror_keys) -> tuple[BrokerProcess, BrokerProcess]:
     """B, then A mirroring to it (``mirror_keys``: the mirror's table), once the link is up."""
     b = start(tmp_path, "b")
@@ -99,6 +104,8 @@ def test_a_mirror_copies_sends_and_acknowledgements(tmp_path, procs):
     assert (m["sends"], m["acks"], m["target_node_id"]) == (200, 200, b.node_id)
     ev = target_events(b)
     assert (ev["sends"], ev["acks"], ev["acks_not_found"], ev["duplicates"], ev["bad_events"]) == (200, 200, 100, 0, 0)
+    assert delete_queue(a, "orders") == 204                 # queue-removal (default true)
+    wait_for(lambda: depth(b, "orders") == -1, 30, what="the queue deleted on B too")
 
 
 def _same_on_both(a: BrokerProcess, b: BrokerProcess, address: str = "orders") -> list:
@@ -211,6 +218,10 @@ routing-types = ["anycast"]
     assert depth(a, "orders") == 0 and depth(b, "orders") == 10
     m = source_view(a)["mirror"]
     assert (m["sends"], m["acks"]) == (15, 0)
+    assert delete_queue(a, "orders.eu") == 204             # queue-removal = false: B keeps it
+    send(a, "orders", ["after"])                            # an event after the (unsent) deletion
+    wait_for(lambda: depth(b, "orders") == 11, 30, what="the later send on B")
+    assert depth(b, "orders.eu") == 5 and depth(a, "orders.eu") == -1
 
 
 def test_queue_creation_off_sends_messages_but_not_queues(tmp_path, procs):
