@@ -316,10 +316,11 @@ class MirrorTarget(Component):
             self.counters["acks"] += 1
             found = self.index.pop((origin, ev.message_id), None)
             q = core.queues.get(found[0]) if found is not None else None
-            if q is None or q.remove_waiting(found[1]) is None:
+            gone = q.remove_waiting(found[1]) if q is not None else None
+            if gone is None:
                 self.counters["acks_not_found"] += 1
                 return False
-            return True
+            return gone.durable and q.durable     # the removal was journaled: accept after its fsync
         if ev.kind == "createQueue":
             self.counters["queues_created"] += 1
             return self._create_queue(ev)
