@@ -58,8 +58,10 @@ def free_port() -> int:
 class Lodestone:
     """A Lodestone broker node run from ``repo`` (this checkout, or a baseline's worktree)."""
 
-    def __init__(self, work: Path, repo: Path = REPO, name: str = "lodestone", extra: str = ""):
-        """``extra``: TOML appended to the broker's config (``bench_mirror.py``'s mirror)."""
+    def __init__(self, work: Path, repo: Path = REPO, name: str = "lodestone", extra: str = "",
+                 permissions: str = ""):
+        """``extra``: TOML appended to the broker's config (``bench_mirror.py``'s mirror);
+        ``permissions``: more keys of the users file's permission entry (``mirror = ["app"]``)."""
         self.name = name
         self.repo = repo
         self.work = work / name.replace("@", "-")
@@ -68,7 +70,7 @@ class Lodestone:
         (self.work / "users.toml").write_text(
             f'[users.bench]\npassword = "{hash_password("bench", n=1024)}"\nroles = ["app"]\n\n'
             '[[permissions]]\nmatch = "#"\nsend = ["app"]\nconsume = ["app"]\ncreate-address = ["app"]\n'
-            'mirror = ["app"]\nmanage = ["app"]\n')
+            'manage = ["app"]\n' + permissions)
         (self.work / "broker.toml").write_text(
             '[node]\nname = "bench"\ndata-dir = "data"\n'
             '[acceptors.amqp]\nhost = "127.0.0.1"\nport = 0\n'

@@ -66,7 +66,7 @@ def main() -> int:
     nodes: list[Lodestone] = []
     results: dict[tuple, list[dict]] = {}
     try:
-        target = Lodestone(work, name="target")
+        target = Lodestone(work, name="target", permissions='mirror = ["app"]\n')
         nodes.append(target)
         source = Lodestone(work, name="source", extra=(
             f'[broker-connections.dr]\nuri = "{target.plain_url}"\nuser = "bench"\npassword = "bench"\n'
