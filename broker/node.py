@@ -24,7 +24,7 @@ import hmac
 import json
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import trio
 
@@ -182,6 +182,9 @@ class Node:
         self.container_id = f"lodestone-{cfg.name}-{self.short_id}"
         self.journal = journal
         self._dirty = Wakeup()
+        #: run by the committer before it takes the sends to answer (a mirror writes its batch of
+        #: events and releases its journal hold: every answered send's record is then flushed)
+        self.before_commit: list[Callable[[], None]] = []
         self.role = role
         self._components = {c.name: c for c in components if c.name}
         #: the internal link services (EngineHost.services): $lodestone.replication.* here,
@@ -532,6 +535,8 @@ class Node:
         j = self.journal
         while True:
             await self._dirty.wait()
+            for hook in self.before_commit:
+                hook()
             waiters, self.sync_waiters = self.sync_waiters, {}
             try:
                 synced = await trio.to_thread.run_sync(j.flush)

@@ -320,7 +320,8 @@ class AmqpEngine:
 
     def __init__(self, host: "EngineHost", *, conn_id: str, principal, source: str, tls: bool,
                  wake: Callable[[], None], anycast_prefix: str = "", multicast_prefix: str = "",
-                 client: bool = False, hostname: str | None = None):
+                 client: bool = False, hostname: str | None = None, open_properties: dict | None = None):
+        """``open_properties`` (client mode): more properties of our Open, for this connection."""
         self.host = host
         self.client = client
         self.settings = settings = host.settings
@@ -386,6 +387,8 @@ class AmqpEngine:
                 conn.hostname = hostname
             props = {symbol("product"): "lodestone", symbol("node-id"): host.node_id}
             for k, v in host.open_properties.items():
+                props[symbol(k)] = v
+            for k, v in (open_properties or {}).items():
                 props[symbol(k)] = v
             conn.properties = props
             conn.open()

@@ -326,6 +326,12 @@ class PeerConnection:
         #: something that often, and proton sends heartbeats at half the peer's
         self.idle_timeout_s = idle_timeout_s
         self.links: list = []
+        #: called right before each write of the connection (the engine's ``before_output``): an
+        #: owner that batches sends them here, so a batch leaves in the next write
+        self.before_output: Callable[[], None] | None = None
+        #: more properties of our Open on each connection (a broker connection's
+        #: ``broker-connection-info``, as Artemis sends it)
+        self.open_properties: dict = {}
         self.engine: AmqpEngine | None = None
         self.attempts = 0            # every attempt made
         self.connections = 0         # connections that opened
@@ -477,7 +483,8 @@ class PeerConnection:
     async def _run_engine(self, stream, leftover: bytes, attempt: int) -> bool:
         wakeup = Wakeup()
         engine = AmqpEngine(self.host, conn_id=f"{self.name}-{attempt}", principal=None, source=self.url,
-                            tls=self.tls, wake=wakeup.set, client=True, hostname=self.hostname)
+                            tls=self.tls, wake=wakeup.set, client=True, hostname=self.hostname,
+                            open_properties=self.open_properties)
         if self.idle_timeout_s is not None:
             engine.transport.idle_timeout = self.idle_timeout_s
         opened = False
@@ -497,6 +504,7 @@ class PeerConnection:
                                      props.get("node-id") if isinstance(props, dict) else None))
 
         engine.on_open = connection_opened
+        engine.before_output = self.before_output
         self.engine = engine
         self._wakeup = wakeup
         broken = None

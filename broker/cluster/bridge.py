@@ -83,7 +83,7 @@ from broker.wire.cluster import (FORWARD_ADDRESS, NOTIFY_ADDRESS, AddressNote, B
                                      encode_note)
 from broker.cluster.state import ClusterState
 from broker.cluster.settings import address_clustered, parse_connector
-from broker.core.addresses import ANYCAST, MULTICAST
+from broker.core.addresses import ANYCAST
 from broker.core.balancing import LoadBalancing
 from broker.core.bindings import RemoteBinding
 from broker.core.deliveries import DEFAULT_PRIORITY, Message, Outcome
@@ -157,6 +157,7 @@ class Bridge:
                                    idle_timeout_s=cfg.connection_ttl_ms / 1000.0 if cfg.connection_ttl_ms > 0 else None)
         self.sender = self.peer.sender(FORWARD_ADDRESS, self._outcome)
         self.receiver = self.peer.receiver(NOTIFY_ADDRESS, self._note, credit=1000)
+        self.peer.before_output = self._flush  # a batch goes out with the connection's next write
         self.node_id: str | None = None
         self.connected = False
         self.since: float | None = None
@@ -213,9 +214,6 @@ class Bridge:
                 return
             self.connected = True
             self.since = time.time()
-            engine = self.peer.engine
-            if engine is not None:
-                engine.before_output = self._flush  # a batch goes out with the next write
             c.bridge_up(self, ev.node_id)
             self._flush()
         elif isinstance(ev, (PeerDisconnected, PeerConnectFailed, PeerGaveUp)):
@@ -995,23 +993,14 @@ class ClusterNode:
 
     def _create_for_scale_down(self, f: Forwarded, qname: str):
         """A node scaling down moves a queue this node lacks: create it as it was there."""
-        core = self.core
         rtype, ftext = f.create
         try:
-            if rtype == ANYCAST:
-                if qname != f.address:
-                    return None  # our anycast queue carries its address's name
-                core.declare_address(f.address, [ANYCAST])
-                q = core.queues.get(qname)
-            else:
-                core.declare_address(f.address, [MULTICAST])
-                q = core.subscription_queue(f.address, qname, durable=True)
-            if q is not None and ftext and q.filter_text is None and core.compile_filter is not None:
-                core.set_queue_filter(qname, core.compile_filter(ftext), ftext)
+            q = self.core.create_queue_as(qname, f.address, rtype, ftext)
         except (ValueError, KeyError) as exc:
             log.warning("scale-down: cannot create queue %r: %s", qname, exc)
             return None
-        self.counters["scale_down_queues_created"] += 1
+        if q is not None:
+            self.counters["scale_down_queues_created"] += 1
         return q
 
     # -- the cluster user ---------------------------------------------------------------------

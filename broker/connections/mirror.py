@@ -9,10 +9,12 @@ client does while the target is away or the connection is stopped goes unmirrore
 the queues it mirrors — not temporary ones, not the broker's own (``$``…), only addresses the
 ``address-filter`` lets through — through ``Queue.mirror``: a message stored in one of them
 (``added``) and one leaving it (``removed``: acknowledged, dead-lettered, expired, moved away)
-each become an **event**, written to the mirror's store-and-forward queue
-``$lodestone.mirror.<name>`` (journaled when ``durable``) at once, in the same journal write as
-the change itself (and in the same group when the change is one: a transaction's commit, a
-send with a duplicate id). Queue creation and removal become events too (``queue-creation``,
+each become an **event**. The events of one scheduling round (until :meth:`MirrorSource.run`
+runs, the node's committer asks, or 256 are waiting) become one message — a batch — of the
+mirror's store-and-forward queue ``$lodestone.mirror.<name>`` (journaled when ``durable``). A
+durable event holds the journal (``Journal.hold``) from its cause's record on until the batch is
+written, so the change and its event reach the disk in one write; the committer writes the batch
+before it answers clients, so nobody waits for it. Queue creation and removal become events too (``queue-creation``,
 ``queue-removal``), and when the mirror is installed, every queue it mirrors is announced
 (``createQueue``), as Artemis catches the topology up at start. Messages that were there before
 the mirror started are not copied (as Artemis).
@@ -21,10 +23,12 @@ The wire format is :mod:`broker.connections.mirror_wire`. A send is mirrored per
 names the queue it was stored in (``x-opt-amq-mr-trg-q``) and the id of that queue's copy
 (``x-opt-amq-mr-id``), which is the id its ``postAck`` names.
 
-**The link** (:class:`MirrorSender`, while the connection's session runs) consumes the
-store-and-forward queue in order and sends each event on one link to
-``$ACTIVEMQ_ARTEMIS_MIRROR_<name>``; an event leaves the queue when the target accepted it, which
-it does only once the event is applied and durable. A lost connection sends the unsettled events
+**The link** (:class:`MirrorSender`, a ``broker.connections.feed.QueueFeed``, while the
+connection's session runs) consumes the store-and-forward queue in order and sends its events on
+one link to ``$ACTIVEMQ_ARTEMIS_MIRROR_<name>``: what was handed out since the connection last
+wrote as one batch transfer when the target offers ``x-opt-lodestone-mirror-batch``, else one
+event per transfer (Artemis's format). An event leaves the queue when the target accepted it,
+which it does only once the event is applied and durable. A lost connection sends the unsettled events
 again, in order; the target's duplicate cache drops the sends it already applied.
 
 **The target** (:class:`MirrorTarget`, a component of every node) owns the links whose target
@@ -43,19 +47,21 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import trio
 
-from broker.connections.mirror_wire import (ACK_REASONS, BROKER_ID, MIRROR_CAPABILITY, MirrorFormatError,
-                                            decode_event, encode_control, encode_send, mirror_address)
+from broker.connections.feed import QueueFeed
+from broker.connections.mirror_wire import (ACK_REASONS, BATCH_CAPABILITY, BATCH_EVENTS, BROKER_ID, MIRROR_CAPABILITY,
+                                            MirrorFormatError, decode_event, encode_batch, encode_control, encode_send,
+                                            mirror_address, split_batch, batch_count)
 from broker.connections.settings import BrokerConnectionConfig
 from broker.core.addresses import ANYCAST, MULTICAST
 from broker.core.deliveries import Message, Mirrored, Outcome
-from broker.core.queues import Subscription
 from broker.role import Component
 from broker.amqp.message import message_meta
 from broker.wire.frames import INTERNAL_PREFIX, MIRROR_PREFIX
+from broker.wire.io.trioutil import Wakeup
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.amqp.engine import AmqpEngine
@@ -92,6 +98,11 @@ class MirrorSource:
         self.snf = None
         self.counters: collections.Counter = collections.Counter()
         self._watched: list = []
+        self._events: list[bytes] = []     # this round's events, not yet in the queue (flush_events)
+        self._durable = False              # one of them is durable
+        self._held = False                 # the journal is held for them (Journal.hold)
+        self._wake = Wakeup()
+        self.pending_events = 0            # events in the store-and-forward queue, not yet accepted
 
     # -- installed while the node serves ---------------------------------------------------------
     def install(self, node: "Node") -> None:
@@ -103,6 +114,8 @@ class MirrorSource:
             snf = core.queues[self.snf_name]
         snf.max_delivery_count = 0     # a link that reconnects is not a failed delivery
         self.snf = snf
+        self.pending_events = sum(batch_count(m.body) for m in snf.messages)
+        node.before_commit.append(self.flush_events)
         for q in list(core.queues.values()):
             if self._watch(q) and self.settings.queue_creation:
                 self._event(encode_control("createQueue", origin=node.node_id, address=q.address, queue=q.name,
@@ -113,6 +126,8 @@ class MirrorSource:
         node = self.node
         if node is None:
             return
+        self.flush_events()
+        node.before_commit.remove(self.flush_events)
         node.core.remove_queue_listener(self._queue_changed)
         for q in self._watched:
             q.mirror = tuple(m for m in q.mirror if m is not self)
@@ -157,36 +172,76 @@ class MirrorSource:
                                    message_id=msg.mid, reason=ACK_REASONS[reason]), msg.durable)
 
     def _event(self, data: bytes, durable: bool) -> None:
-        core = self.node.core
-        self.snf.enqueue(Message(core.next_mid(), data, durable and self.settings.durable, self.snf_name))
+        """An event joins this round's batch. A durable one holds the journal from the record of
+        its cause (just appended) on, so cause and batch reach the disk in one write."""
+        if durable and self.settings.durable:
+            if not self._held and self.node.journal is not None:
+                self.node.journal.hold()
+                self._held = True
+            self._durable = True
+        events = self._events
+        events.append(data)
+        if len(events) == 1:
+            self._wake.set()
+        elif len(events) >= BATCH_EVENTS:
+            self.flush_events()
+
+    def flush_events(self) -> None:
+        """This round's events become one message of the store-and-forward queue (a batch when
+        there are several); the journal's hold ends. Run by :meth:`run` once the round's other
+        tasks ran, by the node's committer before it answers anyone, and when full."""
+        events = self._events
+        if events and self.node is not None:
+            self._events = []
+            core = self.node.core
+            body = events[0] if len(events) == 1 else encode_batch(events)
+            self.pending_events += len(events)
+            self.snf.enqueue(Message(core.next_mid(), body, self._durable, self.snf_name))
+            self._durable = False
+        if self._held:
+            self._held = False
+            self.node.journal.release()
+
+    async def run(self) -> None:
+        """For one activation: write each round's events once the tasks that made them ran."""
+        while True:
+            await self._wake.wait()
+            self.flush_events()
 
     def describe(self, sender: "MirrorSender | None") -> dict:
-        snf = self.snf
-        return {"queue": self.snf_name, "pending": snf.depth if snf is not None else 0,
+        return {"queue": self.snf_name, "pending": self.pending_events + len(self._events),
                 "sends": self.counters["sends"], "acks": self.counters["acks"],
-                "sent": sender.sent if sender is not None else 0,
-                "acknowledged": sender.acknowledged if sender is not None else 0,
+                "sent": sender.events_sent if sender is not None else 0,
+                "acknowledged": sender.events_acknowledged if sender is not None else 0,
+                "transfers": sender.transfers if sender is not None else 0,
+                "batching": bool(sender is not None and sender.batching),
                 "attached": bool(sender is not None and sender.sender.attached),
                 "target_node_id": sender.target_id if sender is not None else None}
 
 
-class MirrorSender:
+class MirrorSender(QueueFeed):
     """For one session of the connection: consumes the store-and-forward queue in order and
-    sends its events on the mirror link (see the module doc)."""
+    sends its events on the mirror link, several per transfer when the target offers batches
+    (see the module doc and ``broker.connections.feed``)."""
 
-    def __init__(self, source: MirrorSource, peer: "PeerConnection") -> None:
-        self.source = source
+    on_reject = Outcome.ACCEPTED      # an event the target cannot apply is dropped (it said why)
+
+    def __init__(self, source: MirrorSource, peer: "PeerConnection", restart: Callable[[], None]) -> None:
         node = source.node
+        self.source = source
         self.node_id = node.node_id
-        self.queue = source.snf
         self.target_id: str | None = None
-        self.sender = peer.sender(mirror_address(source.cfg.name), self._outcome, name=f"{peer.name}-mirror",
-                                  capabilities=(MIRROR_CAPABILITY,), properties={BROKER_ID: node.node_id},
-                                  on_attached=self._check)
-        self.sub = Subscription(self._sink, owner=self)
-        self.sub.credit = MIRROR_CREDIT
-        self.sent = self.acknowledged = 0
-        self.queue.add_subscription(self.sub)
+        self._restart = restart
+        sender = peer.sender(mirror_address(source.cfg.name), self.outcome, name=f"{peer.name}-mirror",
+                             capabilities=(MIRROR_CAPABILITY, BATCH_CAPABILITY), properties={BROKER_ID: node.node_id},
+                             on_attached=self._check)
+        # the window opens at the first attach, once the target said whether it takes batches
+        super().__init__(source.snf, sender, MIRROR_CREDIT, started=False, batch=encode_batch,
+                         batch_max=BATCH_EVENTS)
+        self._mode: bool | None = None
+        self._parts: dict[int, int] = {}     # a batch sent event by event: its events not yet settled
+        self.events_sent = self.events_acknowledged = 0
+        peer.before_output = self.flush
 
     def _check(self, link: "OwnedLink") -> str | None:
         """The target's answer must be a mirror's: ``amq.mirror`` and an id that is not ours."""
@@ -200,36 +255,97 @@ class MirrorSender:
         if theirs != self.target_id:
             log.info("mirror %s: attached to node %s", self.source.cfg.name, theirs)
         self.target_id = theirs
+        batching = BATCH_CAPABILITY in link.remote_capabilities
+        if self._mode is None:
+            self._mode = self.batching = batching
+            self.start()
+        elif batching != self._mode:
+            # an alternate host of another kind: what is in flight was built for the other one
+            log.warning("mirror %s: the target %s batches; starting the mirror's session again",
+                        self.source.cfg.name, "now" if batching else "no longer")
+            self._restart()
         return None
 
-    def _sink(self, sub: Subscription, msg: Message) -> None:
-        self.sent += 1
-        self.sender.send(msg.body, msg.mid)
+    def rejected_by_peer(self, n: int) -> None:
+        log.error("mirror %s: the target rejected %d event(s); dropped", self.source.cfg.name, n)
 
-    def _outcome(self, mid: Any, state: str) -> None:
-        if state not in ("accepted", "rejected") or self.sub.closed:
-            return   # released/modified: sent again
-        if state == "rejected":
-            log.error("mirror %s: the target rejected an event; it is dropped", self.source.cfg.name)
-        self.acknowledged += 1
-        if mid in self.sub.unacked:
-            self.queue.settle(self.sub, mid, Outcome.ACCEPTED)
-        self.sub.credit += 1
-        self.queue.credit_changed(self.sub)
+    # a message of the store-and-forward queue holds one event or a batch (MirrorSource.flush_events)
+    def _sink(self, sub, msg: Message) -> None:
+        if self.batching:
+            super()._sink(sub, msg)
+            return
+        self.sent += 1        # a target without batches: one event per transfer
+        events = split_batch(msg.body)
+        if events is None:
+            self.transfers += 1
+            self.events_sent += 1
+            self.sender.send(msg.body, msg.mid)
+            return
+        self._parts[msg.mid] = len(events)
+        for i, ev in enumerate(events):
+            self.transfers += 1
+            self.events_sent += 1
+            self.sender.send(ev, _Part(msg.mid, i))
+
+    def send_batch(self, batch: list[Message]) -> None:
+        """What the queue handed out goes as one batch of all their events."""
+        if len(batch) == 1:
+            body = batch[0].body
+            self.events_sent += batch_count(body)
+            self.sender.send(body, batch[0].mid)
+            return
+        events: list[bytes] = []
+        for m in batch:
+            evs = split_batch(m.body)
+            if evs is None:
+                events.append(m.body)
+            else:
+                events.extend(evs)
+        self.events_sent += len(events)
+        self.sender.send(encode_batch(events), tuple(m.mid for m in batch))
+
+    def outcome(self, token, state: str) -> None:
+        settled = state in ("accepted", "rejected") and not self.sub.closed
+        if type(token) is _Part:
+            if not settled:
+                return
+            if state == "rejected":
+                self.rejected_by_peer(1)
+            self.events_acknowledged += 1
+            self.source.pending_events -= 1
+            left = self._parts.get(token.mid, 1) - 1
+            if left > 0:
+                self._parts[token.mid] = left
+                return
+            self._parts.pop(token.mid, None)
+            super().outcome(token.mid, "accepted")     # every event of the message is settled
+            return
+        if settled:
+            unacked = self.sub.unacked
+            n = sum(batch_count(unacked[m].body) for m in self.mids(token) if m in unacked)
+            self.events_acknowledged += n
+            self.source.pending_events -= n
+        super().outcome(token, state)
 
     def close(self) -> None:
-        """What the target has not accepted goes back to the queue (sent again next session)."""
-        if not self.queue.deleted:
-            self.queue.remove_subscription(self.sub)
+        self._parts.clear()
+        super().close()
+
+
+class _Part(NamedTuple):
+    """The token of one event of a batch sent on its own (a target without batches)."""
+    mid: int
+    index: int
 
 
 class _MirrorIn:
     """One mirror link at the target (a ``broker.amqp.links`` handler)."""
 
-    def __init__(self, target: "MirrorTarget", engine: "AmqpEngine", origin: str) -> None:
+    def __init__(self, target: "MirrorTarget", engine: "AmqpEngine", origin: str, batches: bool) -> None:
         self.target = target
         self.engine = engine
         self.origin = origin
+        self.batches = batches    # both sides named BATCH_CAPABILITY: a transfer may hold several events
 
     def on_attached(self, link: "OwnedLink") -> None:
         link.credit_window = MIRROR_CREDIT     # the engine keeps it topped up
@@ -240,8 +356,13 @@ class _MirrorIn:
         pass
 
     def on_message(self, link: "OwnedLink", data: bytes, delivery: "Incoming") -> None:
+        target = self.target
+        synced = False
         try:
-            ev = decode_event(data)
+            events = split_batch(data) if self.batches else None
+            for one in (data,) if events is None else events:
+                if target.apply(self.origin, decode_event(one)):
+                    synced = True
         except MirrorFormatError as exc:
             self.target.counters["bad_events"] += 1
             log.warning("mirror: a malformed event from node %s; closing its connection",
@@ -250,7 +371,6 @@ class _MirrorIn:
             delivery.reject(exc.condition, exc.description)
             self.engine.close_with(exc.condition, exc.description)
             return
-        synced = self.target.apply(self.origin, ev)
         if synced:
             delivery.accept_when_synced()
         else:
@@ -267,15 +387,25 @@ class MirrorTarget(Component):
         self.counters: collections.Counter = collections.Counter()
         #: (origin node, its id of the message) -> (queue, our message id), for its postAck
         self.index: dict[tuple[str, int], tuple[str, int]] = {}
+        self.indexed = False
 
     def activated(self, node: "Node", nursery: trio.Nursery) -> None:
         self.node = node
+        self.indexed = False     # built at the first mirror attach of this activation (_build_index)
         self.index.clear()
-        for q in node.core.queues.values():
+        node.services.register(MIRROR_PREFIX, self)
+
+    def _build_index(self) -> None:
+        """The mirrored copies this node holds (recovered from the journal, or kept from an
+        earlier activation), so the postAcks that follow find them; read once, at the first
+        mirror that attaches — a node that is nobody's target never reads its queues for it."""
+        self.indexed = True
+        index = self.index
+        index.clear()
+        for q in self.node.core.queues.values():
             for m in q.messages:
                 if type(m.origin) is Mirrored:
-                    self.index[(m.origin.node, m.origin.id)] = (q.name, m.mid)
-        node.services.register(MIRROR_PREFIX, self)
+                    index[(m.origin.node, m.origin.id)] = (q.name, m.mid)
 
     async def deactivating(self, node: "Node", reason: str, close_listeners: Callable[[], None]) -> None:
         node.services.unregister(MIRROR_PREFIX)
@@ -299,10 +429,13 @@ class MirrorTarget(Component):
             return ("amqp:invalid-field", f"a mirror link's attach needs {BROKER_ID} (the source's node id)")
         if origin == node.node_id:
             return ("amqp:precondition-failed", "a node cannot mirror to itself")
-        link.capabilities = (MIRROR_CAPABILITY,)
+        if not self.indexed:
+            self._build_index()
+        batches = BATCH_CAPABILITY in link.remote_capabilities
+        link.capabilities = (MIRROR_CAPABILITY, BATCH_CAPABILITY) if batches else (MIRROR_CAPABILITY,)
         link.properties = {BROKER_ID: node.node_id}
         self.counters["links"] += 1
-        return _MirrorIn(self, engine, origin)
+        return _MirrorIn(self, engine, origin, batches)
 
     # -- applying events ------------------------------------------------------------------------
     def apply(self, link_origin: str, ev) -> bool:
@@ -347,23 +480,17 @@ class MirrorTarget(Component):
         name, address = ev.queue, ev.address
         if name.startswith("$") or address.startswith("$") or name in core.queues:
             return False
-        rtype = str(d.get("routing-type", "ANYCAST")).lower()
+        ftext = d.get("filter-string")
         try:
-            if rtype == ANYCAST and name == address:
-                core.declare_address(address, [ANYCAST])
-            elif rtype == MULTICAST:
-                core.declare_address(address, [MULTICAST])
-                core.subscription_queue(address, name, durable=True)
-            else:
-                self.counters["queues_unsupported"] += 1
-                log.warning("mirror: queue %r on %r (%s) has no equivalent here; its messages are not applied",
-                            name, address, rtype)
-                return False
-            ftext = d.get("filter-string")
-            if isinstance(ftext, str) and ftext and core.compile_filter is not None:
-                core.set_queue_filter(name, core.compile_filter(ftext), ftext)
+            q = core.create_queue_as(name, address, str(d.get("routing-type", "ANYCAST")).lower(),
+                                     ftext if isinstance(ftext, str) else None)
         except (ValueError, KeyError) as exc:
             log.warning("mirror: cannot create queue %r: %s", name, exc)
+            return False
+        if q is None:
+            self.counters["queues_unsupported"] += 1
+            log.warning("mirror: queue %r on %r (%s) has no equivalent here; its messages are not applied",
+                        name, address, d.get("routing-type"))
             return False
         return True
 

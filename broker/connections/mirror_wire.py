@@ -23,6 +23,13 @@ the attach property ``x-opt-amq-bkr-id`` (the source's node id); the target answ
 
 :func:`decode_event` reads either; anything else raises :class:`MirrorFormatError` with the AMQP
 condition the target closes the link with.
+
+**Batches** (beyond Artemis): when the source's attach desires ``x-opt-lodestone-mirror-batch``
+and the target's answer offers it, a transfer may carry several events, in order
+(:func:`encode_batch`, :func:`split_batch`): a message whose annotations hold
+``x-opt-lodestone-mirror-batch = true`` and whose amqp-value body is a list of binaries, each one
+event above. One disposition then answers them all. A peer that does not name the capability
+(Artemis) gets one event per transfer, as above.
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ from broker.wire.errors import DecodeError
 from broker.wire.frames import MIRROR_PREFIX
 
 __all__ = ["MIRROR_CAPABILITY", "MIRROR_PREFIX", "BROKER_ID", "MirrorEvent", "MirrorFormatError", "mirror_address",
-           "encode_send", "encode_control", "decode_event", "EVENT_TYPES", "ACK_REASONS"]
+           "encode_send", "encode_control", "decode_event", "EVENT_TYPES", "ACK_REASONS", "BATCH_CAPABILITY",
+           "BATCH_EVENTS", "encode_batch", "split_batch", "batch_count"]
 
 MIRROR_CAPABILITY = "amq.mirror"
 BROKER_ID = "x-opt-amq-bkr-id"
@@ -51,6 +59,10 @@ QUEUE = "x-opt-amq-mr-qu"
 ACK_REASON = "x-opt-amq-mr-ack-reason"
 EVENT_TYPES = ("addAddress", "deleteAddress", "createQueue", "deleteQueue", "postAck")
 ACK_REASONS = {"normal": 0, "killed": 1, "expired": 2, "replaced": 3}
+
+BATCH_CAPABILITY = "x-opt-lodestone-mirror-batch"   # several events per transfer (Lodestone to Lodestone)
+BATCH_EVENTS = 256                  # events in one batch transfer at most (a reader refuses more than 4096)
+_BATCH_LIMIT = 4096
 
 _DELIVERY_ANNOTATIONS = 0x71
 _MESSAGE_ANNOTATIONS = 0x72
@@ -192,6 +204,63 @@ def _control_prefix(kind: str, origin: str, address: str | None, queue: str | No
         ann[Symbol(ACK_REASON)] = UByte(reason)
     header = amqp_encode(Described(ULong(0x70), [True]))
     return header + amqp_encode(Described(ULong(_MESSAGE_ANNOTATIONS), ann))
+
+
+# -- batches (a Lodestone extension, only on a link where both sides named BATCH_CAPABILITY) ---------
+_BATCH_HEAD = amqp_encode(Described(ULong(_MESSAGE_ANNOTATIONS), {Symbol(BATCH_CAPABILITY): True})) + b"\x00\x53\x77"
+_U32 = struct.Struct(">I")
+_LIST32 = struct.Struct(">BII")
+
+
+def encode_batch(events: list[bytes]) -> bytes:
+    """Several encoded events as one message: the message annotation ``x-opt-lodestone-mirror-batch``
+    (true) and an amqp-value body that is a list of binaries, one event each, in order."""
+    parts = [b""]
+    size = 4
+    for ev in events:
+        parts.append(b"\xb0" + _U32.pack(len(ev)))
+        parts.append(ev)
+        size += 5 + len(ev)
+    parts[0] = _BATCH_HEAD + _LIST32.pack(0xD0, size, len(events))
+    return b"".join(parts)
+
+
+def batch_count(data: bytes) -> int:
+    """How many events ``data`` holds (a batch's count, or 1), without reading them."""
+    if data.startswith(_BATCH_HEAD) and len(data) >= len(_BATCH_HEAD) + 9:
+        return _LIST32.unpack_from(data, len(_BATCH_HEAD))[2]
+    return 1
+
+
+def split_batch(data: bytes) -> list[bytes] | None:
+    """The events of a batch transfer (:func:`encode_batch`), or None when ``data`` is a single
+    event; raises :class:`MirrorFormatError` for a batch that is not the format."""
+    if not data.startswith(_BATCH_HEAD):
+        return None
+    pos = len(_BATCH_HEAD)
+    end = len(data)
+    if pos + 9 > end or data[pos] != 0xD0:
+        raise MirrorFormatError("a mirror batch's body must be a list32 of binaries")
+    _c, size, count = _LIST32.unpack_from(data, pos)
+    pos += 9
+    if pos - 4 + size != end:
+        raise MirrorFormatError("a mirror batch's list size does not match the transfer")
+    if not 0 < count <= _BATCH_LIMIT:
+        raise MirrorFormatError(f"a mirror batch holds 1 to {_BATCH_LIMIT} events, not {count}",
+                                "amqp:invalid-field")
+    out = []
+    for _ in range(count):
+        if pos + 5 > end or data[pos] != 0xB0:
+            raise MirrorFormatError("a mirror batch's events must be binaries (vbin32)")
+        n = _U32.unpack_from(data, pos + 1)[0]
+        pos += 5
+        if pos + n > end:
+            raise MirrorFormatError("a mirror batch's event runs past the transfer")
+        out.append(data[pos:pos + n])
+        pos += n
+    if pos != end:
+        raise MirrorFormatError("a mirror batch has bytes after its last event")
+    return out
 
 
 def _name(ann: dict, key: str, *, required: bool) -> str | None:

@@ -41,10 +41,10 @@ import trio
 from broker.amqp.message import message_meta
 from broker.amqp.peer import (PeerConnected, PeerConnectFailed, PeerConnection, PeerDisconnected, PeerLoginRefused,
                               PeerSender, RetrySettings)
+from broker.connections.feed import QueueFeed
 from broker.connections.mirror import MirrorSender, MirrorSource
 from broker.connections.settings import BrokerConnectionConfig, LinkElement
-from broker.core.deliveries import Message, Outcome
-from broker.core.queues import Subscription
+from broker.core.deliveries import Message
 from broker.role import Component
 from broker.wire.io.trioutil import Wakeup
 from broker.wire.wildcards import wildcard_match
@@ -74,6 +74,7 @@ class BrokerConnections(Component):
         for c in self.connections.values():
             if c.mirror is not None:   # capturing starts with the activation, connected or not
                 c.mirror.install(node)
+                nursery.start_soon(c.mirror.run)
         for c in self.connections.values():
             nursery.start_soon(c.supervise, node)
 
@@ -170,10 +171,12 @@ class Connection:
             peer = PeerConnection(node, cfg.uris[0], alternates=cfg.uris[1:], credentials=cfg.credentials,
                                   retry=self.retry, ca_file=cfg.ca_file, name=f"broker-connection-{cfg.name}",
                                   on_event=self._on_event)
+            # as Artemis's broker connections say who dials (AMQPBrokerConnection)
+            peer.open_properties = {"broker-connection-info": {"connectionName": cfg.name, "nodeId": node.node_id}}
             self.peer = peer
             self._links = links = _Links(node, cfg, peer, self.mirror)
             self._set("connecting", f"dialling {cfg.uri}")
-            links.start()
+            links.start(self.cancel)
             try:
                 await peer.run()
             finally:
@@ -235,10 +238,11 @@ class _Links:
         self._peer_senders: dict[str, PeerSender] = {}    # remote address -> the link there
         self._listening = False
 
-    def start(self) -> None:
+    def start(self, restart) -> None:
+        """``restart``: end this session (the connection starts a new one)."""
         core = self.node.core
         if self.mirror_source is not None and self.mirror_source.snf is not None:
-            self.mirror = MirrorSender(self.mirror_source, self.peer)
+            self.mirror = MirrorSender(self.mirror_source, self.peer, restart)
         for q in list(core.queues.values()):
             self._queue_created(q)
         for el in self.cfg.receivers:
@@ -278,7 +282,7 @@ class _Links:
     def _outcome(self, token, state: str) -> None:
         s = self.senders.get(token[0])
         if s is not None:
-            s.outcome(token[1], state)
+            s.outcome(token, state)
 
     # -- senders -------------------------------------------------------------------------------
     def _queue_changed(self, queue, created: bool) -> None:
@@ -310,43 +314,24 @@ class _Links:
         return [r.describe() for r in self.receivers.values()]
 
 
-class _QueueSender:
-    """One local queue's consumer, sending what it gets to the peer (see the module doc)."""
+class _QueueSender(QueueFeed):
+    """One local queue's consumer, sending what it gets to the peer (see the module doc and
+    ``broker.connections.feed``)."""
 
     def __init__(self, links: _Links, el: LinkElement, queue) -> None:
         self.links = links
-        self.queue = queue
         self.remote = el.remote_address or queue.address
-        self.sender = links.peer_sender(self.remote)
-        self.sub = Subscription(self._sink, owner=self)
-        self.sub.credit = SENDER_CREDIT
-        self.sent = self.acknowledged = self.rejected = 0
-        queue.add_subscription(self.sub)
+        super().__init__(queue, links.peer_sender(self.remote), SENDER_CREDIT)
 
-    def _sink(self, sub: Subscription, msg: Message) -> None:
-        self.sent += 1
-        self.sender.send(msg.body, (self.queue.name, msg.mid))
+    def token(self, mid: int) -> Any:
+        return (self.queue.name, mid)     # the link to the remote address is shared by queues
 
-    def outcome(self, mid: Any, state: str) -> None:
-        if state not in ("accepted", "rejected") or self.sub.closed:
-            return   # released/modified: the PeerSender sends it again
-        if state == "accepted":
-            self.acknowledged += 1
-            outcome = Outcome.ACCEPTED
-        else:
-            self.rejected += 1
-            log.warning("broker connection %s: the peer rejected a message from queue %s",
-                        self.links.cfg.name, self.queue.name)
-            outcome = Outcome.REJECTED
-        if mid in self.sub.unacked:
-            self.queue.settle(self.sub, mid, outcome)
-        self.sub.credit += 1
-        self.queue.credit_changed(self.sub)
+    def mids(self, token: Any) -> tuple:
+        return (token[1],)
 
-    def close(self) -> None:
-        """Stop consuming: what the peer has not settled goes back to the queue."""
-        if not self.queue.deleted:
-            self.queue.remove_subscription(self.sub)
+    def rejected_by_peer(self, n: int) -> None:
+        log.warning("broker connection %s: the peer rejected a message from queue %s",
+                    self.links.cfg.name, self.queue.name)
 
     def describe(self) -> dict:
         return {"queue": self.queue.name, "remote_address": self.remote, "attached": self.sender.attached,

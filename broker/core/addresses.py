@@ -453,6 +453,27 @@ class Broker:
         return self._create_queue(name, addr, MULTICAST, durable=False, subscription=True, temporary=True,
                                   owner=owner)
 
+    def create_queue_as(self, name: str, address: str, routing_type: str, filter_text: str | None = None
+                        ) -> Queue | None:
+        """Create (or find) the queue another broker describes — a queue moved here by a scale-down,
+        a mirror's ``createQueue`` — as this broker would have made it: an anycast queue only
+        when it carries its address's name, a durable subscription queue for multicast, then its
+        filter if it has none yet. None: no equivalent here (an anycast queue named otherwise, an
+        unknown routing type); ``ValueError``/``KeyError``: refused (an address of the other type)."""
+        if routing_type == ANYCAST:
+            if name != address:
+                return None
+            self.declare_address(address, [ANYCAST])
+            q = self.queues.get(name)
+        elif routing_type == MULTICAST:
+            self.declare_address(address, [MULTICAST])
+            q = self.subscription_queue(address, name, durable=True)
+        else:
+            return None
+        if q is not None and filter_text and q.filter_text is None and self.compile_filter is not None:
+            self.set_queue_filter(name, self.compile_filter(filter_text), filter_text)
+        return q
+
     def subscribe(self, queue: Queue, sub: Subscription) -> None:
         queue.add_subscription(sub)
 

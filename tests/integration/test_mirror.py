@@ -102,6 +102,7 @@ def test_a_mirror_copies_sends_and_acknowledgements(tmp_path, procs):
     assert depth(a, "orders") == 0 and depth(b, "orders") == 0
     m = source_view(a)["mirror"]
     assert (m["sends"], m["acks"], m["target_node_id"]) == (200, 200, b.node_id)
+    assert m["batching"] is True and m["sent"] == m["acknowledged"] == 400 + 2   # + createQueue of orders, audit
     ev = target_events(b)
     assert (ev["sends"], ev["acks"], ev["acks_not_found"], ev["duplicates"], ev["bad_events"]) == (200, 200, 100, 0, 0)
     assert delete_queue(a, "orders") == 204                 # queue-removal (default true)
@@ -235,3 +236,86 @@ def test_queue_creation_off_sends_messages_but_not_queues(tmp_path, procs):
     wait_for(lambda: depth(b, "orders") == 3, 30, what="orders on B")
     wait_for(lambda: source_view(a)["mirror"]["pending"] == 0, 30, what="all accepted")
     assert target_events(b).get("queues_created", 0) == 0
+
+
+class _ProtonMirrorTarget:
+    """A mirror target that is not Lodestone, as Artemis would be: python-qpid-proton listening,
+    answering the mirror's attach with ``amq.mirror`` and an id but without Lodestone's batch
+    capability, keeping every transfer it accepts (decoded by proton, the independent codec) and
+    the Open's properties."""
+
+    def __init__(self) -> None:
+        import threading
+
+        from proton.handlers import MessagingHandler
+        from proton.reactor import Container
+
+        target = self
+        self.transfers: list[Message] = []
+        self.offered: list = []
+        self.open_properties: dict = {}
+        self.port = free_ports(1)[0]
+        self.ready = threading.Event()
+
+        class Handler(MessagingHandler):
+            def __init__(self) -> None:
+                super().__init__(auto_accept=True)
+
+            def on_start(self, event) -> None:
+                target.acceptor = event.container.listen(f"127.0.0.1:{target.port}")
+                target.ready.set()
+
+            def on_connection_opened(self, event) -> None:
+                target.open_properties = dict(event.connection.remote_properties or {})
+
+            def on_link_opening(self, event) -> None:
+                link = event.link
+                asked = link.remote_target.capabilities
+                asked.rewind()
+                target.offered.append(list(asked.get_object() or []) if asked.next() is not None else [])
+                link.target.address = link.remote_target.address
+                caps = link.target.capabilities
+                caps.put_array(False, Data.SYMBOL)
+                caps.enter()
+                caps.put_symbol("amq.mirror")
+                caps.exit()
+                link.properties = {symbol("x-opt-amq-bkr-id"): "proton-target"}
+
+            def on_message(self, event) -> None:
+                target.transfers.append(event.message)
+
+        self.container = Container(Handler())
+        self.thread = threading.Thread(target=self.container.run, daemon=True)
+        self.thread.start()
+        assert self.ready.wait(10)
+
+    def stop(self) -> None:
+        self.container.stop()
+        self.thread.join(10)
+
+
+def test_a_target_without_batches_gets_one_artemis_event_per_transfer(tmp_path, procs):
+    t = _ProtonMirrorTarget()
+    try:
+        a = start(tmp_path, "a", extra="[broker-connections.dr]\n"
+                                       f'uri = "amqp://127.0.0.1:{t.port}"\nretry-interval-ms = 200\n'
+                                       "[broker-connections.dr.mirror]\n")
+        procs.append(a)
+        wait_for(lambda: source_view(a)["mirror"]["attached"], 20, what="the mirror attached to proton")
+        send(a, "orders", [f"o-{i}" for i in range(300)])
+        assert consume(a, "orders", 120) == [f"o-{i}" for i in range(120)]
+        wait_for(lambda: source_view(a)["mirror"]["pending"] == 0, 30, what="every event accepted by proton")
+        m = source_view(a)["mirror"]
+        assert m["batching"] is False
+        assert t.open_properties[symbol("broker-connection-info")] == {"connectionName": "dr", "nodeId": a.node_id}
+        assert m["sent"] == m["acknowledged"] == m["transfers"] == len(t.transfers)
+        assert "x-opt-lodestone-mirror-batch" in {str(c) for c in t.offered[0]}   # asked for, not offered
+        sends = [x for x in t.transfers if x.instructions and "x-opt-amq-mr-id" in x.instructions]
+        acks = [x for x in t.transfers if x.annotations and x.annotations.get("x-opt-amq-mr-ev-type") == "postAck"]
+        assert not [x for x in t.transfers if x.annotations and "x-opt-lodestone-mirror-batch" in x.annotations]
+        assert [x.body for x in sends] == [f"o-{i}" for i in range(300)]     # in order, each once
+        by_id = {x.instructions["x-opt-amq-mr-id"]: x.body for x in sends}
+        assert sorted(by_id[x.body] for x in acks) == sorted(f"o-{i}" for i in range(120))
+        assert {x.instructions["x-opt-amq-mr-trg-q"] for x in sends} == {"orders"}
+    finally:
+        t.stop()

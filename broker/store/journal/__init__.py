@@ -41,6 +41,10 @@ Modes (``JournalConfig.sync``):
 * ``"never"`` -- ``flush()`` writes to the OS but never fsyncs: records survive a crash of the
   process but not of the machine. ``synced_seq`` then means "handed to the OS".
 
+A **hold** (``hold()`` … ``release()``) keeps the newest record and every later one out of
+flushes until released (compaction and ``close()`` write them anyway): a caller that appends a
+record about a change appended just before (a mirror's batch of events) gets both in one write.
+
 Whatever the mode, a segment is fsynced before the next one is created (so only the last
 segment can have a torn tail) and compaction fsyncs what it writes. A failed write or fsync
 poisons the journal (``JournalFailed`` from then on): after a failed fsync the kernel may have
@@ -102,6 +106,8 @@ class Journal(SegmentFiles, Recovery, Compaction, Replication):
         self._synced_seq = 0
         self._pending: list[tuple[int, bytes]] = []
         self._pending_bytes = 0
+        self._holds = 0                     # hold() calls not yet released
+        self._hold_from: int | None = None  # while held: records from this seq on wait in _pending
         self._segments: list[_Segment] = []
         self._fd: int | None = None        # active segment, O_APPEND
         self._total_bytes = 0               # record bytes in segments + pending
@@ -220,6 +226,29 @@ class Journal(SegmentFiles, Recovery, Compaction, Replication):
         return self._append(RecordType.GROUP, payload, mutate)
 
     # -- durability -----------------------------------------------------------------------------
+    def hold(self) -> None:
+        """Keep the newest record (if not written yet) and every later one out of flushes until
+        :meth:`release`: a caller that appends a record *about* a change just appended (a
+        mirror's batch of events) then has both in one write, whatever a concurrent flush does.
+        Holds nest. Compaction and :meth:`close` write everything regardless. Whoever answers
+        clients after a flush must release first (the node's committer does)."""
+        with self._lock:
+            self._holds += 1
+            if self._hold_from is None:
+                self._hold_from = max(self._last_seq, self._written_seq + 1)
+
+    def release(self) -> None:
+        """End one :meth:`hold`; the last one lets the next flush write what waited."""
+        with self._lock:
+            if self._holds > 0:
+                self._holds -= 1
+                if not self._holds:
+                    self._hold_from = None
+
+    @property
+    def held(self) -> bool:
+        return self._hold_from is not None
+
     @property
     def last_seq(self) -> int:
         """The seq of the newest record appended (durable or not)."""
@@ -235,14 +264,15 @@ class Journal(SegmentFiles, Recovery, Compaction, Replication):
         """Every record up to this seq is durable (per the sync mode)."""
         return self._synced_seq
 
-    def flush(self) -> int:
+    def flush(self, *, everything: bool = False) -> int:
         """Write every pending record and make it durable with one fsync; returns ``synced_seq``.
+        Held records (:meth:`hold`) wait for a later flush unless ``everything``.
 
         Blocking: call it from a worker thread (``trio.to_thread.run_sync(journal.flush)``).
         Concurrent callers are serialised; appends may continue meanwhile.
         """
         with self._flush_lock:
-            to_sync = self._write_pending()
+            to_sync = self._write_pending(everything)
             if self.config.sync != "never":
                 for fd in to_sync:
                     self._sync_or_fail(fd)
@@ -294,7 +324,7 @@ class Journal(SegmentFiles, Recovery, Compaction, Replication):
         if self._closed:
             return
         try:
-            self.flush()
+            self.flush(everything=True)
         except JournalFailed:
             pass            # already reported to whoever appended; just release the files
         with self._flush_lock, self._lock:

@@ -74,18 +74,27 @@ def _write_all(fd: int, data: bytes) -> int:
 class SegmentFiles:
     """Mixin of ``Journal``: writing pending records into segment files, rolling them."""
 
-    def _write_pending(self) -> list[int]:
-        """Under _flush_lock: write pending records (rolling segments as needed). Returns the
-        fds needing fsync, the active one last; rolled ones must be closed by the caller."""
+    def _write_pending(self, everything: bool = False) -> list[int]:
+        """Under _flush_lock: write pending records (rolling segments as needed), except held
+        ones (``Journal.hold``) unless ``everything``. Returns the fds needing fsync, the active
+        one last; rolled ones must be closed by the caller."""
         with self._lock:
-            return self._write_pending_locked()
+            return self._write_pending_locked(everything)
 
-    def _write_pending_locked(self) -> list[int]:
+    def _write_pending_locked(self, everything: bool = True) -> list[int]:
         self._check_usable()
         fds = [self._fd]
         batch: list[bytes] = []
         seg = self._segments[-1]
-        for seq, rec in self._pending:
+        pending = self._pending
+        keep: list[tuple[int, bytes]] = []
+        hold = self._hold_from
+        if hold is not None and not everything and pending and pending[-1][0] >= hold:
+            cut = len(pending)
+            while cut > 0 and pending[cut - 1][0] >= hold:
+                cut -= 1
+            pending, keep = pending[:cut], pending[cut:]
+        for seq, rec in pending:
             if seg.size + len(rec) > self.config.segment_bytes and seg.size > SEG_HEADER_BYTES:
                 if batch:
                     try:
@@ -104,10 +113,10 @@ class SegmentFiles:
             except OSError as exc:      # e.g. ENOSPC: the file may now end in a partial record
                 self._failed = exc
                 raise JournalFailed(f"write to journal {self.directory} failed: {exc}") from exc
-        if self._pending:
-            self._written_seq = self._pending[-1][0]
-        self._pending = []
-        self._pending_bytes = 0
+        if pending:
+            self._written_seq = pending[-1][0]
+        self._pending = keep
+        self._pending_bytes = sum(len(rec) for _seq, rec in keep)
         return fds
 
     def _roll(self, prev_seq: int) -> _Segment:

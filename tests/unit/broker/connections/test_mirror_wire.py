@@ -142,3 +142,47 @@ def test_ack_prefixes_are_cached_but_each_event_is_its_own():
     a = encode_control("postAck", origin="n", address="a", queue="q", message_id=1)
     b = encode_control("postAck", origin="n", address="a", queue="q", message_id=2)
     assert a != b and decode_event(a).message_id == 1 and decode_event(b).message_id == 2
+
+
+# -- batches (Lodestone to Lodestone) ------------------------------------------------------------
+from broker.connections.mirror_wire import batch_count, encode_batch, split_batch  # noqa: E402
+
+
+def _events(n: int) -> list[bytes]:
+    sends = [encode_send(_encode(Message(address="orders", body=f"b-{i}")), i, trg_queue="orders", address="orders")
+             for i in range(n)]
+    acks = [encode_control("postAck", origin="node-a", address="orders", queue="orders", message_id=i)
+            for i in range(n)]
+    return [e for pair in zip(sends, acks) for e in pair]
+
+
+def test_a_batch_is_an_amqp_message_proton_reads_as_a_list_of_the_events():
+    events = _events(3)
+    data = encode_batch(events)
+    m = _proton(data)
+    assert m.annotations == {symbol("x-opt-lodestone-mirror-batch"): True}
+    assert [bytes(b) for b in m.body] == events
+    assert split_batch(data) == events and batch_count(data) == 6
+    assert [decode_event(e).kind for e in split_batch(data)] == ["send", "postAck"] * 3
+
+
+def test_a_single_event_is_not_a_batch():
+    (one, _ack) = _events(1)
+    assert split_batch(one) is None and batch_count(one) == 1
+
+
+@pytest.mark.parametrize("mangle,reason", [
+    (lambda d: d[:-1], "does not match"),
+    (lambda d: d[:d.index(b"\xb0")] + b"\xb0\x7f\xff\xff\xff" + d[d.index(b"\xb0") + 5:], "runs past"),
+    (lambda d: d + b"\x00", "does not match"),
+    (lambda d: d.replace(b"\xb0", b"\xa0", 1), "binaries"),
+])
+def test_a_batch_that_is_not_the_format_is_refused(mangle, reason):
+    data = mangle(encode_batch(_events(2)))
+    with pytest.raises(MirrorFormatError, match=reason):
+        split_batch(data)
+
+
+def test_a_batch_over_the_limit_is_refused():
+    with pytest.raises(MirrorFormatError, match="1 to 4096"):
+        split_batch(encode_batch([b"x"] * 4097))

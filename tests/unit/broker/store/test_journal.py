@@ -110,6 +110,53 @@ def test_seq_increases_by_one_and_synced_seq_lags_until_flush(tmp_path):
         assert j.synced_seq == 10
 
 
+def _on_disk(path: Path) -> dict:
+    """What a restart would find: the journal reopened from a copy of its files."""
+    copy = path.parent / (path.name + "-copy")
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(path, copy)
+    with Journal.open(copy, SMALL) as j2:
+        return {k: v.decode() for k, v in j2.kv("n").items()}
+
+
+def test_a_hold_keeps_the_newest_record_and_later_ones_for_one_write(tmp_path):
+    """Journal.hold (a mirror's batch): the record just appended and everything after it wait
+    until release, whatever flushes run meanwhile; earlier records are written as usual."""
+    with Journal.open(tmp_path, SMALL) as j:
+        j.put_kv("n", "before", b"1")
+        j.put_kv("n", "cause", b"2")
+        j.hold()                      # the cause is the newest record: it is held too
+        j.put_kv("n", "during", b"3")
+        assert j.flush() == 1 and j.written_seq == 1
+        assert _on_disk(tmp_path) == {"before": "1"}
+        j.hold()                      # holds nest
+        j.put_kv("n", "event", b"4")
+        j.release()
+        j.flush()
+        assert _on_disk(tmp_path) == {"before": "1"}
+        j.release()
+        assert j.flush() == 4
+        assert _on_disk(tmp_path) == {"before": "1", "cause": "2", "during": "3", "event": "4"}
+        j.hold()                      # the newest record is written already: only later ones wait
+        j.put_kv("n", "after", b"5")
+        j.flush()
+        assert j.written_seq == 4
+        j.release()
+
+
+def test_close_and_compaction_write_held_records(tmp_path):
+    j = Journal.open(tmp_path, SMALL)
+    j.put_kv("n", "a", b"1")
+    j.hold()
+    j.put_kv("n", "b", b"2")
+    j.compact()
+    assert _on_disk(tmp_path) == {"a": "1", "b": "2"}
+    j.put_kv("n", "c", b"3")
+    j.close()
+    with Journal.open(tmp_path, SMALL) as j2:
+        assert set(j2.kv("n")) == {"a", "b", "c"}
+
+
 def test_sync_always_is_durable_on_return(tmp_path):
     with Journal.open(tmp_path, JournalConfig(sync="always")) as j:
         seq = j.add_message("q", 1, b"x")
