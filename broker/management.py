@@ -247,7 +247,11 @@ def metrics(node: "Node", exporter: "MetricsExporter | None" = None) -> list[Met
     if mt is not None:
         out.append(Metric("lodestone_broker_mirror_target_events_total", "counter",
                           "what this node applied as a mirror's target, by event",
-                          tuple(({"event": k}, v) for k, v in sorted(mt.describe().items()) if k != "tracked")))
+                          tuple(({"event": k}, v) for k, v in sorted(mt.describe().items())
+                                if k not in ("tracked", "pending_acks"))))
+        out.append(Metric("lodestone_broker_mirror_target_pending_acks", "gauge",
+                          "mirror acknowledgements waiting for a consumer here to settle or give back the message",
+                          (({}, mt.describe()["pending_acks"]),)))
     j = node.journal
     if j is not None:
         out.append(Metric("lodestone_broker_journal_bytes", "gauge", "journal record bytes on disk",

@@ -46,6 +46,7 @@ condition, counted; the node goes on serving everyone else.
 from __future__ import annotations
 
 import collections
+import json
 import logging
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
@@ -74,6 +75,9 @@ log = logging.getLogger("lodestone.broker.mirror")
 __all__ = ["MirrorSource", "MirrorSender", "MirrorTarget", "SNF_PREFIX", "MIRROR_CREDIT"]
 
 SNF_PREFIX = INTERNAL_PREFIX + "mirror."
+_REASON_NAMES = {v: k for k, v in ACK_REASONS.items()}   # a postAck's reason, as the queues' hooks name it
+HELD_RECORDS = "$lodestone.records.mirror-held-acks"      # the target's held acknowledgements, journaled
+MAX_HELD_ACKS = 10_000    # held at once at most (Artemis's mirrorMaxPendingAcks); beyond: not held
 MIRROR_CREDIT = 1000          # events in flight on the mirror link (Artemis's default credit)
 _ORIGIN_CACHE = "mirror:"     # the target's duplicate cache of a source: core.duplicates.origin(prefix + id)
 
@@ -103,10 +107,13 @@ class MirrorSource:
         self._held = False                 # the journal is held for them (Journal.hold)
         self._wake = Wakeup()
         self.pending_events = 0            # events in the store-and-forward queue, not yet accepted
+        self.target_id: str | None = None  # the target's node id, once it answered an attach
+        self._applier: "MirrorTarget | None" = None   # this node's target side (echo avoidance)
 
     # -- installed while the node serves ---------------------------------------------------------
     def install(self, node: "Node") -> None:
         self.node = node
+        self._applier = node.component(MirrorTarget.name)
         core = node.core
         snf = core.queues.get(self.snf_name)
         if snf is None:
@@ -145,7 +152,19 @@ class MirrorSource:
         self._watched.append(q)
         return True
 
+    def _from_target(self) -> bool:
+        """The change being made was applied from our own target's mirror (a dual mirror): it is
+        not sent back there (Artemis: acks and create/delete are skipped toward the same remote)."""
+        t = self._applier
+        return t is not None and t.applying is not None and t.applying == self.target_id
+
     def _queue_changed(self, q, created: bool) -> None:
+        if self._from_target():
+            if created:
+                self._watch(q)
+            elif q in self._watched:
+                self._watched.remove(q)
+            return
         if created:
             if self._watch(q) and self.settings.queue_creation:
                 self._event(encode_control("createQueue", origin=self.node.node_id, address=q.address, queue=q.name,
@@ -159,17 +178,27 @@ class MirrorSource:
 
     # -- the queues' hooks (broker.core.queues.Queue.mirror) ------------------------------------
     def added(self, queue, msg: Message) -> None:
-        if type(msg.origin) is Mirrored:
-            return     # applied from another mirror (part 2: dual mirrors): not sent back
+        origin = msg.origin
+        if type(origin) is Mirrored:
+            # a copy applied from another mirror keeps its origin's id; it goes on (a ring) except
+            # to its origin, which has it (a target also drops a send of its own: an echo)
+            if origin.node == self.target_id:
+                return
+            self.counters["sends"] += 1
+            self._event(encode_send(msg.body, origin.id, trg_queue=queue.name, address=msg.address,
+                                    origin=origin.node), msg.durable)
+            return
         self.counters["sends"] += 1
         self._event(encode_send(msg.body, msg.mid, trg_queue=queue.name, address=msg.address), msg.durable)
 
     def removed(self, queue, msg: Message, reason: str) -> None:
-        if not self.settings.message_acknowledgements:
+        if not self.settings.message_acknowledgements or self._from_target():
             return
+        origin = msg.origin
+        node_id, mid = (origin.node, origin.id) if type(origin) is Mirrored else (self.node.node_id, msg.mid)
         self.counters["acks"] += 1
-        self._event(encode_control("postAck", origin=self.node.node_id, address=queue.address, queue=queue.name,
-                                   message_id=msg.mid, reason=ACK_REASONS[reason]), msg.durable)
+        self._event(encode_control("postAck", origin=node_id, address=queue.address, queue=queue.name,
+                                   message_id=mid, reason=ACK_REASONS[reason]), msg.durable)
 
     def _event(self, data: bytes, durable: bool) -> None:
         """An event joins this round's batch. A durable one holds the journal from the record of
@@ -254,7 +283,7 @@ class MirrorSender(QueueFeed):
             return "the mirror's target is this node itself"
         if theirs != self.target_id:
             log.info("mirror %s: attached to node %s", self.source.cfg.name, theirs)
-        self.target_id = theirs
+        self.target_id = self.source.target_id = theirs
         batching = BATCH_CAPABILITY in link.remote_capabilities
         if self._mode is None:
             self._mode = self.batching = batching
@@ -358,12 +387,14 @@ class _MirrorIn:
     def on_message(self, link: "OwnedLink", data: bytes, delivery: "Incoming") -> None:
         target = self.target
         synced = False
+        target.applying = self.origin      # what this changes is not mirrored back to it (dual mirrors)
         try:
             events = split_batch(data) if self.batches else None
             for one in (data,) if events is None else events:
                 if target.apply(self.origin, decode_event(one)):
                     synced = True
         except MirrorFormatError as exc:
+            target.applying = None
             self.target.counters["bad_events"] += 1
             log.warning("mirror: a malformed event from node %s; closing its connection",
                         self.origin, extra={"fields": {"condition": exc.condition, "description": exc.description,
@@ -371,6 +402,8 @@ class _MirrorIn:
             delivery.reject(exc.condition, exc.description)
             self.engine.close_with(exc.condition, exc.description)
             return
+        finally:
+            target.applying = None
         if synced:
             delivery.accept_when_synced()
         else:
@@ -388,11 +421,17 @@ class MirrorTarget(Component):
         #: (origin node, its id of the message) -> (queue, our message id), for its postAck
         self.index: dict[tuple[str, int], tuple[str, int]] = {}
         self.indexed = False
+        #: while an event is applied: the node id of the mirror it came from (MirrorSource._from_target)
+        self.applying: str | None = None
+        self.held: dict[int, int] = {}     # acknowledgements waiting for a consumer: our mid -> record id
 
     def activated(self, node: "Node", nursery: trio.Nursery) -> None:
         self.node = node
         self.indexed = False     # built at the first mirror attach of this activation (_build_index)
         self.index.clear()
+        self.held.clear()
+        if node.journal is not None:
+            self._recover_held()
         node.services.register(MIRROR_PREFIX, self)
 
     def _build_index(self) -> None:
@@ -447,10 +486,18 @@ class MirrorTarget(Component):
             return self._send(origin, ev)
         if ev.kind == "postAck":
             self.counters["acks"] += 1
-            found = self.index.pop((origin, ev.message_id), None)
-            q = core.queues.get(found[0]) if found is not None else None
-            gone = q.remove_waiting(found[1]) if q is not None else None
+            reason = _REASON_NAMES.get(ev.reason, "normal")
+            if origin == node.node_id:    # a message of ours, taken at another site (a dual mirror)
+                q = core.queues.get(ev.queue)
+                gone = q.remove_waiting(ev.message_id, reason) if q is not None and not q.deleted else None
+            else:
+                found = self.index.pop((origin, ev.message_id), None)
+                q = core.queues.get(found[0]) if found is not None else None
+                gone = q.remove_waiting(found[1], reason) if q is not None else None
             if gone is None:
+                mid = ev.message_id if origin == node.node_id else (found[1] if found is not None else None)
+                if q is not None and mid is not None and not q.deleted:
+                    return self._hold(q, origin, mid)
                 self.counters["acks_not_found"] += 1
                 return False
             return gone.durable and q.durable     # the removal was journaled: accept after its fsync
@@ -474,6 +521,66 @@ class MirrorTarget(Component):
             return False    # an address goes with its last queue here (deleteQueue); nothing to do
         return False
 
+    # -- held acknowledgements (beyond Artemis, which retries a few times, then drops them) ------
+    def _hold(self, q, origin: str, mid: int) -> bool:
+        """A postAck for a message a consumer here holds: it waits, journaled, until the consumer
+        settles (then it is moot) or gives the message back (then it is applied, and the message
+        is not delivered again). True when a record was journaled (accept after its fsync)."""
+        if mid in self.held:
+            return False     # the same acknowledgement again (a resend): it waits already
+        if len(self.held) >= MAX_HELD_ACKS:
+            self.counters["acks_dropped"] += 1
+            if self.counters["acks_dropped"] == 1 or self.counters["acks_dropped"] % 1000 == 0:
+                log.warning("mirror: %d acknowledgements held already; one for a message a consumer holds here "
+                            "is dropped (that message may be delivered here again)", MAX_HELD_ACKS)
+            return False
+        if not q.hold_ack(mid, lambda msg, returned: self._held_done(q, origin, mid, msg, returned)):
+            self.counters["acks_not_found"] += 1
+            return False
+        core = self.node.core
+        rec = core.next_mid()
+        self.held[mid] = rec
+        self.counters["acks_held"] += 1
+        if self.node.journal is None:
+            return False
+        core.store.add_record(HELD_RECORDS, rec, json.dumps([q.name, mid, origin]).encode())
+        return True
+
+    def _held_done(self, q, origin: str, mid: int, msg: Message, returned: bool) -> None:
+        rec = self.held.pop(mid, None)
+        if returned:
+            before, self.applying = self.applying, origin    # not mirrored back to where it came from
+            try:
+                q.acknowledge(msg)
+            finally:
+                self.applying = before
+            self.counters["held_acks_applied"] += 1
+        else:
+            self.counters["held_acks_moot"] += 1
+        if rec is not None and self.node.journal is not None:
+            self.node.core.store.remove_record(HELD_RECORDS, rec)
+
+    def _recover_held(self) -> None:
+        """Acknowledgements held when the node stopped: their messages came back to their queues
+        at the restart, so they are applied now, before anyone consumes."""
+        node = self.node
+        records = node.internal_records.pop(HELD_RECORDS, ())
+        core = node.core
+        for rec, body in records:
+            try:
+                qname, mid, origin = json.loads(body)
+            except ValueError:
+                qname = None
+            q = core.queues.get(qname) if isinstance(qname, str) else None
+            if q is not None and isinstance(mid, int):
+                before, self.applying = self.applying, origin
+                try:
+                    if q.remove_waiting(mid) is not None:
+                        self.counters["held_acks_applied"] += 1
+                finally:
+                    self.applying = before
+            core.store.remove_record(HELD_RECORDS, rec)
+
     def _create_queue(self, ev) -> bool:
         core = self.node.core
         d = ev.definition or {}
@@ -496,6 +603,9 @@ class MirrorTarget(Component):
 
     def _send(self, origin: str, ev) -> bool:
         core = self.node.core
+        if origin == self.node.node_id:
+            self.counters["echoes"] += 1     # our own message come back round (a ring whose source
+            return False                     # did not know its target yet): we have it
         key = ev.message_id.to_bytes(8, "big")
         cache = _ORIGIN_CACHE + origin
         dups = core.duplicates
@@ -530,4 +640,7 @@ class MirrorTarget(Component):
                 "acks_not_found": self.counters["acks_not_found"], "duplicates": self.counters["duplicates"],
                 "bad_events": self.counters["bad_events"], "refused": self.counters["refused"],
                 "queues_created": self.counters["queues_created"], "queues_deleted": self.counters["queues_deleted"],
-                "sends_unroutable": self.counters["sends_unroutable"], "tracked": len(self.index)}
+                "sends_unroutable": self.counters["sends_unroutable"], "echoes": self.counters["echoes"],
+                "acks_held": self.counters["acks_held"], "held_acks_applied": self.counters["held_acks_applied"],
+                "held_acks_moot": self.counters["held_acks_moot"], "acks_dropped": self.counters["acks_dropped"],
+                "pending_acks": len(self.held), "tracked": len(self.index)}

@@ -249,6 +249,8 @@ class Queue:
         #: the mirrors that copy this queue's changes (``broker.connections.mirror``): each gets
         #: ``added(queue, msg)`` and ``removed(queue, msg, reason)``
         self.mirror: tuple = ()
+        #: a mirror's acknowledgements of messages a consumer here holds (hold_ack): mid -> done
+        self.acks_held: dict[int, Callable[[Message, bool], None]] | None = None
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -475,9 +477,11 @@ class Queue:
             self.host.store.remove(self.name, msg)
         self._mirror_removed(msg, "normal")
 
-    def remove_waiting(self, mid: int) -> Message | None:
+    def remove_waiting(self, mid: int, reason: str = "normal") -> Message | None:
         """Acknowledge the waiting message ``mid`` on another node's behalf (a mirror's
-        ``postAck``): None when it is not waiting here (delivered to a consumer, or gone)."""
+        ``postAck``; ``reason`` as for the mirror hooks): None when it is not waiting here
+        (delivered to a consumer, or gone). This queue's own mirrors hear of it (a ring passes
+        it on; the mirror it came from is not told again)."""
         msgs = self.messages
         found = msgs[0] if msgs and msgs[0].mid == mid else next((m for m in msgs if m.mid == mid), None)
         if found is None:
@@ -486,7 +490,32 @@ class Queue:
         self.acked += 1
         if found.durable and self.durable:
             self.host.store.remove(self.name, found)
+        if self.mirror:
+            self._mirror_removed(found, reason)
         return found
+
+    def hold_ack(self, mid: int, done: Callable[[Message, bool], None]) -> bool:
+        """A mirror acknowledges ``mid`` while a consumer here holds it: the acknowledgement waits.
+        If the message comes back (released, modified, its consumer gone) it is acknowledged
+        instead of delivered again, and ``done(msg, True)`` is called to do it; if the consumer
+        settles it otherwise, ``done(msg, False)``. False: no consumer here holds ``mid``."""
+        for sub in self.subs:
+            if mid in sub.unacked:
+                if self.acks_held is None:
+                    self.acks_held = {}
+                self.acks_held[mid] = done
+                return True
+        return False
+
+    def acknowledge(self, msg: Message) -> None:
+        """Acknowledge a message that is neither waiting nor with a consumer (a held
+        acknowledgement applied as the message came back: see :meth:`hold_ack`)."""
+        self._ack(msg)
+
+    def _held_ended(self, msg: Message) -> None:
+        done = self.acks_held.pop(msg.mid, None)
+        if done is not None:
+            done(msg, False)
 
     def _mirror_removed(self, msg: Message, reason: str) -> None:
         if self.mirror:
@@ -564,7 +593,11 @@ class Queue:
         consumer that left), each to its original place. ``failed`` counts one more failed
         delivery attempt (journaled; dead-lettered once exhausted). Returns how many came back."""
         back = 0
+        held = self.acks_held
         for msg in sorted(msgs, key=lambda m: m.mid) if len(msgs) > 1 else msgs:
+            if held and msg.mid in held:
+                held.pop(msg.mid)(msg, True)    # acknowledged meanwhile by a mirror: not delivered again
+                continue
             if failed:
                 msg.delivery_count += 1
             if self._exhausted(msg):
@@ -589,9 +622,13 @@ class Queue:
             self.host.store.remove(self.name, msg)
         if self.mirror:
             self._mirror_removed(msg, "normal")
+        if self.acks_held:
+            self._held_ended(msg)
 
     def _dead_letter(self, msg: Message) -> None:
         self.dead_lettered += 1
+        if self.acks_held:
+            self._held_ended(msg)
         if msg.durable and self.durable:
             self.host.store.remove(self.name, msg)
         if self.mirror:
@@ -608,6 +645,8 @@ class Queue:
 
     def _expire(self, msg: Message) -> None:
         self.expired += 1
+        if self.acks_held:
+            self._held_ended(msg)
         if msg.durable and self.durable:
             self.host.store.remove(self.name, msg)
         if self.mirror:
