@@ -384,7 +384,8 @@ def _broker_connection(name: str, t: Table) -> BrokerConnectionConfig:
         except ValueError as exc:
             raise mt.error("address-filter", f"{text!r}: {exc}") from None
         mirror = MirrorConfig(mt.bool("message-acknowledgements", True), mt.bool("queue-creation", True),
-                              mt.bool("queue-removal", True), afilter, mt.bool("durable", True))
+                              mt.bool("queue-removal", True), afilter, mt.bool("durable", True),
+                              mt.bool("sync", False), mt.bool("initial-sync", False))
         mt.done()
     for i, r in enumerate(elements["receiver"]):
         for s in elements["sender"]:

@@ -215,8 +215,7 @@ class NodeProcess:
 
     async def _start_node_tasks(self, node: Node, nursery: trio.Nursery, urls: list[str], mgmt_url: str) -> None:
         cfg = self.cfg
-        if node.journal is not None:
-            nursery.start_soon(node.committer)
+        nursery.start_soon(node.committer)    # without a journal it answers what sync mirrors hold
         if cfg.cluster is not None:
             await nursery.start(_run_cluster, node, cfg.cluster, urls, mgmt_url)
         for bg in cfg.broadcast_groups:

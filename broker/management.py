@@ -238,6 +238,10 @@ def metrics(node: "Node", exporter: "MetricsExporter | None" = None) -> list[Met
             Metric("lodestone_broker_mirror_pending", "gauge",
                    "mirror events waiting in the store-and-forward queue (or in flight)",
                    tuple(({"connection": v["name"]}, v["mirror"]["pending"]) for v in views if v["mirror"])),
+            Metric("lodestone_broker_mirror_sync_held", "gauge",
+                   "sends and commits a sync mirror holds until its target has their events",
+                   tuple(({"connection": v["name"]}, v["mirror"]["held"]) for v in views
+                         if v["mirror"] and v["mirror"]["sync"])),
             Metric("lodestone_broker_mirror_events_total", "counter", "mirror events by kind (sends, acks) and "
                    "those the target accepted (acknowledged)",
                    tuple(({"connection": v["name"], "kind": k}, v["mirror"][k]) for v in views if v["mirror"]

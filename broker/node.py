@@ -185,6 +185,10 @@ class Node:
         #: run by the committer before it takes the sends to answer (a mirror writes its batch of
         #: events and releases its journal hold: every answered send's record is then flushed)
         self.before_commit: list[Callable[[], None]] = []
+        #: the mirrors with ``sync = true`` (broker.connections.mirror.MirrorSource): the committer
+        #: answers a batch only once each of them had its events so far accepted by its target
+        self.sync_mirrors: list = []
+        self._mirror_held: collections.deque = collections.deque()   # (marks, synced seq, waiters)
         self.role = role
         self._components = {c.name: c for c in components if c.name}
         #: the internal link services (EngineHost.services): $lodestone.replication.* here,
@@ -417,8 +421,9 @@ class Node:
         self.counters["addresses_auto_created"] += 1
 
     def await_sync(self, engine: "AmqpEngine", delivery) -> None:
-        """Accept ``delivery`` once the journal records written so far are durable."""
-        if self.journal is None:  # [node] persistent = false: nothing to wait for
+        """Accept ``delivery`` once the journal records written so far are durable, and the
+        events so far of every sync mirror reached its target."""
+        if self.journal is None and not self.sync_mirrors:  # [node] persistent = false: nothing to wait for
             engine.synced([delivery])
             return
         lst = self.sync_waiters.get(engine)
@@ -538,21 +543,44 @@ class Node:
             for hook in self.before_commit:
                 hook()
             waiters, self.sync_waiters = self.sync_waiters, {}
-            try:
-                synced = await trio.to_thread.run_sync(j.flush)
-            except Exception as exc:  # disk full, I/O error: refuse the sends, keep serving
-                log.error("journal flush failed: %s", exc)
-                self.counters["journal_flush_failed"] += 1
-                for engine, ds in waiters.items():
-                    engine.sync_failed(ds, f"journal write failed: {exc}")
+            marks = tuple((m, m.seq) for m in self.sync_mirrors)
+            synced = 0
+            if j is not None:
+                try:
+                    synced = await trio.to_thread.run_sync(j.flush)
+                except Exception as exc:  # disk full, I/O error: refuse the sends, keep serving
+                    log.error("journal flush failed: %s", exc)
+                    self.counters["journal_flush_failed"] += 1
+                    for engine, ds in waiters.items():
+                        engine.sync_failed(ds, f"journal write failed: {exc}")
+                    continue
+                self.counters["journal_flushes"] += 1
+            if not waiters:
                 continue
-            self.counters["journal_flushes"] += 1
-            repl = self.replication
-            if repl is not None and repl.gating and waiters:
-                repl.hold(synced, waiters)   # answered once the backup holds them too
+            if self._mirror_held or not all(m.confirmed(seq) for m, seq in marks):
+                self._mirror_held.append((marks, synced, waiters))   # answered once the targets have it
                 continue
-            for engine, ds in waiters.items():
-                engine.synced(ds)
+            self._answer(synced, waiters)
+
+    def _answer(self, synced: int, waiters: dict) -> None:
+        repl = self.replication
+        if repl is not None and repl.gating:
+            repl.hold(synced, waiters)   # answered once the backup holds them too
+            return
+        for engine, ds in waiters.items():
+            engine.synced(ds)
+
+    def mirror_confirmed(self) -> None:
+        """A sync mirror's target accepted events: answer the batches it was holding, in order."""
+        held = self._mirror_held
+        while held and all(m.confirmed(seq) for m, seq in held[0][0]):
+            _marks, synced, waiters = held.popleft()
+            self._answer(synced, waiters)
+
+    @property
+    def mirror_held_count(self) -> int:
+        """Sends and commits waiting for a sync mirror's target."""
+        return sum(len(ds) for _m, _s, waiters in self._mirror_held for ds in waiters.values())
 
     async def expiry_scanner(self) -> None:
         """Artemis's ``message-expiry-scan-period``: expired messages leave queues nobody reads.

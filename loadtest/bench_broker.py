@@ -59,9 +59,10 @@ class Lodestone:
     """A Lodestone broker node run from ``repo`` (this checkout, or a baseline's worktree)."""
 
     def __init__(self, work: Path, repo: Path = REPO, name: str = "lodestone", extra: str = "",
-                 permissions: str = ""):
+                 permissions: str = "", port: int = 0):
         """``extra``: TOML appended to the broker's config (``bench_mirror.py``'s mirror);
-        ``permissions``: more keys of the users file's permission entry (``mirror = ["app"]``)."""
+        ``permissions``: more keys of the users file's permission entry (``mirror = ["app"]``);
+        ``port``: the AMQP port (0: the OS picks)."""
         self.name = name
         self.repo = repo
         self.work = work / name.replace("@", "-")
@@ -73,7 +74,7 @@ class Lodestone:
             'manage = ["app"]\n' + permissions)
         (self.work / "broker.toml").write_text(
             '[node]\nname = "bench"\ndata-dir = "data"\n'
-            '[acceptors.amqp]\nhost = "127.0.0.1"\nport = 0\n'
+            f'[acceptors.amqp]\nhost = "127.0.0.1"\nport = {port}\n'
             '[management]\nport = 0\n[activity-log]\nflush-interval-s = 10\n[logging]\nlevel = "WARNING"\n' + extra)
         self.proc = subprocess.Popen([sys.executable, "-m", "broker", "run", str(self.work / "broker.toml")],
                                      cwd=self.repo, stdout=subprocess.PIPE, stderr=open(self.work / "stderr.log", "wb"),

@@ -1315,17 +1315,18 @@ class AmqpEngine:
             self._reject(d, *err)
             return
         address, durable, priority, expires, key = send
+        core = self.core
+        mark = core.sync_events
         if key is None:
-            stored = self.core.publish(address, data, durable, priority, expires, self.conn_id)
+            stored = core.publish(address, data, durable, priority, expires, self.conn_id)
         else:
             # a duplicate is not routed but answered as if it were: accepted (after the fsync
             # when its first copy was journaled), as Artemis answers it
-            _duplicate, stored = self.core.publish_once(address, key, data, durable, priority, expires,
-                                                        self.conn_id)
+            _duplicate, stored = core.publish_once(address, key, data, durable, priority, expires, self.conn_id)
         self._count("messages_in")
         if _pn_delivery_settled(d):  # pre-settled by the producer (at-most-once): nothing to answer
             _pn_delivery_settle(d)
-        elif stored:
+        elif stored or core.sync_events != mark:   # journaled, or a sync mirror's target must have it
             lib.pn_incref(d)  # keep the delivery alive until the fsync answer (see synced())
             self.host.await_sync(self, d)
         else:

@@ -202,12 +202,14 @@ class TxnCoordinator:
         engine = self.engine
         txn_id = _binary(fields[0]) if fields else None
         fail = bool(fields[1]) if len(fields) > 1 else False
+        mark = engine.core.sync_events
         try:
             result = self.table.discharge(txn_id, fail, engine.core)
         except UnknownTransaction as exc:
             self.engine._reject(dw._impl, exc.condition, exc.description)
             return
         self._settle_tokens(result.tokens, committed=result.committed)
+        mirrored = engine.core.sync_events != mark     # a sync mirror's target must have the commit's events
         if not result.committed:
             engine._count("transactions_rolled_back")
             if result.error is not None:
@@ -218,7 +220,7 @@ class TxnCoordinator:
             engine._count("messages_in", result.published)
         if dw.settled:
             dw.settle()
-        elif result.stored:
+        elif result.stored or mirrored:
             d = dw._impl
             lib.pn_incref(d)       # until the fsync answer (engine.synced accepts and settles it)
             engine.host.await_sync(engine, d)

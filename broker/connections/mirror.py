@@ -108,6 +108,8 @@ class MirrorSource:
         self._wake = Wakeup()
         self.pending_events = 0            # events in the store-and-forward queue, not yet accepted
         self.target_id: str | None = None  # the target's node id, once it answered an attach
+        self.seq = 0                       # events written to the queue so far (this activation)
+        self._outstanding: dict[int, int] = {}   # queue message id -> seq of its first event, in order
         self._applier: "MirrorTarget | None" = None   # this node's target side (echo avoidance)
 
     # -- installed while the node serves ---------------------------------------------------------
@@ -116,18 +118,51 @@ class MirrorSource:
         self._applier = node.component(MirrorTarget.name)
         core = node.core
         snf = core.queues.get(self.snf_name)
+        initial = snf is None and self.settings.initial_sync   # this mirror's first start here
+        if initial and node.journal is not None:
+            node.journal.hold()        # the queue's creation and the copies reach the disk together
         if snf is None:
             core.declare_address(self.snf_name, [ANYCAST])
             snf = core.queues[self.snf_name]
         snf.max_delivery_count = 0     # a link that reconnects is not a failed delivery
         self.snf = snf
-        self.pending_events = sum(batch_count(m.body) for m in snf.messages)
+        self.pending_events = 0
+        self.seq = 0
+        self._outstanding.clear()
+        for m in list(snf.messages):     # recovered: waiting for the target since before the restart
+            self._outstanding[m.mid] = self.seq + 1
+            n = batch_count(m.body)
+            self.seq += n
+            self.pending_events += n
         node.before_commit.append(self.flush_events)
+        if self.settings.sync:
+            node.sync_mirrors.append(self)
         for q in list(core.queues.values()):
             if self._watch(q) and self.settings.queue_creation:
                 self._event(encode_control("createQueue", origin=node.node_id, address=q.address, queue=q.name,
                                            definition=_queue_definition(q)), True)
+        if initial:
+            self._copy_existing()
+            if node.journal is not None:
+                node.journal.release()
         core.add_queue_listener(self._queue_changed)
+
+    def _copy_existing(self) -> None:
+        """``initial-sync`` (beyond Artemis): at the mirror's first start, every message already in
+        a mirrored queue — waiting, or with a consumer — is sent once, in order, before any event
+        that follows; the store-and-forward queue's creation is written in the same journal write,
+        so a restart neither copies them again nor skips them."""
+        n = 0
+        for q in self._watched:
+            present = list(q.messages)
+            for sub in q.subs:
+                present.extend(sub.unacked.values())
+            for msg in sorted(present, key=lambda m: m.mid):
+                self.added(q, msg)
+                n += 1
+        self.flush_events()
+        self.counters["initial_copies"] = n
+        log.info("mirror %s: initial sync: %d messages already here are copied to the target", self.cfg.name, n)
 
     def uninstall(self) -> None:
         node = self.node
@@ -135,11 +170,15 @@ class MirrorSource:
             return
         self.flush_events()
         node.before_commit.remove(self.flush_events)
+        if self in node.sync_mirrors:
+            node.sync_mirrors.remove(self)
         node.core.remove_queue_listener(self._queue_changed)
         for q in self._watched:
             q.mirror = tuple(m for m in q.mirror if m is not self)
         self._watched.clear()
         self.node = None
+        if self.settings.sync:
+            node.mirror_confirmed()      # what it held is answered: this node no longer serves
 
     def mirrors(self, q) -> bool:
         return (not q.name.startswith("$") and not q.temporary and not q.deleted
@@ -203,6 +242,8 @@ class MirrorSource:
     def _event(self, data: bytes, durable: bool) -> None:
         """An event joins this round's batch. A durable one holds the journal from the record of
         its cause (just appended) on, so cause and batch reach the disk in one write."""
+        if self.settings.sync:
+            self.node.core.sync_events += 1   # the send or commit that caused it waits for the target
         if durable and self.settings.durable:
             if not self._held and self.node.journal is not None:
                 self.node.journal.hold()
@@ -225,11 +266,28 @@ class MirrorSource:
             core = self.node.core
             body = events[0] if len(events) == 1 else encode_batch(events)
             self.pending_events += len(events)
-            self.snf.enqueue(Message(core.next_mid(), body, self._durable, self.snf_name))
+            msg = Message(core.next_mid(), body, self._durable, self.snf_name)
+            self._outstanding[msg.mid] = self.seq + 1
+            self.seq += len(events)
+            self.snf.enqueue(msg)
             self._durable = False
         if self._held:
             self._held = False
             self.node.journal.release()
+
+    def confirmed(self, seq: int) -> bool:
+        """Whether the target accepted every event up to ``seq`` (or this mirror stopped running
+        here: the node no longer serves, so there is nobody left to answer)."""
+        out = self._outstanding
+        return self.node is None or not out or next(iter(out.values())) > seq
+
+    def accepted(self, mids) -> None:
+        """The target settled these messages of the queue (MirrorSender)."""
+        out = self._outstanding
+        for mid in mids:
+            out.pop(mid, None)
+        if self.settings.sync and self.node is not None:
+            self.node.mirror_confirmed()
 
     async def run(self) -> None:
         """For one activation: write each round's events once the tasks that made them ran."""
@@ -238,7 +296,8 @@ class MirrorSource:
             self.flush_events()
 
     def describe(self, sender: "MirrorSender | None") -> dict:
-        return {"queue": self.snf_name, "pending": self.pending_events + len(self._events),
+        return {"queue": self.snf_name, "pending": self.pending_events + len(self._events), "sync": self.settings.sync,
+                "held": self.node.mirror_held_count if self.settings.sync and self.node is not None else 0,
                 "sends": self.counters["sends"], "acks": self.counters["acks"],
                 "sent": sender.events_sent if sender is not None else 0,
                 "acknowledged": sender.events_acknowledged if sender is not None else 0,
@@ -348,12 +407,17 @@ class MirrorSender(QueueFeed):
                 return
             self._parts.pop(token.mid, None)
             super().outcome(token.mid, "accepted")     # every event of the message is settled
+            self.source.accepted((token.mid,))
             return
         if settled:
             unacked = self.sub.unacked
-            n = sum(batch_count(unacked[m].body) for m in self.mids(token) if m in unacked)
+            mids = self.mids(token)
+            n = sum(batch_count(unacked[m].body) for m in mids if m in unacked)
             self.events_acknowledged += n
             self.source.pending_events -= n
+            super().outcome(token, state)
+            self.source.accepted(mids)
+            return
         super().outcome(token, state)
 
     def close(self) -> None:

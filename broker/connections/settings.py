@@ -131,6 +131,8 @@ class MirrorConfig:
     queue_removal: bool = True
     address_filter: AddressFilter = AddressFilter()
     durable: bool = True                # the store-and-forward queue is journaled
+    sync: bool = False                  # a send or commit is answered once the target has its events
+    initial_sync: bool = False          # the messages present at the mirror's first start are copied
 
 
 @dataclass(frozen=True)

@@ -231,6 +231,9 @@ class Broker:
         self.dropped_unrouted = 0
         self.dropped_expired = 0
         self.temp_counter = 0
+        #: events captured by sync mirrors so far: a send or commit that adds some is answered
+        #: only once they reached the target (the shell compares it before and after)
+        self.sync_events = 0
         #: wildcard addresses (``events.stock.*``) whose queues also get matching addresses' messages
         self.wildcard_addresses: dict[str, Address] = {}
         self._routes: dict[str, tuple[Address, ...]] = {}  # address -> wildcard addresses matching it

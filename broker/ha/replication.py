@@ -261,14 +261,24 @@ class _Session:
                     self.source.kick()
                 return
         if self.tapped and len(out.backlog) < 4:
+            # held records (Journal.hold: a change whose mirror batch is not written yet) wait,
+            # so the backup never has the change without its mirror event; the batch's own
+            # append kicks this pump again once the hold is over
+            hold = self.source.node.journal.held_from
+            tapped = self.tapped
             batch, size = [], 0
-            while self.tapped and size < 1024 * 1024:
-                seq, rec = self.tapped.popleft()
+            while tapped and size < 1024 * 1024 and (hold is None or tapped[0][0] < hold):
+                seq, rec = tapped.popleft()
                 batch.append(rec)
                 size += len(rec)
                 self.sent_seq = seq
             self.tapped_bytes -= size
-            out.backlog.append(encode(RECORDS, batch))
+            if batch:
+                out.backlog.append(encode(RECORDS, batch))
+            if tapped and hold is not None and tapped[0][0] >= hold:
+                if out.send_some():
+                    self.engine.wake()
+                return           # the rest waits for the hold's end (its append kicks us)
         if out.send_some():
             self.engine.wake()
         if self.tapped and out.link is not None and out.link.credit > 0:

@@ -246,8 +246,9 @@ class Journal(SegmentFiles, Recovery, Compaction, Replication):
                     self._hold_from = None
 
     @property
-    def held(self) -> bool:
-        return self._hold_from is not None
+    def held_from(self) -> int | None:
+        """While held: the first seq that waits (None when not held)."""
+        return self._hold_from
 
     @property
     def last_seq(self) -> int:

@@ -80,7 +80,9 @@ def test_defaults_are_artemis_defaults(tmp_path):
     ('uri = "amqp://h:1"\n[broker-connections.x.mirror]\naddress-filter = "a,!"',
      "broker-connections.x.mirror.address-filter", "needs a prefix"),
     ('uri = "amqp://h:1"\n[broker-connections.x.mirror]\ndurable = "yes"', "broker-connections.x.mirror.durable", ""),
-    ('uri = "amqp://h:1"\n[broker-connections.x.mirror]\nsync = true', "broker-connections.x.mirror.sync", ""),
+    ('uri = "amqp://h:1"\n[broker-connections.x.mirror]\nsync = "yes"', "broker-connections.x.mirror.sync", ""),
+    ('uri = "amqp://h:1"\n[broker-connections.x.mirror]\ninitial-sync = 1',
+     "broker-connections.x.mirror.initial-sync", ""),
 ])
 def test_a_bad_connection_names_file_key_and_value(tmp_path, extra, key, says):
     with pytest.raises(ConfigError) as raised:
@@ -92,12 +94,14 @@ def test_a_bad_connection_names_file_key_and_value(tmp_path, extra, key, says):
 def test_a_mirror_s_keys_and_artemis_defaults(tmp_path):
     (c,) = _load(tmp_path, '[broker-connections.dr]\nuri = "amqp://h:5672"\n[broker-connections.dr.mirror]\n'
                            ).broker_connections
-    assert c.mirror == MirrorConfig(True, True, True, AddressFilter(), True)
+    assert c.mirror == MirrorConfig(True, True, True, AddressFilter(), True, False, False)
     (c,) = _load(tmp_path, '[broker-connections.dr]\nuri = "amqp://h:5672"\n[broker-connections.dr.mirror]\n'
                            'message-acknowledgements = false\nqueue-creation = false\nqueue-removal = false\n'
-                           'durable = false\naddress-filter = "orders, !orders.secret ,audit"\n').broker_connections
+                           'durable = false\naddress-filter = "orders, !orders.secret ,audit"\nsync = true\n'
+                           'initial-sync = true\n').broker_connections
     m = c.mirror
-    assert (m.message_acknowledgements, m.queue_creation, m.queue_removal, m.durable) == (False, False, False, False)
+    assert (m.message_acknowledgements, m.queue_creation, m.queue_removal, m.durable, m.sync, m.initial_sync) == (
+        False, False, False, False, True, True)
     assert m.address_filter == AddressFilter(("orders", "audit"), ("orders.secret",))
     assert _load(tmp_path, '[broker-connections.x]\nuri = "amqp://h:1"\n').broker_connections[0].mirror is None
 
