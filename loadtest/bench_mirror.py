@@ -22,7 +22,6 @@ import argparse
 import base64
 import json
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -33,6 +32,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from loadtest.bench_broker import Lodestone, run_client  # noqa: E402
+from tests.serverproc import free_ports  # noqa: E402  (the repository's test helpers)
 
 
 def _get(url: str) -> object:
@@ -59,17 +59,6 @@ def wait_drained(node: Lodestone, timeout_s: float = 300.0) -> None:
 def _mirror_to(url: str, *, sync: bool = False) -> str:
     return (f'[broker-connections.dr]\nuri = "{url}"\nuser = "bench"\npassword = "bench"\n'
             'retry-interval-ms = 200\n[broker-connections.dr.mirror]\n' + ("sync = true\n" if sync else ""))
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 MODES = {"async": "A mirrors to B", "sync": "A mirrors to B, sync = true",
@@ -107,7 +96,7 @@ def main() -> int:
                 pairs["sync"] = (Lodestone(work, name="sync-source", extra=_mirror_to(target.plain_url, sync=True)),
                                  target)
         if "dual" in modes:
-            p1, p2 = _free_ports(2)
+            p1, p2 = free_ports(2)
             d1 = Lodestone(work, name="dual-a", permissions=mirror_ok, port=p1,
                            extra=_mirror_to(f"amqp://127.0.0.1:{p2}"))
             d2 = Lodestone(work, name="dual-b", permissions=mirror_ok, port=p2,
