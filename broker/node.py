@@ -620,13 +620,15 @@ class Node:
         """Which open client connections ``selector`` picks and what each gets:
         ``amqp:connection:redirect`` to ``target`` for those that follow redirects, else
         ``unmodified`` (an end of stream without a Close, by default; broker.core.departures).
-        The cluster user's connections are never picked."""
+        The cluster user's connections and other brokers' broker connections (a mirror into
+        this node) are never picked."""
 
         facts = []
         for e in self.engines.values():
             if not e.opened or e.closed:
                 continue
-            internal = e.client or CLUSTER_ROLE in getattr(e.principal, "roles", ())
+            internal = (e.client or e.peer_broker
+                        or CLUSTER_ROLE in getattr(e.principal, "roles", ()))
             facts.append(ConnectionFacts(e.conn_id, e.container_id, e.user, e.follows_redirect, internal))
         return plan_departures(facts, selector, target, why, unmodified)
 

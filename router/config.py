@@ -124,6 +124,11 @@ class PoolConfig:
     #: dynamic sources' options: cluster = {"seed-connectors": (url, ...), "leave-after-ms": int};
     #: discovery = the checked ``[...pool.discovery-group]`` (``discovery_source.check_options``)
     source_options: Mapping[str, object] = field(default_factory=dict)
+    #: False: a target that went down and comes back waits for an operator's readmit while
+    #: another serves (``router.core.pool``; docs/site-failover.md)
+    allow_failback: bool = True
+    #: where the held targets are kept across restarts (only with allow_failback = False)
+    state_path: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -427,10 +432,23 @@ def _cache(t: Table, router: str, default_dir: Path | None = None) -> CacheConfi
     return c
 
 
-def _pool(t: Table, embedded: bool = False) -> PoolConfig:
+def _failback(t: Table, router: str, default_dir: Path | None) -> dict:
+    """``allow-failback`` and, with it false, ``state-path`` (the held targets across restarts;
+    default ``router-pool-<router>.json`` beside the config)."""
+    allow = t.bool("allow-failback", True)
+    path = t.path_value("state-path", None)
+    if path is not None and allow:
+        raise t.error("state-path", f"{str(path)!r} is only used with allow-failback = false")
+    if not allow and path is None:
+        path = (default_dir or t.file.parent) / f"router-pool-{router}.json"
+    return {"allow_failback": allow, "state_path": path}
+
+
+def _pool(t: Table, embedded: bool = False, router: str = "", default_dir: Path | None = None
+          ) -> PoolConfig:
     source = t.str("source", "static")
     if embedded and source == "cluster":
-        return _broker_cluster_pool(t)
+        return _broker_cluster_pool(t, router, default_dir)
     if source not in membership_source_names():
         raise t.error("source", f"{source!r} is not available (known: "
                                 f"{', '.join(membership_source_names())})")
@@ -468,14 +486,15 @@ def _pool(t: Table, embedded: bool = False) -> PoolConfig:
                    quorum_timeout_ms=t.int("quorum-timeout", 3000, min=0),
                    local_target_enabled=t.bool("local-target-enabled", False),
                    username=t.str("username", None), password=t.str("password", None),
-                   targets=targets, source=source, source_options=options)
+                   targets=targets, source=source, source_options=options,
+                   **_failback(t, router, default_dir))
     if source == "static" and not targets:
         raise t.error("targets", "a static pool needs at least one [[...pool.targets]]")
     t.done()
     return p
 
 
-def _broker_cluster_pool(t: Table) -> PoolConfig:
+def _broker_cluster_pool(t: Table, router: str = "", default_dir: Path | None = None) -> PoolConfig:
     """``source = "cluster"`` inside a broker: the pool is the broker's own cluster (Artemis's
     ``<cluster-connection>`` pool), so no seeds; ``cluster-connection`` may name it (checked
     against ``[cluster] name`` by the broker's config)."""
@@ -490,7 +509,8 @@ def _broker_cluster_pool(t: Table) -> PoolConfig:
                    quorum_timeout_ms=t.int("quorum-timeout", 3000, min=0),
                    local_target_enabled=t.bool("local-target-enabled", False),
                    username=t.str("username", None), password=t.str("password", None),
-                   source="broker-cluster", source_options=options)
+                   source="broker-cluster", source_options=options,
+                   **_failback(t, router, default_dir))
     t.done()
     return p
 
@@ -531,7 +551,7 @@ def _router(name: str, t: Table, *, embedded: bool = False, cache_dir: Path | No
     max_key_length = t.int("max-key-length", 255, min=1)
     policy = _policy(t.table("policy")) if t.has("policy") else None
     cache = _cache(t.table("cache"), name, cache_dir) if t.has("cache") else None
-    pool = _pool(t.table("pool"), embedded) if t.has("pool") else None
+    pool = _pool(t.table("pool"), embedded, name, cache_dir) if t.has("pool") else None
     if embedded and t.has("local-target"):
         raise t.error("local-target", "inside a broker the broker itself is the local target "
                                       "(remove this table)")

@@ -20,10 +20,12 @@ Either side closing (process exit, kill -9) ends ``run``; ``closed`` is set, wai
 ``ChannelClosed``. Messages (all JSON objects):
 
 supervisor → worker: ``state {filters, pools}``, ``set_filter {router, field, value}`` (id),
-``pool {router, states}``, ``stats`` (id).
+``pool {router, states}`` (the probe results and the held targets; with an id after a hold or
+readmit, answered once applied), ``stats`` (id).
 worker → supervisor: ``ready {ports}``, ``cache_get {router, key}`` (id),
 ``cache_write {router, puts, touches, deletes}`` (id), ``ping`` (id),
-``upstream_failed {router, slot, error}`` (the worker's proxy could not connect to that target).
+``upstream_failed {router, slot, error}`` (the worker's proxy could not connect to that target),
+``diverted {router, group}`` (a connection went elsewhere while that target was down).
 """
 
 from __future__ import annotations

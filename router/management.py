@@ -12,6 +12,8 @@ GET/PUT  /api/v1/routers/{r}/key-filter                  ``{"key_filter": "regex
 GET/PUT  /api/v1/routers/{r}/local-target-filter         ``{"local_target_filter": "regex" | null}``
 GET      /api/v1/routers/{r}/pool                        targets (ready, node id, connections), quorum
 GET      /api/v1/routers/{r}/cache?limit=&after=         sticky-cache entries, one page (key order)
+POST     /api/v1/routers/{r}/targets/{t}/hold            hold a target out of routing (planned switchover)
+POST     /api/v1/routers/{r}/targets/{t}/readmit         let a held target take connections (failback)
 GET      /api/v1/counters                                edge counters (total and per acceptor) + routers'
 GET      /metrics                                        Prometheus text format
 GET      /openapi.json                                   this API as OpenAPI 3.0
@@ -38,6 +40,7 @@ import hmac
 import inspect
 import logging
 import re
+from urllib.parse import unquote
 from typing import Any
 
 import trio
@@ -57,6 +60,7 @@ log = logging.getLogger("router.management")
 
 MANAGEMENT_ADDRESS = "activemq.management"
 _ROUTE = re.compile(r"^/api/v1/routers/([^/]+)(/[a-z-]+)?$")
+_TARGET_OP = re.compile(r"^/api/v1/routers/([^/]+)/targets/([^/]+)/(hold|readmit)$")
 
 
 async def serve_management(running, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -134,6 +138,9 @@ class RouterResources:
     async def broadcast_filter(self, name: str, field: str, value) -> dict | None:
         return None
 
+    async def sync_pool(self, name: str) -> dict | None:
+        return None
+
     async def handle_routers(self, request: Request, path: str) -> Response | None:
         """Answer ``/api/v1/routers`` and ``/api/v1/routers/{r}/...`` (the caller authorized
         the request); None for any other path."""
@@ -141,6 +148,9 @@ class RouterResources:
             if request.method not in ("GET", "HEAD"):
                 raise HttpError(405, f"{request.method} not allowed on {path} (GET)", [("Allow", "GET")])
             return json_response([self.router_view(n) for n in self.services])
+        m = _TARGET_OP.match(path)
+        if m:
+            return await self._target_op(request, path, *m.groups())
         m = _ROUTE.match(path)
         if not m:
             return None
@@ -173,6 +183,27 @@ class RouterResources:
         if request.method != "GET":
             raise HttpError(405, f"{request.method} not allowed on {path}")
         raise HttpError(404, f"no such resource: {path}")
+
+    async def _target_op(self, request: Request, path: str, name: str, target: str, op: str) -> Response:
+        """``POST .../targets/<t>/hold`` and ``/readmit`` (no automatic failback,
+        docs/site-failover.md): 200 with the pool, 404 for an unknown router or target, 409 for a
+        hold that would leave no target ready."""
+        service = self.services.get(name)
+        if service is None:
+            raise HttpError(404, f"no router named {name!r} (routers: {', '.join(self.services)})")
+        if request.method != "POST":
+            raise HttpError(405, f"{request.method} not allowed on {path} (POST)", [("Allow", "POST")])
+        target = unquote(target)
+        if service.pool.group_of(target) is None:
+            raise HttpError(404, f"router {name!r} has no target named {target!r}")
+        try:
+            out = service.readmit_target(target) if op == "readmit" else service.hold_target(target)
+        except ValueError as exc:
+            raise HttpError(409, str(exc)) from None
+        workers = await self.sync_pool(name)  # several workers: answered once each routes by it
+        if workers is not None:
+            out.update(workers)
+        return json_response(out)
 
     def router_view(self, name: str) -> dict:
         service = self.services[name]
@@ -282,6 +313,11 @@ class ManagementApi(RouterResources):
     @property
     def router_configs(self) -> dict:
         return self.cfg.routers
+
+    async def sync_pool(self, name: str) -> dict | None:
+        if self.running.supervisor is None:
+            return None
+        return await self.running.supervisor.sync_pool(name)
 
     async def broadcast_filter(self, name: str, field: str, value) -> dict | None:
         if self.running.supervisor is None:
@@ -443,7 +479,7 @@ class ManagementApi(RouterResources):
                      (({}, agg.open_fds or 0),)),
               Metric("lodestone_router_fd_limit", "gauge", "RLIMIT_NOFILE soft limit (per process)",
                      (({}, agg.fd_limit or 0),))]
-        ready, total, quorum, target_ready, pair_states = [], [], [], [], []
+        ready, total, quorum, target_ready, pair_states, target_held = [], [], [], [], [], []
         service_counters = []
         for name, service in r.services.items():
             pool = getattr(service, "pool", None)
@@ -453,6 +489,8 @@ class ManagementApi(RouterResources):
                 quorum.append(({"router": name}, 1 if pool.quorum_met else 0))
                 for st in pool.all_states():
                     t = st.target
+                    target_held.append(({"router": name, "target": t.name or f"{t.host}:{t.port}"},
+                                        1 if st.held else 0))
                     target_ready.append(({"router": name, "target": t.name or f"{t.host}:{t.port}",
                                           "node_id": t.node_id or ""}, 1 if st.ready else 0))
                 if pool.pair_count:
@@ -466,6 +504,8 @@ class ManagementApi(RouterResources):
                Metric("lodestone_router_pool_targets", "gauge", "Targets per router", tuple(total)),
                Metric("lodestone_router_pool_quorum_met", "gauge", "1 when the pool has its quorum", tuple(quorum)),
                Metric("lodestone_router_target_ready", "gauge", "1 when a target is ready", tuple(target_ready)),
+               Metric("lodestone_router_target_held", "gauge", "1 when a target is held out of "
+                      "routing (allow-failback = false, or an operator's hold)", tuple(target_held)),
                Metric("lodestone_router_pair_state", "gauge", "1 for each HA pair's current state: serving, "
                       "failing_over (no member active), split_brain (several active)", tuple(pair_states)),
                Metric("lodestone_router_routing_events_total", "counter", "Routing-core events per router",
@@ -549,6 +589,7 @@ def openapi_document() -> dict:
         return o
 
     router_param = {"name": "router", "in": "path", "required": True, "schema": {"type": "string"}}
+    target_param = {"name": "target", "in": "path", "required": True, "schema": {"type": "string"}}
     nullable_str = {"type": "string", "nullable": True}
     target_schema = {"type": "object", "properties": {
         "nodeID": nullable_str, "local": {"type": "boolean"},
@@ -601,6 +642,12 @@ def openapi_document() -> dict:
             "/api/v1/routers/{router}/pool": {"get": op("Targets with readiness, node ids, connection counts; "
                                                         "quorum; HA pairs (serving member, failing over, "
                                                         "split brain)", params=[router_param])},
+            "/api/v1/routers/{router}/targets/{target}/hold": {"post": op(
+                "Hold a target (its HA pair) out of routing: new connections go to the others; "
+                "409 when no other target is ready", params=[router_param, target_param])},
+            "/api/v1/routers/{router}/targets/{target}/readmit": {"post": op(
+                "Let a held target take connections again (the operator's failback with "
+                "allow-failback = false)", params=[router_param, target_param])},
             "/api/v1/routers/{router}/cache": {"get": op(
                 "One page of sticky-cache entries in key order; follow next as after for the next page",
                 {"type": "object", "properties": {

@@ -49,6 +49,7 @@ Time: the core gets ``clock()`` (``time.monotonic`` by default); quorum deadline
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import random
@@ -58,6 +59,7 @@ from typing import Any, Callable
 
 import trio
 
+from broker.wire.io.tomlconfig import ConfigError
 from router.cache_embedded import EmbeddedCacheStore
 from router.cache_tiers import RedisTier, RemoteTier, SharedTier
 from router.config import RouterConfig, RouterProcessConfig
@@ -92,7 +94,7 @@ COUNTERS = ("route_ok", "route_refused_unavailable", "route_refused_use_another"
             "key_too_long", "redis_reads", "redis_reads_skipped", "redis_read_timeouts",
             "pins_reloads", "pins_errors", "pins_bad_lines", "probe_rounds",
             "management_lookups", "failover_waits", "failover_wait_timeouts",
-            "upstream_marked_down", "upstream_reprobes")
+            "upstream_marked_down", "upstream_reprobes", "pool_holds")
 
 _OUTCOME_COUNTER = {Outcome.OK: "route_ok",
                     Outcome.REFUSED_UNAVAILABLE: "route_refused_unavailable",
@@ -137,7 +139,17 @@ class RouterService:
         pc = config.pool
         local_t = config.local_target.to_target() if config.local_target else None
         self._holder = Pool(quorum_size=pc.quorum_size if pc else 1, local_target=local_t,
-                            local_target_enabled=bool(pc and pc.local_target_enabled))
+                            local_target_enabled=bool(pc and pc.local_target_enabled),
+                            allow_failback=pc.allow_failback if pc else True)
+        self._holder.follow_holds = self.follower
+        if self.follower:
+            self._holder.on_diverted = self._report_diverted
+        #: no automatic failback: the holds last logged and written (``_on_pool_change``)
+        self._held_seen: dict[str, str] = {}
+        self._readmitting: set[str] = set()
+        if pc is not None and not pc.allow_failback and not self.follower:
+            self._held_seen = self._load_holds(pc.state_path)
+            self._holder.held = dict(self._held_seen)
         self._source = None
         if pc is not None:
             # ``source``: a membership source the embedder built (a broker's own cluster)
@@ -221,6 +233,8 @@ class RouterService:
                 and d.explanation.cache != "skipped"):
             d = await self._wait(rk, d, pc.quorum_timeout_ms / 1000.0)
         self._count(d)
+        if d.target is not None and d.outcome is Outcome.OK:
+            self._holder.note_routed(d.target)  # a diversion while another group is down
         return d
 
     async def _decide(self, rk: ResolvedKey, hold: bool = True) -> Decision:
@@ -364,7 +378,8 @@ class RouterService:
                        for t in (st.target for st in self._holder.members if not st.local)]
         return {"members": members,
                 "states": [[st.target.slot, st.ready, st.target.node_id, st.connection_count,
-                            st.last_error] for st in self._holder.all_states() if st.probes]}
+                            st.last_error] for st in self._holder.all_states() if st.probes],
+                "held": dict(self._holder.held)}
 
     def apply_pool_states(self, pushed: dict[str, Any]) -> None:
         """Follower: take the supervisor's membership (dynamic sources) and probe results
@@ -373,6 +388,8 @@ class RouterService:
             self._holder.sync_members(
                 Target(node_id, host, int(port), bool(tls), mgmt, name, pair, bool(backup))
                 for name, host, port, tls, mgmt, node_id, pair, backup in pushed["members"])
+        if "held" in pushed:  # first: a group that comes back and is held is never offered
+            self._holder.set_holds(pushed["held"])
         now = self.clock()
         for slot, ready, node_id, count, error in pushed["states"]:
             self._holder.report_probe(slot, bool(ready), node_id, count, now, error=error)
@@ -480,6 +497,88 @@ class RouterService:
         ev.set()
         if pool.pair_count and not self.follower:
             self._log_pairs(pool)
+        if pool.held != self._held_seen and not self.follower:
+            self._holds_changed(pool)
+
+    # -- no automatic failback: holds logged, kept across restarts, changed by the operator -----
+    def _holds_changed(self, pool: Pool) -> None:
+        before, now = self._held_seen, dict(pool.held)
+        for g, why in now.items():
+            if g not in before:
+                log.warning("router %s: target %s is held out of routing: %s", self.name, g, why)
+        for g in before:
+            if g not in now:
+                ready = any(t.group == g for t in pool.ready_targets())
+                log.warning("router %s: target %s takes connections again (%s)", self.name, g,
+                            "readmitted" if g in self._readmitting else
+                            "released: no other target of the pool is ready" if ready else
+                            "no longer held")
+        self._readmitting.clear()
+        self._held_seen = now
+        self.counters["pool_holds"] += sum(1 for g in now if g not in before)
+        if self.config.pool is not None and self.config.pool.state_path is not None:
+            self._save_holds(self.config.pool.state_path, now)
+        for cb in list(self.round_listeners):  # the supervisor pushes the holds to its workers
+            cb()
+
+    def _load_holds(self, path: Path | None) -> dict[str, str]:
+        """The held targets written before a restart (none if the file does not exist). A file
+        that cannot be read is a start error naming it: starting without it could send new
+        clients to a site that is held for a reason."""
+        if path is None:
+            return {}
+        try:
+            doc = json.loads(Path(path).read_text(encoding="utf-8"))
+            held = doc["held"]
+            if not isinstance(held, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                     for k, v in held.items()):
+                raise ValueError("'held' is not an object of strings")
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(path, "", f"cannot read the held targets ({exc}); fix or delete "
+                                        "the file (deleting it admits every target)") from None
+        if held:
+            log.warning("router %s: holding %s out of routing as before the restart (%s)",
+                        self.name, ", ".join(sorted(held)), path)
+        return held
+
+    def _save_holds(self, path: Path, held: dict[str, str]) -> None:
+        tmp = Path(f"{path}.tmp")
+        try:
+            tmp.write_text(json.dumps({"router": self.name, "held": held}, indent=1) + "\n",
+                           encoding="utf-8")
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+            self.io_errors.pop("pool_state_file", None)
+        except OSError as exc:
+            self.io_errors["pool_state_file"] = f"{path}: {exc}"
+            log.error("router %s: cannot write the held targets to %s: %s", self.name, path, exc)
+
+    def _report_diverted(self, group: str) -> None:
+        """A worker routed a connection elsewhere while ``group`` was down: its supervisor's
+        pool decides the hold (``Pool.note_diverted``)."""
+        try:
+            self._link.send({"op": "diverted", "router": self.name, "group": group})
+        except Exception as exc:  # noqa: BLE001 - ChannelClosed: the supervisor is gone
+            log.debug("router %s: cannot report a diversion from %s: %s", self.name, group, exc)
+
+    def hold_target(self, name: str) -> dict[str, Any]:
+        """``POST .../targets/<name>/hold``: a planned switchover (ValueError if refused)."""
+        group = self._holder.hold(name, "held by an operator (POST .../hold)")
+        return {"target": group, "held": True, "pool": self._holder.snapshot()}
+
+    def readmit_target(self, name: str) -> dict[str, Any]:
+        """``POST .../targets/<name>/readmit``: the operator's failback (ValueError if no
+        such target)."""
+        group = self._holder.group_of(name)
+        if group is None:
+            raise ValueError(f"no target named {name!r} in the pool")
+        self._readmitting.add(group)  # for the log line of ``_holds_changed``
+        group, was = self._holder.readmit(name)
+        self._readmitting.discard(group)
+        return {"target": group, "was_held": was, "pool": self._holder.snapshot()}
 
     def _log_pairs(self, pool: Pool) -> None:
         """Log each pair's changes once: failing over (after it was served), served again,

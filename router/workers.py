@@ -25,7 +25,10 @@ accepts no client connections) and N **workers** (``python -m router worker ...`
    compare-and-set) before the client gets it, so the same key lands on the same target
    whichever worker accepts it; the management counters and metrics are summed over the workers
    (``stats``); a worker whose proxy could not connect to a target says so (``upstream_failed``)
-   and this process's prober probes that target again at once (rate-limited).
+   and this process's prober probes that target again at once (rate-limited); a worker that
+   routed a connection elsewhere while a target was down says so (``diverted``), which decides
+   whether that target is held when it returns (``allow-failback = false``), and a hold or
+   readmit on the management API is answered once every worker confirmed it (``sync_pool``).
 5. A worker that dies (crash, ``kill -9``) is restarted with the same index (its routing log is
    appended to; it gets the current state first); its open connections are lost, the others keep
    serving. More than ``MAX_RESTARTS`` restarts of one worker within ``RESTART_WINDOW_S`` (a crash
@@ -182,6 +185,31 @@ class Supervisor:
                 nursery.start_soon(ask, slot)
         return {"applied_workers": sorted(applied), "failed_workers": sorted(failed, key=lambda f: f["worker"])}
 
+    async def sync_pool(self, router: str) -> dict:
+        """Send the router's pool state (holds included) to every live worker and wait for each
+        to confirm: a hold or readmit answers once every worker routes by it."""
+
+        applied: list[int] = []
+        failed: list[dict] = []
+        msg = {"op": "pool", "router": router, "states": self.services[router].pool_states()}
+
+        async def ask(slot: WorkerSlot) -> None:
+            try:
+                await slot.link.request(msg, timeout_s=FILTER_ACK_TIMEOUT_S)
+                applied.append(slot.index)
+            except ChannelClosed:
+                failed.append({"worker": slot.index, "error": "worker exited (a restart applies it)"})
+            except RemoteFailure as exc:
+                failed.append({"worker": slot.index, "error": str(exc)})
+            except trio.TooSlowError:
+                failed.append({"worker": slot.index,
+                               "error": f"no confirmation within {FILTER_ACK_TIMEOUT_S:g}s"})
+
+        async with trio.open_nursery() as nursery:
+            for slot in self._live():
+                nursery.start_soon(ask, slot)
+        return {"applied_workers": sorted(applied), "failed_workers": sorted(failed, key=lambda f: f["worker"])}
+
     # -- control channel: supervisor side --------------------------------------------------------
     def _state_message(self) -> dict:
         return {"op": "state",
@@ -202,6 +230,11 @@ class Supervisor:
             svc = self.services.get(msg["router"])
             if svc is not None:
                 svc.upstream_failed(str(msg["slot"]), str(msg.get("error") or "upstream failed"))
+            return None
+        if op == "diverted":  # a worker routed a connection elsewhere while a group was down
+            svc = self.services.get(msg["router"])
+            if svc is not None:
+                svc.pool.note_diverted(str(msg["group"]))
             return None
         if op == "ping":
             return {}

@@ -373,6 +373,7 @@ class AmqpEngine:
         #: the client's Open desired ``lodestone:follows-redirect`` (frames.FOLLOWS_REDIRECT): a
         #: failback, scale-down or management close may send it ``amqp:connection:redirect``
         self.follows_redirect = False
+        self.peer_broker = False
         #: closed to send its client elsewhere (Node.depart): the driver closes the socket soon
         #: after our Close instead of lingering for the client's answer
         self.departing = False
@@ -630,6 +631,10 @@ class AmqpEngine:
         conn.remote_hostname  # noqa: B018 - decoding it checks its UTF-8 (we do not use it)
         caps = conn.remote_desired_capabilities
         self.follows_redirect = bool(caps) and FOLLOWS_REDIRECT in [str(c) for c in caps]
+        rprops = conn.remote_properties
+        #: another broker's broker connection (its Open carries ``broker-connection-info``, as
+        #: Lodestone's and Artemis's do): not a client, never closed as one
+        self.peer_broker = bool(rprops) and any(str(k) == "broker-connection-info" for k in rprops)
         conn.container = self.host.container_id
         conn.offered_capabilities = [symbol("ANONYMOUS-RELAY")]
         props = {symbol("product"): "lodestone", symbol("node-id"): self.host.node_id}

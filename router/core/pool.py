@@ -32,6 +32,25 @@ the same as for the pool without its backups:
 * ``failing_over(identity)`` names a pair with no member ready (it is failing over): the router
   lets such a key wait (``router.core.decide``) instead of re-placing it;
 * quorum and ``ready_count`` / ``total_count`` count groups, not members.
+
+No automatic failback (``allow_failback = False``)
+-------------------------------------------------
+For two sites (site 1 mirrors to site 2; docs/site-failover.md) a group that comes back must not
+take new clients while the clients that failed over stay where they went. With
+``allow_failback = False`` a group (a pair, or a target on its own) that *went down* — a probe or
+an upstream connect found no member ready — and *had connections diverted* — while it was down
+the router sent at least one connection to another group (``note_routed``) — is **held** when it
+comes back: probed as usual, but offered to no policy, no cache hit and no quorum, until an
+operator ``readmit``s it. A group that comes back without diversions (a probe blip nobody
+connected through) is admitted again: no client went elsewhere, so none is split off. A group
+that never went down (its first probe passed) is admitted, whatever else is ready. The rule
+never leaves the pool without a target: when no admitted group is ready and every group has
+been probed, the first ready held group (pool order) is released — it now serves, and the group
+that went down holds in its turn when it returns. ``hold`` holds a ready group by hand (a
+planned switchover); it is refused when no other group is ready. ``held`` maps each held group
+to why; the prober's process decides and pushes ``held`` to followers (``set_holds``), which
+never decide themselves, so every worker holds the same groups; a follower reports its first
+diversion from each down group (``on_diverted``), which the prober records (``note_diverted``).
 """
 
 from __future__ import annotations
@@ -56,6 +75,8 @@ class TargetState:
     last_error: str | None = None
     last_probe_at: float | None = None
     probes: int = 0
+    #: no automatic failback: why the pool holds this target's group out (None: not held)
+    held: str | None = None
 
     def to_dict(self) -> dict:
         """JSON-friendly view for the management API."""
@@ -63,7 +84,7 @@ class TargetState:
         return {"name": t.name, "node_id": t.node_id, "host": t.host, "port": t.port,
                 "tls": t.tls, "management_url": t.management_url, "local": self.local,
                 "pair": t.pair, "backup": t.backup,
-                "ready": self.ready, "connection_count": self.connection_count,
+                "ready": self.ready, "held": self.held, "connection_count": self.connection_count,
                 "last_error": self.last_error, "last_probe_at": self.last_probe_at,
                 "probes": self.probes}
 
@@ -72,8 +93,24 @@ class Pool:
     """Targets with readiness and a quorum gate. All methods are synchronous and pure-state."""
 
     def __init__(self, targets: Iterable[Target] = (), *, quorum_size: int = 1,
-                 local_target: Target | None = None, local_target_enabled: bool = False) -> None:
+                 local_target: Target | None = None, local_target_enabled: bool = False,
+                 allow_failback: bool = True) -> None:
         self.quorum_size = quorum_size
+        #: False: a group that went down and comes back is held until readmitted (docstring)
+        self.allow_failback = allow_failback
+        #: groups held out of routing → why (``allow_failback = False``, or ``hold``)
+        self.held: dict[str, str] = {}
+        #: groups that went down since they last served (a probe found no member ready)
+        self._went_down: set[str] = set()
+        #: a follower (a worker of a multi-worker router) takes ``held`` from its prober
+        self.follow_holds = False
+        #: groups down right now (no member ready, at least one probed): what ``note_routed``
+        #: checks on the hot path (empty almost always)
+        self._down_groups: frozenset[str] = frozenset()
+        #: down groups that had a connection routed elsewhere meanwhile
+        self._diverted: set[str] = set()
+        #: a follower: called with a group at its first diversion (the worker tells its prober)
+        self.on_diverted: Callable[[str], None] | None = None
         self.local_target_enabled = local_target_enabled
         self.local: TargetState | None = (TargetState(local_target, local=True)
                                           if local_target is not None else None)
@@ -215,6 +252,10 @@ class Pool:
         if st.ready != ok:
             st.ready = ok
             changed = True
+        if not ok:
+            self._note_down(st.target.group)
+            if st.probes == 1 and not self.allow_failback:
+                changed = True  # a first answer: the group is down (and a held one may be alone)
         for obs in self.observers:
             obs(st.target, connection_count if ok else None)
         if changed:
@@ -230,6 +271,7 @@ class Pool:
         st.ready = False
         st.last_error = error
         st.connection_count = None
+        self._note_down(st.target.group)
         self._changed()
         return True
 
@@ -237,6 +279,101 @@ class Pool:
         """Shortcut for tests and embedders: mark a target ready/not ready."""
         self.report_probe(target_name, ready, node_id=node_id,
                           error=None if ready else "marked not ready", check_count=False)
+
+    # -- no automatic failback ------------------------------------------------------------------
+    def _note_down(self, group: str) -> None:
+        if self.allow_failback or self.follow_holds:
+            return
+        if not any(st.ready for st in self.members if st.target.group == group):
+            self._went_down.add(group)
+
+    def note_routed(self, target: Target) -> None:
+        """A connection was routed to ``target``: every other group that is down now had a
+        connection diverted from it (held when it returns, with ``allow_failback = False``)."""
+        down = self._down_groups
+        if not down or self.allow_failback:
+            return
+        g = target.group
+        for d in down:
+            if d != g and d not in self._diverted:
+                self._diverted.add(d)
+                if self.on_diverted is not None:
+                    self.on_diverted(d)
+
+    def note_diverted(self, group: str) -> None:
+        """A follower routed a connection elsewhere while ``group`` was down (the prober)."""
+        if group in self._went_down:
+            self._diverted.add(group)
+
+    def group_of(self, name: str) -> str | None:
+        """The group of the member named ``name`` (slot, node id or the group's own name)."""
+        for st in self.members:
+            t = st.target
+            if name in (t.slot, t.group) or (t.node_id is not None and name == t.node_id):
+                return t.group
+        return None
+
+    def hold(self, name: str, reason: str = "held by an operator") -> str:
+        """Hold the group of member ``name`` out of routing (a planned switchover). Returns the
+        group; ValueError if there is no such member, or no other group is ready to serve."""
+        group = self.group_of(name)
+        if group is None:
+            raise ValueError(f"no target named {name!r} in the pool")
+        if group not in self.held:
+            others = [t for t in self._ready if t.group != group]
+            if not others:
+                raise ValueError(f"{group} cannot be held: no other target of the pool is ready")
+            self.held[group] = reason
+            self._changed()
+        return group
+
+    def readmit(self, name: str) -> tuple[str, bool]:
+        """Let the group of member ``name`` take connections again (the operator's failback).
+        Returns ``(group, was_held)``; ValueError if there is no such member."""
+        group = self.group_of(name)
+        if group is None:
+            raise ValueError(f"no target named {name!r} in the pool")
+        was = self.held.pop(group, None) is not None
+        self._went_down.discard(group)
+        self._diverted.discard(group)
+        if was:
+            self._changed()
+        return group, was
+
+    def set_holds(self, held: dict[str, str]) -> None:
+        """A follower takes its prober's holds."""
+        if held != self.held:
+            self.held = dict(held)
+            self._changed()
+
+    def _apply_holds(self, groups: dict[str, list[TargetState]]) -> None:
+        """``allow_failback = False`` in the prober's process: hold the groups that came back
+        while another serves, release one when none serves (class docstring)."""
+        for g in [g for g in self.held if g not in groups]:
+            del self.held[g]
+        self._went_down &= set(groups)
+        live = [g for g, sts in groups.items() if any(st.ready for st in sts)]
+        serving = [g for g in live if g not in self.held and g not in self._went_down]
+        for g in live:
+            if g in self._went_down and g not in self.held:
+                self._went_down.discard(g)
+                diverted = g in self._diverted
+                self._diverted.discard(g)
+                if serving and diverted:
+                    self.held[g] = (f"came back after going down, with connections routed to "
+                                    f"{serving[0]} meanwhile (allow-failback = false): readmit "
+                                    f"it to fail back")
+                else:
+                    serving.append(g)  # nobody went elsewhere: nobody is split off
+        if not serving and self.held:
+            probed = all(any(st.probes or st.last_error for st in sts) for sts in groups.values())
+            if probed:
+                for g in live:
+                    if g in self.held:  # no group serves: the first ready held one does
+                        del self.held[g]
+                        self._went_down.discard(g)
+                        self._diverted.discard(g)
+                        break
 
     # -- reads (hot path) ---------------------------------------------------------------------
     def _changed(self) -> None:
@@ -262,16 +399,29 @@ class Pool:
 
     def _rebuild(self) -> None:
         groups = self._groups()
+        if not self.follow_holds and (self.held or not self.allow_failback):
+            self._apply_holds(groups)  # (a hold by hand is released as well, if it must be)
+        held = self.held
+        for st in self.members:
+            st.held = held.get(st.target.group) if held else None
+        if not self.allow_failback:
+            self._down_groups = frozenset(
+                g for g, sts in groups.items()
+                if not any(st.ready for st in sts) and any(st.probes or st.last_error for st in sts))
+            if self.follow_holds:
+                self._diverted &= self._down_groups  # reported once per time down
         ready: list[Target] = []
         served: list[tuple[str, list[TargetState], Target]] = []
         failing: dict[str, str] = {}
         split: dict[str, tuple[str, ...]] = {}
         for g, sts in groups.items():
             if len(sts) == 1:
-                if sts[0].ready:
+                if sts[0].ready and not (held and g in held):
                     ready.append(sts[0].target)
                 continue
             live = [st for st in sts if st.ready]
+            if held and g in held:
+                continue  # held out: neither served nor failing over
             if not live:
                 for name in (g, *(n for st in sts for n in (st.target.identity, st.target.slot))):
                     failing.setdefault(name, g)
@@ -371,6 +521,9 @@ class Pool:
         pairs = self.pairs()
         if pairs:
             snap["pairs"] = pairs
+        if not self.allow_failback or self.held:
+            snap["allow_failback"] = self.allow_failback
+            snap["held"] = dict(self.held)
         return snap
 
 
