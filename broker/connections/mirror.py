@@ -552,15 +552,15 @@ class MirrorTarget(Component):
             self.counters["acks"] += 1
             reason = _REASON_NAMES.get(ev.reason, "normal")
             if origin == node.node_id:    # a message of ours, taken at another site (a dual mirror)
-                q = core.queues.get(ev.queue)
-                gone = q.remove_waiting(ev.message_id, reason) if q is not None and not q.deleted else None
-            else:
+                q, mid = core.queues.get(ev.queue), ev.message_id
+            else:                         # our copy of another site's message
                 found = self.index.pop((origin, ev.message_id), None)
-                q = core.queues.get(found[0]) if found is not None else None
-                gone = q.remove_waiting(found[1], reason) if q is not None else None
+                q, mid = (core.queues.get(found[0]), found[1]) if found is not None else (None, None)
+            if q is not None and (q.deleted or mid is None):
+                q = None
+            gone = q.remove_waiting(mid, reason) if q is not None else None
             if gone is None:
-                mid = ev.message_id if origin == node.node_id else (found[1] if found is not None else None)
-                if q is not None and mid is not None and not q.deleted:
+                if q is not None:     # not waiting: a consumer here holds it (or it is gone)
                     return self._hold(q, origin, mid)
                 self.counters["acks_not_found"] += 1
                 return False
