@@ -205,6 +205,7 @@ class RouterService:
                            max_key_length=config.max_key_length,
                            fail_back=cc.fail_back if cc is not None else "stay")
         self.core.failover_wait = bool(pc is not None and pc.quorum_timeout_ms)
+        self.core.failover_wait_s = pc.quorum_timeout_ms / 1000.0 if pc is not None else 0.0
 
     # -- public surface -------------------------------------------------------------------------
     @property

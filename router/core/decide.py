@@ -173,6 +173,9 @@ class Router:
         #: a cached key whose HA pair is failing over waits for it (the shell bounds the wait by
         #: quorum-timeout; False when that is 0: the key is re-placed at once, as in Artemis)
         self.failover_wait = True
+        #: how long after a pair lost its last active member a new connection that follows pool
+        #: order still waits for it (the shell sets quorum-timeout)
+        self.failover_wait_s = 3.0
         self.resolver = resolver
         self.policy = policy  # property: also picks the transform step (None = identity)
         self.pool = pool
@@ -401,6 +404,17 @@ class Router:
                 cache_state = "miss"
         if not commit:
             return key
+        if hold and self.failover_wait and pool._first_pair_down is not None \
+                and policy.follows_pool_order:
+            pair = pool.first_failing_over(now, self.failover_wait_s)
+            if pair is not None:
+                # the first choice in pool order is a pair failing over: wait for it rather
+                # than send the connection to the next one for the second a failover takes
+                ex = self._expl(raw, filtered, key, False, pin_note, cache_state, None, None,
+                                f"pair {pair}, first in pool order, is failing over (no member "
+                                f"active); the connection waits for it")
+                ex["failover"] = pair
+                return _decision(_UNAVAIL, None, False, ex)
         targets = pool.targets()
         counting = policy.tracks_assignments
         if counting and not count:

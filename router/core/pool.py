@@ -31,7 +31,12 @@ the same as for the pool without its backups:
   to its serving member, so a key cached on the pair's node id follows it across a failover;
 * ``failing_over(identity)`` names a pair with no member ready (it is failing over): the router
   lets such a key wait (``router.core.decide``) instead of re-placing it;
-* quorum and ``ready_count`` / ``total_count`` count groups, not members.
+* quorum and ``ready_count`` / ``total_count`` count groups, not members;
+* ``first_failing_over(now, limit_s)`` names the first group in pool order, when it is a pair
+  that lost its last active member less than ``limit_s`` ago (served before; held groups and
+  lone targets that are not ready are passed over): a policy that follows pool order
+  (FIRST_ELEMENT) lets a new connection wait for it, as a cached key waits for its pair,
+  instead of sending it to the next group for the second or so a failover takes.
 
 No automatic failback (``allow_failback = False``)
 -------------------------------------------------
@@ -96,6 +101,14 @@ class Pool:
                  local_target: Target | None = None, local_target_enabled: bool = False,
                  allow_failback: bool = True) -> None:
         self.quorum_size = quorum_size
+        #: the latest time a probe result brought (``report_probe``'s ``now``)
+        self._now: float | None = None
+        #: pairs that have had an active member since the start
+        self._served: set[str] = set()
+        #: pair → when it lost its last active member (while it has none)
+        self._pair_down_at: dict[str, float] = {}
+        #: the first group in pool order when it is a pair without an active member, served before
+        self._first_pair_down: str | None = None
         #: False: a group that went down and comes back is held until readmitted (docstring)
         self.allow_failback = allow_failback
         #: groups held out of routing → why (``allow_failback = False``, or ``hold``)
@@ -229,6 +242,8 @@ class Pool:
             return
         st.probes += 1
         st.last_probe_at = now
+        if now is not None:
+            self._now = now
         changed = False
         # (a pool member only: Artemis adds the policy's probe to the pool, so a local target
         # outside it — local-target-filter only — does not need a count)
@@ -440,6 +455,24 @@ class Pool:
             for st in sts:
                 by_id.setdefault(st.target.identity, t)
                 by_id.setdefault(st.target.slot, t)
+        first: str | None = None
+        looking = True
+        for g, sts in groups.items():        # pool order
+            if len(sts) == 1:
+                if looking and sts[0].ready and not (held and g in held):
+                    looking = False
+                continue
+            if any(st.ready for st in sts):
+                self._served.add(g)
+                self._pair_down_at.pop(g, None)
+                if not (held and g in held):
+                    looking = False
+            elif g in self._served:
+                if g not in self._pair_down_at and self._now is not None:
+                    self._pair_down_at[g] = self._now   # else: the first decision's ``now``
+                if looking and not (held and g in held):
+                    first, looking = g, False
+        self._first_pair_down = first
         self._ready = tuple(ready)
         self._by_identity = by_id
         self._failing_over = {n: g for n, g in failing.items() if n not in by_id}
@@ -477,6 +510,15 @@ class Pool:
         """The pair ``identity`` (a member's node id or name, or the pair's name) belongs to when
         that pair has members but none is ready — it is failing over —, else None."""
         return self._failing_over.get(identity) if self._failing_over else None
+
+    def first_failing_over(self, now: float, limit_s: float) -> str | None:
+        """The first group in pool order if it is a pair failing over for less than ``limit_s``
+        (see the module docstring), else None."""
+        g = self._first_pair_down
+        if g is None:
+            return None
+        since = self._pair_down_at.setdefault(g, now)
+        return g if now - since < limit_s else None
 
     def failing_over_slots(self) -> set[str]:
         """Slots of the members of every pair that is failing over (the shell probes them more

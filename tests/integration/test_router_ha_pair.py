@@ -44,16 +44,17 @@ QUORUM_TIMEOUT_MS = 20000
 CLIENT = {"allowed_mechs": "PLAIN", "allow_insecure_mechs": True, "user": "app", "password": "app"}
 
 
-def _router_toml(tmp: Path, a, b_port: int, b_mgmt: str, c, workers: int) -> str:
+def _router_toml(tmp: Path, a, b_port: int, b_mgmt: str, c, workers: int, *, policy: str = "CONSISTENT_HASH",
+                 cache: bool = True, pool_extra: tuple[str, ...] = ()) -> str:
     lines = ['name = "r"', f"users-file = {toml_str(USERS_FILE)}", f"workers = {workers}",
              "[management]", "port = 0", 'user = "admin"', 'password = "admin"',
              "[routing-log]", f"path = {toml_str(tmp / 'logs' / 'routing.log')}",
              "[[acceptors]]", 'name = "proxy"', "port = 0", 'router = "main"', 'mode = "proxy"',
              "connect-timeout-ms = 2000",
              "[routers.main]", 'key-type = "CLIENT_ID"',
-             "[routers.main.policy]", 'name = "CONSISTENT_HASH"',
-             "[routers.main.cache]",
-             "[routers.main.pool]", f"check-period = {CHECK_PERIOD_MS}",
+             "[routers.main.policy]", f'name = "{policy}"',
+             *(["[routers.main.cache]"] if cache else []),
+             "[routers.main.pool]", *pool_extra, f"check-period = {CHECK_PERIOD_MS}",
              f"quorum-timeout = {QUORUM_TIMEOUT_MS}", 'username = "admin"', 'password = "admin"',
              "[[routers.main.pool.targets]]", 'name = "a"', 'host = "127.0.0.1"', f"port = {a.port}",
              f"management-url = {toml_str(a.management_url)}",
@@ -208,3 +209,47 @@ def test_keys_follow_their_pair_to_the_backup_without_moving_to_another_broker(t
     assert router.terminate() == 0
     assert "Traceback" not in router.stderr_text(), router.stderr_text()
     assert "pair a (node id " in router.stderr_text() and "is failing over" in router.stderr_text()
+
+
+def test_first_element_new_clients_wait_for_the_pair_so_it_is_not_held(tmp_path, procs):
+    """A two-site pool whose first site is an HA pair (docs/site-failover.md): FIRST_ELEMENT, no
+    cache, allow-failback = false. New clients that arrive while the pair fails over wait for its
+    backup instead of going to the second site, so nothing is diverted and the pair is not held."""
+    a = start_broker(tmp_path, name="a")
+    c = start_broker(tmp_path, name="c")
+    procs += [a, c]
+    b_amqp, b_mgmt_port = free_ports(2)
+    b_mgmt = f"http://127.0.0.1:{b_mgmt_port}"
+    b_path = write_config(tmp_path / "b", name="b", config={"acceptors.amqp": {"port": b_amqp},
+                                                            "management": {"port": b_mgmt_port}})
+    (tmp_path / "b" / "data").mkdir(parents=True)
+    shutil.copy(a.data_dir / "node.id", tmp_path / "b" / "data" / "node.id")
+    b = BrokerProcess(tmp_path / "b", b_path)
+    procs.append(b)
+    x = a.node_id
+    rdir = tmp_path / "router"
+    router = start_router(rdir, _router_toml(rdir, a, b_amqp, b_mgmt, c, 1, policy="FIRST_ELEMENT", cache=False,
+                                             pool_extra=("allow-failback = false",
+                                                         f"state-path = {toml_str(rdir / 'held.json')}")),
+                          expect=2)
+    procs.append(router)
+    wait_for(lambda: _pool(router)["ready"] == 2, 20)
+    assert all(_connect(router, f"before-{i}") == x for i in range(3))      # FIRST_ELEMENT: the pair
+    a.kill()
+    results: dict[str, str] = {}
+
+    def client(key: str) -> None:
+        results[key] = _connect(router, key, timeout=QUORUM_TIMEOUT_MS / 1000 + 10)
+
+    threads = [threading.Thread(target=client, args=(f"new-{i}",), daemon=True) for i in range(4)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: _router_counters(router)["failover_waits"] >= 1, 10, interval_s=0.02)
+    assert not results and _pool(router)["pairs"][0]["state"] == "failing_over"
+    b.start()                                      # the backup activates with A's node id
+    for t in threads:
+        t.join(QUORUM_TIMEOUT_MS / 1000 + 30)
+    assert results == {f"new-{i}": x for i in range(4)}, results             # all on the backup, none on C
+    pool = _pool(router)
+    assert pool["held"] == {} and pool["pairs"][0]["serving"] == "a-backup", pool
+    assert _connect(router, "after") == x

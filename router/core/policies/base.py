@@ -142,6 +142,9 @@ class Policy:
     #: True when the policy needs each target's connection count (LEAST_CONNECTIONS): a probe
     #: without one makes the target not ready, as Artemis's policy probe fails then
     needs_connection_count = False
+    #: True when the choice follows pool order (FIRST_ELEMENT): a new connection whose first
+    #: choice is an HA pair failing over waits for it (``Pool.first_failing_over``)
+    follows_pool_order = False
 
     def choose_target(self, targets: Sequence[Target], key: str) -> Target | None:
         """The target ``select_target`` would pick, without counting it as an assignment."""

@@ -11,6 +11,7 @@ class FirstElementPolicy(Policy):
     """Always the first ready target, so pool order is a priority list."""
 
     name = "FIRST_ELEMENT"
+    follows_pool_order = True
 
     def select_target(self, targets: Sequence[Target], key: str) -> Target | None:
         return targets[0] if targets else None

@@ -10,12 +10,13 @@ from __future__ import annotations
 import csv
 import json
 import logging
+from dataclasses import replace
 
 import pytest
 import trio
 
 from broker.wire.io.tomlconfig import ConfigError
-from router.config import CacheConfig, TargetConfig, load_router_config
+from router.config import CacheConfig, PolicyConfig, TargetConfig, load_router_config
 from router.core.cache import StickyCache
 from router.core.decide import Outcome, Router
 from router.core.keys import ConnectionInfo, KeyResolver, KeyType
@@ -267,6 +268,76 @@ def test_after_the_wait_or_without_one_the_key_is_re_placed_as_in_artemis():
     assert d.ok and d.target.name == "c" and d.explanation.cache == "stale"
 
 
+def first_element_sites(**kw) -> Pool:
+    """s1 (primary) + s1b (its backup), then s2: FIRST_ELEMENT's first choice is the pair."""
+    pool = Pool([tgt("s1", "X", pair="s1"), tgt("s1b", pair="s1", backup=True), tgt("s2", "Y")], **kw)
+    pool.report_probe("s1", True, node_id="X", now=0.0)
+    pool.report_probe("s1b", False, node_id="X", error="broker not active", now=0.0)
+    pool.report_probe("s2", True, node_id="Y", now=0.0)
+    return pool
+
+
+def test_first_element_waits_for_its_first_choice_pair_while_it_fails_over():
+    pool = first_element_sites()
+    r = router_for(pool, policy="FIRST_ELEMENT", cache=None)
+    r.cache = None
+    r.failover_wait_s = 3.0
+    assert r.decide(conn("new-1"), 1.0).target.name == "s1"
+    pool.report_probe("s1", False, error="refused", now=10.0)     # the primary dies
+    d = r.decide(conn("new-2"), 10.5)
+    assert d.outcome is Outcome.REFUSED_UNAVAILABLE and d.explanation.failover == "s1"
+    assert "first in pool order, is failing over" in d.explanation.reason
+    # the shell's wait ran out (hold=False): the next one in pool order
+    assert r.decide_resolved(r.resolve(conn("new-2")), 13.0, hold=False).target.name == "s2"
+    pool.report_probe("s1b", True, node_id="X", now=11.0)           # the backup is active
+    assert r.decide(conn("new-3"), 11.5).target.name == "s1b"
+
+
+def test_first_element_stops_waiting_once_the_failover_took_longer_than_the_wait():
+    pool = first_element_sites()
+    r = router_for(pool, policy="FIRST_ELEMENT")
+    r.cache = None
+    r.failover_wait_s = 3.0
+    pool.report_probe("s1", False, error="refused", now=10.0)
+    assert r.decide(conn("k"), 12.9).explanation.failover == "s1"
+    assert r.decide(conn("k"), 13.0).target.name == "s2"           # the whole site is gone
+    r.failover_wait = False                                       # quorum-timeout = 0: never waits
+    pool2 = first_element_sites()
+    r2 = router_for(pool2, policy="FIRST_ELEMENT")
+    r2.failover_wait = False
+    pool2.report_probe("s1", False, error="refused", now=10.0)
+    assert r2.decide(conn("k"), 10.1).target.name == "s2"
+
+
+def test_first_element_does_not_wait_for_a_pair_never_served_nor_a_lone_target():
+    pool = Pool([tgt("s1", "X", pair="s1"), tgt("s1b", pair="s1", backup=True), tgt("s2", "Y")])
+    pool.report_probe("s1", False, error="refused", now=0.0)        # down since the start
+    pool.report_probe("s1b", False, error="refused", now=0.0)
+    pool.report_probe("s2", True, node_id="Y", now=0.0)
+    r = router_for(pool, policy="FIRST_ELEMENT")
+    assert r.decide(conn("k"), 1.0).target.name == "s2"
+    lone = Pool([tgt("a", "X"), tgt("b", "Y")])
+    lone.report_probe("a", True, now=0.0)
+    lone.report_probe("b", True, now=0.0)
+    lone.report_probe("a", False, now=1.0)
+    assert router_for(lone, policy="FIRST_ELEMENT").decide(conn("k"), 1.5).target.name == "b"
+    # other policies re-place a new key at once, as before (only cached keys wait)
+    pool3 = first_element_sites()
+    pool3.report_probe("s1", False, error="refused", now=10.0)
+    assert router_for(pool3, policy="ROUND_ROBIN").decide(conn("k"), 10.5).target.name == "s2"
+
+
+def test_no_diversion_while_a_first_choice_pair_fails_over_so_no_hold():
+    pool = first_element_sites(allow_failback=False)
+    r = router_for(pool, policy="FIRST_ELEMENT")
+    r.failover_wait_s = 3.0
+    pool.report_probe("s1", False, error="refused", now=10.0)
+    d = r.decide(conn("k"), 10.2)
+    assert d.target is None                                          # it waits: nobody goes to s2
+    pool.report_probe("s1b", True, node_id="X", now=10.8)
+    assert pool.held == {} and r.decide(conn("k"), 11.0).target.name == "s1b"
+
+
 def test_a_pair_whose_members_left_is_no_pair_any_more():
     pool = pair_pool()
     pool.report_probe("a", True, node_id="X")
@@ -474,6 +545,28 @@ async def test_a_failover_wait_ends_at_quorum_timeout_then_the_key_is_re_placed(
     start = trio.current_time()
     assert (await svc0.route(conn("k1"))).target.name == "b" and trio.current_time() == start
     assert svc0.counters["failover_waits"] == 0
+
+
+async def test_a_new_connection_waits_for_the_first_choice_pair_under_first_element(autojump_clock):
+    cfg = pair_config()
+    svc = RouterService(replace(cfg, policy=PolicyConfig("FIRST_ELEMENT", {}), cache=None))
+    now = svc.clock()
+    svc.pool.report_probe("a", True, node_id="X", now=now)
+    svc.pool.report_probe("a2", False, node_id="X", error="broker not active", now=now)
+    svc.pool.report_probe("b", True, node_id="Y", now=now)
+    svc.pool.report_probe("a", False, error="refused", now=svc.clock())
+    got = {}
+
+    async def client():
+        got["d"] = await svc.route(conn("fresh"))
+
+    async with trio.open_nursery() as n:
+        n.start_soon(client)
+        await trio.sleep(0.8)   # the thing under test: time passes while the pair fails over
+        assert "d" not in got
+        svc.pool.report_probe("a2", True, node_id="X", now=svc.clock())
+    d = got["d"]
+    assert d.ok and d.target.name == "a2" and svc.counters["failover_waits"] == 1
 
 
 async def test_an_upstream_failure_marks_the_target_down_and_kicks_its_probe():

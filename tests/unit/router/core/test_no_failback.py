@@ -169,8 +169,8 @@ def test_an_ha_pair_is_held_as_one_also_after_its_own_failover_if_connections_we
     pool.report_probe("s1b", False, node_id="N1", error="not active")
     pool.report_probe("s2", True, node_id="N2")
     # the pair fails over inside itself: it is down between the primary's death and the backup's
-    # activation; a connection sent to s2 meanwhile makes that a return (docs/site-failover.md,
-    # "Limits": new connections do not wait for a pair that fails over unless cached on it)
+    # activation; a connection sent to s2 meanwhile (a failover longer than quorum-timeout, or a
+    # policy that does not follow pool order) makes that a return (docs/site-failover.md)
     pool.report_probe("s1", False, error="refused")
     routed(pool, "s2")
     pool.report_probe("s1b", True, node_id="N1")
