@@ -162,42 +162,27 @@ class Supervisor:
         """Send a filter (already applied and validated here) to every live worker and wait for
         each to confirm. Returns ``{"applied_workers": [...], "failed_workers": [{worker, error}]}``;
         a worker started later gets the filter in its initial state."""
-
-        applied: list[int] = []
-        failed: list[dict] = []
-
-        async def ask(slot: WorkerSlot) -> None:
-            try:
-                await slot.link.request({"op": "set_filter", "router": router, "field": field, "value": value},
-                                        timeout_s=FILTER_ACK_TIMEOUT_S)
-                applied.append(slot.index)
-            except ChannelClosed:
-                # it died meanwhile: its restart gets the new state first
-                failed.append({"worker": slot.index, "error": "worker exited (a restart applies it)"})
-            except RemoteFailure as exc:
-                failed.append({"worker": slot.index, "error": str(exc)})
-            except trio.TooSlowError:
-                failed.append({"worker": slot.index,
-                               "error": f"no confirmation within {FILTER_ACK_TIMEOUT_S:g}s"})
-
-        async with trio.open_nursery() as nursery:
-            for slot in self._live():
-                nursery.start_soon(ask, slot)
-        return {"applied_workers": sorted(applied), "failed_workers": sorted(failed, key=lambda f: f["worker"])}
+        return await self._confirm_all({"op": "set_filter", "router": router, "field": field, "value": value})
 
     async def sync_pool(self, router: str) -> dict:
         """Send the router's pool state (holds included) to every live worker and wait for each
         to confirm: a hold or readmit answers once every worker routes by it."""
+        return await self._confirm_all({"op": "pool", "router": router,
+                                        "states": self.services[router].pool_states()})
+
+    async def _confirm_all(self, msg: dict) -> dict:
+        """Send ``msg`` to every live worker and wait for each to confirm (or fail):
+        ``{"applied_workers": [...], "failed_workers": [{worker, error}]}``."""
 
         applied: list[int] = []
         failed: list[dict] = []
-        msg = {"op": "pool", "router": router, "states": self.services[router].pool_states()}
 
         async def ask(slot: WorkerSlot) -> None:
             try:
                 await slot.link.request(msg, timeout_s=FILTER_ACK_TIMEOUT_S)
                 applied.append(slot.index)
             except ChannelClosed:
+                # it died meanwhile: its restart gets the new state first
                 failed.append({"worker": slot.index, "error": "worker exited (a restart applies it)"})
             except RemoteFailure as exc:
                 failed.append({"worker": slot.index, "error": str(exc)})

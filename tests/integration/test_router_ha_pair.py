@@ -103,19 +103,25 @@ def _route_lines(tmp: Path) -> list[dict]:
     return [line for line in out if line["event"] == "route"]
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_keys_follow_their_pair_to_the_backup_without_moving_to_another_broker(tmp_path, procs, workers):
+def _pair_and_other(tmp_path: Path, procs: list):
+    """A and C running; B (not started) with A's node id at its own ports: the pair's backup.
+    Returns ``(a, b, c, b_amqp_port, b_management_url)``."""
     a = start_broker(tmp_path, name="a")
     c = start_broker(tmp_path, name="c")
     procs += [a, c]
     b_amqp, b_mgmt_port = free_ports(2)
-    b_mgmt = f"http://127.0.0.1:{b_mgmt_port}"
     b_path = write_config(tmp_path / "b", name="b", config={"acceptors.amqp": {"port": b_amqp},
                                                             "management": {"port": b_mgmt_port}})
     (tmp_path / "b" / "data").mkdir(parents=True)
     shutil.copy(a.data_dir / "node.id", tmp_path / "b" / "data" / "node.id")
     b = BrokerProcess(tmp_path / "b", b_path)
     procs.append(b)
+    return a, b, c, b_amqp, f"http://127.0.0.1:{b_mgmt_port}"
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_keys_follow_their_pair_to_the_backup_without_moving_to_another_broker(tmp_path, procs, workers):
+    a, b, c, b_amqp, b_mgmt = _pair_and_other(tmp_path, procs)
     x, z = a.node_id, c.node_id
 
     rdir = tmp_path / "router"
@@ -215,17 +221,7 @@ def test_first_element_new_clients_wait_for_the_pair_so_it_is_not_held(tmp_path,
     """A two-site pool whose first site is an HA pair (docs/site-failover.md): FIRST_ELEMENT, no
     cache, allow-failback = false. New clients that arrive while the pair fails over wait for its
     backup instead of going to the second site, so nothing is diverted and the pair is not held."""
-    a = start_broker(tmp_path, name="a")
-    c = start_broker(tmp_path, name="c")
-    procs += [a, c]
-    b_amqp, b_mgmt_port = free_ports(2)
-    b_mgmt = f"http://127.0.0.1:{b_mgmt_port}"
-    b_path = write_config(tmp_path / "b", name="b", config={"acceptors.amqp": {"port": b_amqp},
-                                                            "management": {"port": b_mgmt_port}})
-    (tmp_path / "b" / "data").mkdir(parents=True)
-    shutil.copy(a.data_dir / "node.id", tmp_path / "b" / "data" / "node.id")
-    b = BrokerProcess(tmp_path / "b", b_path)
-    procs.append(b)
+    a, b, c, b_amqp, b_mgmt = _pair_and_other(tmp_path, procs)
     x = a.node_id
     rdir = tmp_path / "router"
     router = start_router(rdir, _router_toml(rdir, a, b_amqp, b_mgmt, c, 1, policy="FIRST_ELEMENT", cache=False,
