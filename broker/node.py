@@ -208,6 +208,9 @@ class Node:
         self.opened_at: dict[str, float] = {}
         self.window_start: dict[str, float] = {}
         self.sync_waiters: dict["AmqpEngine", list] = {}
+        #: what waits for records to be durable without answering a client (a mirror's batches
+        #: of events are sent only then): answered as sends are, after fsync and the backup
+        self.write_gates: dict = {}
         self.counters: collections.Counter = collections.Counter()
         self.user_connections: collections.Counter = collections.Counter()  # per user ([resource-limits])
         self.messages_in = 0
@@ -433,6 +436,17 @@ class Node:
             lst.append(delivery)
         self._dirty.set()
 
+    def await_written(self, gate, token) -> None:
+        """Call ``gate.synced([token, ...])`` once the journal records written so far are durable
+        here and, when a backup gates sends, held by the backup too (never waits for a sync
+        mirror's target: a mirror gates its own events this way)."""
+        lst = self.write_gates.get(gate)
+        if lst is None:
+            self.write_gates[gate] = [token]
+        else:
+            lst.append(token)
+        self._dirty.set()
+
     def engine_started(self, engine: "AmqpEngine") -> None:
         self.engines[engine.conn_id] = engine
         self.opened_at[engine.conn_id] = time.time()
@@ -543,6 +557,7 @@ class Node:
             for hook in self.before_commit:
                 hook()
             waiters, self.sync_waiters = self.sync_waiters, {}
+            gates, self.write_gates = self.write_gates, {}
             marks = tuple((m, m.seq) for m in self.sync_mirrors)
             synced = 0
             if j is not None:
@@ -555,6 +570,8 @@ class Node:
                         engine.sync_failed(ds, f"journal write failed: {exc}")
                     continue
                 self.counters["journal_flushes"] += 1
+            if gates:
+                self._answer(synced, gates)
             if not waiters:
                 continue
             if self._mirror_held or not all(m.confirmed(seq) for m, seq in marks):

@@ -25,7 +25,10 @@ names the queue it was stored in (``x-opt-amq-mr-trg-q``) and the id of that que
 
 **The link** (:class:`MirrorSender`, a ``broker.connections.feed.QueueFeed``, while the
 connection's session runs) consumes the store-and-forward queue in order and sends its events on
-one link to ``$ACTIVEMQ_ARTEMIS_MIRROR_<name>``: what was handed out since the connection last
+one link to ``$ACTIVEMQ_ARTEMIS_MIRROR_<name>``, each batch only once its record (and so the
+record of every change it describes) is durable here and, when a backup gates sends, held by the
+backup (``Node.await_written``): the target never applies a change that a crash could take from
+this node, which would leave the two sites different for good. What was handed out since the connection last
 wrote as one batch transfer when the target offers ``x-opt-lodestone-mirror-batch``, else one
 event per transfer (Artemis's format). An event leaves the queue when the target accepted it,
 which it does only once the event is applied and durable. A lost connection sends the unsettled events
@@ -111,6 +114,10 @@ class MirrorSource:
         self.seq = 0                       # events written to the queue so far (this activation)
         self._outstanding: dict[int, int] = {}   # queue message id -> seq of its first event, in order
         self._applier: "MirrorTarget | None" = None   # this node's target side (echo avoidance)
+        #: queue messages whose records are not yet durable here (and on a gating backup): the
+        #: sender holds them back, so the target never applies a change this node could lose
+        self.unwritten: set[int] = set()
+        self.sender: "MirrorSender | None" = None
 
     # -- installed while the node serves ---------------------------------------------------------
     def install(self, node: "Node") -> None:
@@ -129,6 +136,7 @@ class MirrorSource:
         self.pending_events = 0
         self.seq = 0
         self._outstanding.clear()
+        self.unwritten.clear()
         for m in list(snf.messages):     # recovered: waiting for the target since before the restart
             self._outstanding[m.mid] = self.seq + 1
             n = batch_count(m.body)
@@ -269,11 +277,20 @@ class MirrorSource:
             msg = Message(core.next_mid(), body, self._durable, self.snf_name)
             self._outstanding[msg.mid] = self.seq + 1
             self.seq += len(events)
+            if self._durable and self.node.journal is not None:
+                self.unwritten.add(msg.mid)            # before enqueue: the sender may take it at once
+                self.node.await_written(self, msg.mid)
             self.snf.enqueue(msg)
             self._durable = False
         if self._held:
             self._held = False
             self.node.journal.release()
+
+    def synced(self, mids: list[int]) -> None:
+        """These batches are durable (the node's committer, ``Node.await_written``): they may go."""
+        self.unwritten.difference_update(mids)
+        if self.sender is not None:
+            self.sender.written()
 
     def confirmed(self, seq: int) -> bool:
         """Whether the target accepted every event up to ``seq`` (or this mirror stopped running
@@ -328,8 +345,10 @@ class MirrorSender(QueueFeed):
                          batch_max=BATCH_EVENTS)
         self._mode: bool | None = None
         self._parts: dict[int, int] = {}     # a batch sent event by event: its events not yet settled
+        self._parked: collections.deque[Message] = collections.deque()   # handed out, not yet durable
         self.events_sent = self.events_acknowledged = 0
         peer.before_output = self.flush
+        source.sender = self
 
     def _check(self, link: "OwnedLink") -> str | None:
         """The target's answer must be a mirror's: ``amq.mirror`` and an id that is not ours."""
@@ -359,6 +378,20 @@ class MirrorSender(QueueFeed):
 
     # a message of the store-and-forward queue holds one event or a batch (MirrorSource.flush_events)
     def _sink(self, sub, msg: Message) -> None:
+        if self._parked or msg.mid in self.source.unwritten:
+            self._parked.append(msg)     # in order: what follows waits behind it
+            return
+        self._hand(sub, msg)
+
+    def written(self) -> None:
+        """The source's batches became durable: send the parked ones, in order."""
+        parked, unwritten = self._parked, self.source.unwritten
+        while parked and parked[0].mid not in unwritten:
+            msg = parked.popleft()
+            if msg.mid in self.sub.unacked:      # not put back meanwhile (closed)
+                self._hand(self.sub, msg)
+
+    def _hand(self, sub, msg: Message) -> None:
         if self.batching:
             super()._sink(sub, msg)
             return
@@ -422,6 +455,9 @@ class MirrorSender(QueueFeed):
 
     def close(self) -> None:
         self._parts.clear()
+        self._parked.clear()
+        if self.source.sender is self:
+            self.source.sender = None
         super().close()
 
 
