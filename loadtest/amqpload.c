@@ -19,6 +19,11 @@
  *       one connection = TLS (-s) + handshake + 64-byte echo, then close.  -r: redirect mode, one
  *       connection = TLS + handshake up to the router's Close frame (no backend involved).
  *   amqpload bulk -t HOST:PORT [-n streams] [-d secs] [-w warmup] [-s] -m D|U
+ *   amqpload hold -t HOST:PORT -n N [-c connecting] [-s]
+ *       opens N connections (at most -c, default 200, connecting at once), each TLS (-s) +
+ *       handshake + the payload byte 'U', then holds them idle: prints one JSON line once every
+ *       connection is held or failed, then a second one (how many the far end closed meanwhile)
+ *       when its standard input closes, and exits.
  * Clients print one JSON line.  TLS clients never resume sessions: every connection is a full
  * handshake (ECDSA P-256 certificates in the benchmark).
  */
@@ -302,10 +307,11 @@ static int run_server(int argc, char **argv) {
 }
 
 /* ------------------------------------------------------------------------------- clients */
-enum { C_CONNECTING = 1, C_HANDSHAKE, C_ECHO, C_BULK };
+enum { C_CONNECTING = 1, C_HANDSHAKE, C_ECHO, C_BULK, C_HELD };
 
 static struct sockaddr_in target;
-static int redirect_mode, echo_len = 64;
+static int redirect_mode, echo_len = 64, hold_mode;
+static long long held_count, held_dropped;
 static char bulk_mode = 0;
 static double t_measure, t_end;
 static long long done_count, errors, bytes_moved;
@@ -326,7 +332,10 @@ static conn *client_open(void) {
     return c;
 }
 
-static void client_error(conn *c) { errors++; drop(c); }
+static void client_error(conn *c) {
+    if (c->state == C_HELD) { held_count--; held_dropped++; } else errors++;
+    drop(c);
+}
 
 static void finished(conn *c) {
     double t = now();
@@ -362,6 +371,13 @@ static void client_step(conn *c, uint32_t events) {
             while (off < r && c->sc.seq[c->sc.idx]) off += scan(&c->sc, (unsigned char *)scratch + off, r - off, &d);
             if (!c->sc.seq[c->sc.idx]) {
                 if (redirect_mode) { finished(c); return; }
+                if (hold_mode) {
+                    char m = 'U';          /* the backend reads and discards: an idle client */
+                    queue_out(c, &m, 1);
+                    c->state = C_HELD;
+                    held_count++;
+                    continue;
+                }
                 if (bulk_mode) {
                     char m = bulk_mode;
                     queue_out(c, &m, 1);
@@ -382,6 +398,12 @@ static void client_step(conn *c, uint32_t events) {
             if (r == 0 || r == -2) { client_error(c); return; }
             if (r == -1) { watch(c, c->want, 0); return; }
             c->got += r;
+            continue;
+        }
+        case C_HELD: {
+            int r = io_read(c, scratch, BUF);
+            if (r == 0 || r == -2) { client_error(c); return; }
+            if (r == -1) { watch(c, c->want, 0); return; }
             continue;
         }
         case C_BULK: {
@@ -409,10 +431,49 @@ static int cmp_float(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+/* hold: n idle connections, at most `connecting` of them not yet held at once */
+static int run_hold(int n, int connecting, int tls) {
+    hold_mode = 1;
+    if (tls) ctx = make_ctx(0, NULL, NULL);
+    ep = epoll_create1(0);
+    struct epoll_event in = {.events = EPOLLIN, .data.fd = 0};
+    epoll_ctl(ep, EPOLL_CTL_ADD, 0, &in);      /* stdin: its end ends the run */
+    double t0 = now();
+    long long opened = 0;
+    int reported = 0;
+    struct epoll_event evs[512];
+    for (;;) {
+        while (opened < n && opened - held_count - held_dropped - errors < connecting) {
+            client_open();
+            opened++;
+        }
+        if (!reported && held_count + held_dropped + errors >= n) {
+            printf("{\"test\":\"hold\",\"n\":%d,\"tls\":%d,\"held\":%lld,\"errors\":%lld,\"secs\":%.2f}\n",
+                   n, tls, held_count, errors, now() - t0);
+            fflush(stdout);
+            reported = 1;
+        }
+        int k = epoll_wait(ep, evs, 512, 200);
+        for (int i = 0; i < k; i++) {
+            int fd = evs[i].data.fd;
+            if (fd == 0) {
+                char b[64];
+                if (read(0, b, sizeof b) <= 0) {
+                    printf("{\"test\":\"hold-end\",\"held\":%lld,\"dropped\":%lld}\n", held_count, held_dropped);
+                    return 0;
+                }
+                continue;
+            }
+            conn *c = conns[fd];
+            if (c) client_step(c, evs[i].events);
+        }
+    }
+}
+
 static int run_client(const char *kind, int argc, char **argv) {
-    int n = 50, opt, tls = 0;
+    int n = 50, opt, tls = 0, connecting = 200;
     double secs = 5, warm = 1;
-    while ((opt = getopt(argc, argv, "t:n:d:w:m:sr")) != -1) {
+    while ((opt = getopt(argc, argv, "t:n:d:w:m:c:sr")) != -1) {
         switch (opt) {
         case 't': {
             char host[256];
@@ -430,8 +491,10 @@ static int run_client(const char *kind, int argc, char **argv) {
         case 'm': bulk_mode = optarg[0]; break;
         case 's': tls = 1; break;
         case 'r': redirect_mode = 1; break;
+        case 'c': connecting = atoi(optarg); break;
         }
     }
+    if (!strcmp(kind, "hold")) return run_hold(n, connecting, tls);
     if (!strcmp(kind, "cps")) bulk_mode = 0;
     else if (bulk_mode != 'D' && bulk_mode != 'U') { fprintf(stderr, "bulk needs -m D|U\n"); return 2; }
     if (tls) ctx = make_ctx(0, NULL, NULL);
@@ -483,7 +546,7 @@ int main(int argc, char **argv) {
     SRV_SASL = from_hex_env("AMQPLOAD_SRV_SASL");
     SRV_OUTCOME = from_hex_env("AMQPLOAD_SRV_OUTCOME");
     SRV_OPEN = from_hex_env("AMQPLOAD_SRV_OPEN");
-    if (argc < 2) { fprintf(stderr, "usage: amqpload server|cps|bulk ...\n"); return 2; }
+    if (argc < 2) { fprintf(stderr, "usage: amqpload server|cps|bulk|hold ...\n"); return 2; }
     if (!strcmp(argv[1], "server")) return run_server(argc - 1, argv + 1);
     if (!HELLO.n) { fprintf(stderr, "AMQPLOAD_CLIENT_HELLO is not set\n"); return 2; }
     return run_client(argv[1], argc - 1, argv + 1);

@@ -14,7 +14,14 @@ nothing in /etc is touched. Queues ``bench-t`` (transient) and ``bench-d`` (dura
 with ``rabbitmqctl eval`` and addressed as ``/amq/queue/<name>``. ``--no-rabbitmq`` skips it.
 
     .venv/bin/python loadtest/bench_broker.py [--n 50000] [--rounds 3] [--sizes 100,4096]
-        [--baseline-ref REV] [--features [--tx-batch 100]]
+        [--baseline-ref REV] [--features [--tx-batch 100]] [--client native [--conns 1,4]]
+
+``--client native`` drives the brokers with ``loadtest/amqpperf.c`` instead (Qpid Proton-C's
+proactor; compiled here with gcc against Debian's ``libqpid-proton11-dev``, installed with
+apt-get if missing): a real AMQP 1.0 client (SASL PLAIN, credit, unsettled sends, accepted and
+settled receipts) whose own CPU per message is a fraction of the broker's, so the figures are the
+brokers' limits. ``--conns 1,4`` runs 1 producer → 1 consumer and 4 → 4 (one connection each,
+one queue), for every size and durability.
 
 ``--baseline-ref REV`` also runs the broker of that git revision (a temporary worktree), so a new
 feature's cost when unused is measured against the same node without it, in the same run.
@@ -45,6 +52,17 @@ from tests.rabbitproc import RabbitMQ as RabbitNode  # noqa: E402  (the reposito
 
 REPO = HERE.parent
 CLIENT = HERE / "amqp_client.py"
+NATIVE = HERE / "amqpperf.c"
+
+
+def build_native(work: Path) -> Path:
+    """Compile amqpperf.c (installing Debian's libqpid-proton11-dev when its header is missing)."""
+    if not Path("/usr/include/proton/proactor.h").exists():
+        subprocess.run(["apt-get", "install", "-y", "-q", "libqpid-proton11-dev"], check=True,
+                       stdout=subprocess.DEVNULL)
+    out = work / "amqpperf"
+    subprocess.run(["gcc", "-O2", "-o", str(out), str(NATIVE), "-lqpid-proton"], check=True)
+    return out
 
 
 def free_port() -> int:
@@ -139,6 +157,25 @@ def run_client(broker, durable: bool, size: int, n: int, extra: tuple[str, ...] 
         return {"error": f"client failed: {p.stderr.strip()[-300:]}"}
 
 
+def run_native(binary: Path, broker, durable: bool, size: int, n: int, conns: int) -> dict:
+    """One run of amqpperf: ``conns`` producers → ``conns`` consumers on the broker's queue."""
+    from urllib.parse import urlsplit
+    u = urlsplit(broker.url)
+    n -= n % conns
+    cmd = [str(binary), "-u", f"{u.hostname}:{u.port}", "-a", broker.address(durable), "-n", str(n), "-s", str(size),
+           "-p", str(conns), "-r", str(conns), "-b", str(broker.pid), "-t", "300"] + (["-d"] if durable else [])
+    if u.username:
+        cmd += ["-U", u.username, "-P", u.password or ""]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    try:
+        r = json.loads(p.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return {"error": f"amqpperf failed: {p.stderr.strip()[-300:]}"}
+    if p.returncode != 0:
+        r["error"] = r.get("error") or p.stderr.strip()[-300:]
+    return r
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=50000, help="messages per run")
@@ -153,17 +190,24 @@ def main() -> int:
                     help="also measure Lodestone's optional paths: a consumer with a selector, and transactional "
                          "sends (--tx-batch messages per transaction)")
     ap.add_argument("--tx-batch", type=int, default=100)
+    ap.add_argument("--client", choices=("python", "native"), default="python",
+                    help="the load generator: python-qpid-proton (amqp_client.py) or native (amqpperf.c)")
+    ap.add_argument("--conns", default="1", help="with --client native: producers = consumers, a comma list")
     a = ap.parse_args()
+    if a.client == "native" and a.features:
+        ap.error("--features needs --client python (selectors and transactions are amqp_client.py's)")
+    conns_list = [int(c) for c in a.conns.split(",")] if a.client == "native" else [1]
     sizes = [int(s) for s in a.sizes.split(",")]
     work = Path(tempfile.mkdtemp(prefix="lodestone-bench-"))
     brokers = []
     baseline_tree = None
     # (label, client arguments, measured on): the optional paths run on this checkout only
-    variants = [("", (), "all")]
+    variants = ([(f" {c}→{c}", (c,), "all") for c in conns_list] if a.client == "native" else [("", (), "all")])
     if a.features:
         variants += [(" +selector", ("--selector", "color = 'red'"), "lodestone"),
                      (f" +tx/{a.tx_batch}", ("--tx-batch", str(a.tx_batch)), "lodestone")]
     try:
+        native = build_native(work) if a.client == "native" else None
         brokers.append(Lodestone(work))
         if a.baseline_ref:
             baseline_tree = work / "baseline-tree"
@@ -180,7 +224,8 @@ def main() -> int:
                         for b in brokers:
                             if on != "all" and b.name != on:
                                 continue
-                            r = run_client(b, durable, size, a.n, extra)
+                            r = (run_native(native, b, durable, size, a.n, extra[0]) if native is not None
+                                 else run_client(b, durable, size, a.n, extra))
                             results.setdefault((b.name, durable, size, label), []).append(r)
                             if a.json:
                                 print(json.dumps({"round": rnd, "broker": b.name, "variant": label, **r}), flush=True)
@@ -198,7 +243,8 @@ def main() -> int:
         vals = [r[key] for r in rs if key in r]
         return statistics.median(vals) if vals else float("nan")
 
-    print(f"\n1 producer -> 1 consumer, n={a.n}, median of {a.rounds} rounds (python-qpid-proton client)")
+    client_name = "native amqpperf client" if a.client == "native" else "python-qpid-proton client"
+    print(f"\nproducers -> consumers, n={a.n}, median of {a.rounds} rounds ({client_name})")
     others = [b for b in brokers if b.name != "lodestone"]
     print(f"{'workload':<32}" + "".join(f"{b.name[:20] + ' msgs/s':>28}{b.name[:20] + ' µs/msg':>28}" for b in brokers)
           + "".join(f"   µs/msg ÷ {b.name[:20]:<20}" for b in others))

@@ -156,12 +156,12 @@ class Bench:
         line = p.stdout.readline().decode().split()
         return int(line[1])
 
-    def start_haproxy(self, backend_port: int) -> None:
+    def start_haproxy(self, backend_port: int, maxconn: int = 9000) -> None:
         cfg = self.work / "haproxy.cfg"
         self.ports["haproxy"], self.ports["haproxy-tls"] = free_port(), free_port()
         cfg.write_text(f"""global
     nbthread 1
-    maxconn 9000
+    maxconn {maxconn}
 defaults
     mode tcp
     timeout connect 5s
@@ -191,7 +191,8 @@ backend be
             self.ports["trio-naive" if kind == "plain" else "trio-naive-tls"] = int(port)
 
     def start_router(self, name: str, backend_port: int, *, workers: int, splice: bool, cpus: str,
-                     repo: Path = REPO) -> None:
+                     repo: Path = REPO, plain_extra: tuple[str, ...] = ()) -> None:
+        """``plain_extra``: more keys for the plain proxy acceptor (bench_held.py)."""
         cfg = self.work / f"{name}.toml"
         cfg.write_text("\n".join([
             f'users-file = "{self.users}"', f"workers = {workers}",
@@ -201,7 +202,7 @@ backend be
             "[routers.main.pool]", "check-period = 5000",
             "[[routers.main.pool.targets]]", 'name = "backend"', 'host = "127.0.0.1"', f"port = {backend_port}",
             "[[acceptors]]", 'name = "plain"', "port = 0", 'router = "main"', 'mode = "proxy"',
-            "max-connections = 0",
+            "max-connections = 0", *plain_extra,
             "[[acceptors]]", 'name = "tls"', "port = 0", 'router = "main"', 'mode = "proxy"',
             f'tls-cert = "{self.pem}"', f'tls-key = "{self.pem}"', "max-connections = 0",
             "[[acceptors]]", 'name = "redirect"', "port = 0", 'router = "main"', 'mode = "redirect"',

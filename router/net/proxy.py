@@ -86,7 +86,7 @@ class EndReason(enum.Enum):
     CANCELLED = "cancelled"            # we stopped it (drain deadline, shutdown)
 
 
-@dataclass
+@dataclass(slots=True)
 class PumpStats:
     """Bytes moved and how the connection ended."""
 

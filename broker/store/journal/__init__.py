@@ -63,6 +63,7 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Mapping
 
 from broker.store.errors import JournalClosed, JournalFailed, LocalStoreError
@@ -74,7 +75,8 @@ from broker.store.journal.records import (_GROUP_OP_HEAD, _GROUP_OP_TYPES, _ID_C
                                           _SEG_HEAD, _SEG_MAGIC, _SEG_VERSION, _TYPES, _U16, _U32, _U64,
                                           FLAG_COMPACTED, MAX_PAYLOAD_BYTES, REC_HEADER_BYTES, SEG_HEADER_BYTES,
                                           GroupOp, Record, RecordType, _decode_group, _decode_payload, _op_size,
-                                          _parse_at, _parse_segment_header, _payload_add_message, _payload_group,
+                                          _parse_at, _parse_segment_header, _parts_add_message,
+                                          _payload_add_message, _payload_group, encode_record_parts,
                                           _payload_kv, _payload_queue_id, _read_str16, _segment_header, _str16,
                                           decode_record, encode_record)
 from broker.store.journal.recovery import Recovery, RecoveryReport
@@ -82,6 +84,8 @@ from broker.store.journal.replication import Replication, Snapshot
 from broker.store.journal.segments import (_SEG_NAME, SegmentFiles, _datasync, _fsync_dir, _Segment,
                                            _segment_name, _write_all)
 from broker.store.journal.state import _KV, LiveState, StoredMessage
+
+_EMPTY: Mapping[str, Any] = MappingProxyType({})   # the properties of most messages: none
 
 __all__ = [
     "RecordType", "Record", "StoredMessage", "JournalConfig", "RecoveryReport", "Snapshot",
@@ -158,16 +162,20 @@ class Journal(SegmentFiles, Recovery, Compaction, Replication):
             self._failed = exc
             raise JournalFailed(f"fsync of journal {self.directory} failed: {exc}") from exc
 
-    def _append(self, rtype: RecordType, payload: bytes, mutate) -> int:
+    def _append(self, rtype: RecordType, payload: bytes | tuple, mutate) -> int:
+        """``payload``: the bytes, or a tuple of their pieces (joined once, into the record)."""
         with self._lock:
-            self._check_usable()
+            if self._closed or self._failed is not None:
+                self._check_usable()
             seq = self._last_seq + 1
-            rec = encode_record(rtype, seq, payload)
-            mutate(seq, len(rec))
+            rec = (encode_record_parts(rtype, seq, payload) if type(payload) is tuple
+                   else encode_record(rtype, seq, payload))
+            size = len(rec)
+            mutate(seq, size)
             self._last_seq = seq
             self._pending.append((seq, rec))
-            self._pending_bytes += len(rec)
-            self._total_bytes += len(rec)
+            self._pending_bytes += size
+            self._total_bytes += size
             if self.tap is not None:
                 self.tap(seq, rec)
         if self.config.sync == "always":
@@ -179,9 +187,9 @@ class Journal(SegmentFiles, Recovery, Compaction, Replication):
         """Record a durable message in ``queue``; returns its seq. ``properties`` is a small
         JSON-able mapping (str keys; str/int/float/bool/None values) the broker needs on recovery
         (address, routing type, priority, expiry...). Re-adding an id replaces the message."""
-        props = dict(properties) if properties else {}
-        payload = _payload_add_message(queue, message_id, delivery_count, props, body)
-        return self._append(RecordType.ADD_MESSAGE, payload, lambda seq, size: self._state.add(
+        props = dict(properties) if properties else _EMPTY
+        parts = _parts_add_message(queue, message_id, delivery_count, props, body)
+        return self._append(RecordType.ADD_MESSAGE, parts, lambda seq, size: self._state.add(
             StoredMessage(queue, message_id, body, props, delivery_count, seq, size)))
 
     def ack(self, queue: str, message_id: int) -> int:

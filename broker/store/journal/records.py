@@ -94,11 +94,20 @@ _GROUP_OP_TYPES = frozenset((RecordType.ADD_MESSAGE, RecordType.ACK, RecordType.
 _GROUP_OP_HEAD = struct.Struct(">BI")   # type, length
 
 
+_STR16: dict[str, bytes] = {}     # queue and namespace names repeat: encoded once (bounded)
+
+
 def _str16(s: str) -> bytes:
+    out = _STR16.get(s)
+    if out is not None:
+        return out
     b = s.encode("utf-8")
     if len(b) > 0xFFFF:
         raise LocalStoreError(f"name too long for the journal ({len(b)} bytes > 65535): {s[:40]!r}...")
-    return _U16.pack(len(b)) + b
+    out = _U16.pack(len(b)) + b
+    if len(_STR16) < 4096:
+        _STR16[s] = out
+    return out
 
 
 def _read_str16(buf: memoryview, pos: int) -> tuple[str, int]:
@@ -114,6 +123,15 @@ def encode_record(rtype: int, seq: int, payload: bytes) -> bytes:
     head = _REC_HEAD.pack(len(payload), rtype, seq)
     crc = zlib.crc32(payload, zlib.crc32(head))
     return head + _REC_CRC.pack(crc) + payload
+
+
+def encode_record_parts(rtype: int, seq: int, parts: tuple) -> bytes:
+    """:func:`encode_record` of the payload ``b"".join(parts)``, copying the parts once."""
+    head = _REC_HEAD.pack(sum(map(len, parts)), rtype, seq)
+    crc = zlib.crc32(head)
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return b"".join((head, _REC_CRC.pack(crc), *parts))
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,10 +153,19 @@ class Record:
 
 def _payload_add_message(queue: str, message_id: int, delivery_count: int,
                          properties: Mapping[str, Any] | None, body: bytes) -> bytes:
-    props = (json.dumps(dict(properties), separators=(",", ":"), ensure_ascii=False).encode()
-             if properties else b"")
-    return b"".join((_str16(queue), _ID_COUNT.pack(message_id, delivery_count),
-                     _U32.pack(len(props)), props, body))
+    return b"".join(_parts_add_message(queue, message_id, delivery_count, properties, body))
+
+
+_NO_PROPS = _U32.pack(0)
+
+
+def _parts_add_message(queue: str, message_id: int, delivery_count: int,
+                       properties: Mapping[str, Any] | None, body: bytes) -> tuple:
+    """The pieces of an ADD_MESSAGE payload (:func:`encode_record_parts` joins them once)."""
+    if properties:
+        props = json.dumps(dict(properties), separators=(",", ":"), ensure_ascii=False).encode()
+        return _str16(queue), _ID_COUNT.pack(message_id, delivery_count), _U32.pack(len(props)), props, body
+    return _str16(queue), _ID_COUNT.pack(message_id, delivery_count), _NO_PROPS, body
 
 
 def _payload_queue_id(queue: str, message_id: int) -> bytes:

@@ -3,6 +3,7 @@ the one place that owns its deadlines (see ``router.net.edge`` for the phases)."
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 
@@ -97,6 +98,9 @@ class Acceptor:
             elif proxy:
                 self._log_decision(c, "proxied")
                 self._inc("proxied")
+                # held for the connection's life: only its target (close line) and its
+                # assignment (connection_closed) are needed from here on, not the explanation
+                c.decision = dataclasses.replace(c.decision, explanation=None)
                 await run_pump(s, c, self._proxy_closed)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             # the client vanished in the middle of one of our writes; nothing to tell anybody

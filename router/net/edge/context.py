@@ -98,7 +98,7 @@ class EdgeContext:
 PH_TLS, PH_HANDSHAKE, PH_ROUTE, PH_CONNECT, PH_REPLAY, PH_PROXY, PH_LINGER = range(7)
 
 
-@dataclass
+@dataclass(slots=True)
 class ConnState:
     """Per-connection facts gathered along the way (for the routing log), and its streams."""
 
