@@ -64,12 +64,26 @@ def parse_source_ip(source: str | None) -> IPAddress | None:
     return addr
 
 
+_KEYS: dict[str, str] = {}      # source -> key: a connection's address is keyed several times
+_KEYS_MAX = 4096                # a flood of addresses empties it (it never grows past this)
+
+
 def source_key(source: str | None) -> str:
     """The throttling identity of a client address: ``127.0.0.1`` → ``127.0.0.1``; an IPv6
     address → its /64 (``2001:db8:1:2::/64``); IPv4-mapped IPv6 → the IPv4 address. Accepts
     what :func:`parse_source_ip` accepts. Anything unparsable is its own key (bounded length)."""
     if not source:
         return "?"
+    key = _KEYS.get(source)
+    if key is None:
+        key = _source_key(source)
+        if len(_KEYS) >= _KEYS_MAX:
+            _KEYS.clear()
+        _KEYS[source] = key
+    return key
+
+
+def _source_key(source: str) -> str:
     addr = parse_source_ip(source)
     if addr is None:
         return source.strip()[:64]

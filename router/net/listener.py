@@ -234,7 +234,13 @@ async def _accept_loop(handler, listener: trio.SocketListener, handler_nursery: 
 
 
 async def _run_handler(handler, sock: _stdlib_socket.socket, peer, limit: ConnectionLimit) -> None:
+    owner = None
     try:
-        await handler(sock, peer)
+        # a handler may hand its connection to an object that outlives its task (the edge's
+        # router.net.proxy.Relay): then the slot is given back when that one is done
+        owner = await handler(sock, peer)
     finally:
-        limit.release()
+        if owner is None:
+            limit.release()
+        else:
+            owner.after.append(limit.release)

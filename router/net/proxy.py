@@ -2,14 +2,20 @@
 
 Theory of operation
 -------------------
-Plain-to-plain connections start in the calling task (``_pump_small``): the process's one
+Plain-to-plain connections start in a first phase (``_SmallPhase``): the process's one
 shared epoll set (``SharedPoller``, run by the server as a system task; no descriptor per
-connection) watches both sockets and wakes the connection's task; each readable side is read
-once (64 KiB) and written to the other side at once, EOFs are passed on with
-``shutdown(SHUT_WR)``. Most AMQP connections (a few frames, then
-Close) end there without spawning anything. The first write that would block, or a read that
-fills the whole buffer (bulk traffic), hands the connection over — with the bytes not yet
-written — to the general pump below. TLS connections start there directly.
+connection) watches both sockets; each readable side is read once (64 KiB) and written to the
+other side at once, EOFs are passed on with ``shutdown(SHUT_WR)``. The edge runs that phase as a
+:class:`Relay`, with no task at all: the poller's dispatcher calls the relay for its sockets,
+and one :class:`RelayKeeper` task per process (in the handlers nursery, alive while relays are)
+ends relays that idled out or were cancelled (drain deadline, shutdown). So a held, idle
+connection costs its two sockets and a few small objects — no task, no stack of coroutine
+frames (``loadtest/bench_held.py``: 3.3 KiB of memory each, 9.2 KiB with a task). Without a
+relay (``pump`` called directly) the same phase runs in the calling task (``_pump_small``).
+Most AMQP connections (a few frames, then Close) end in that phase without spawning anything.
+The first write that would block, a read that fills the whole buffer (bulk traffic), or the
+broker ending first (the client's grace) hands the connection over — with the bytes not yet
+written — to the general pump below, in a task of its own. TLS connections start there directly.
 
 The general pump: one nursery, two pump tasks (client → upstream "up", upstream → client
 "down"), one cancel scope owning the idle deadline (shared with ``_pump_small``). Each pump:
@@ -50,6 +56,7 @@ for the figures.
 from __future__ import annotations
 
 import enum
+import logging
 import errno
 import os
 import select
@@ -61,6 +68,8 @@ from dataclasses import dataclass
 import trio
 
 from router.net.fastio import FastSocketStream
+
+log = logging.getLogger("router.connection")
 
 DEFAULT_CHUNK_BYTES = 65536
 DEFAULT_UPSTREAM_CLOSE_GRACE_S = 1.0  # upstream-close-grace-ms: the client's time to close after its broker did
@@ -139,6 +148,7 @@ class SharedPoller:
         self._ep = select.epoll()
         self._owners: dict[int, _Waiter] = {}
         self.token = None
+        self.keeper = RelayKeeper()     # the relays of this process (see Relay)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """The dispatcher; while it runs, ``pump`` uses this poller (see ``active_poller``)."""
@@ -155,6 +165,9 @@ class SharedPoller:
                     w = owners.get(fd)
                     if w is None:
                         continue
+                    if type(w) is Relay:
+                        w.fired(fd)
+                        continue
                     w.ready.append(fd)
                     task = w.task
                     if task is not None:
@@ -165,7 +178,9 @@ class SharedPoller:
             if _ACTIVE is self:
                 _ACTIVE = None
             for w in list(owners.values()):  # nobody will wake them: wake them now
-                if w.task is not None:
+                if type(w) is Relay:
+                    w.end(EndReason.CANCELLED)
+                elif w.task is not None:
                     task, w.task = w.task, None
                     trio.lowlevel.reschedule(task)
             owners.clear()
@@ -239,13 +254,14 @@ def _detail(exc: BaseException) -> str:
 async def pump(client: trio.abc.Stream, upstream: trio.abc.Stream, *, idle_timeout_s: float | None,
                chunk_bytes: int = DEFAULT_CHUNK_BYTES, use_splice: bool = True,
                stats: PumpStats | None = None,
-               upstream_close_grace_s: float = DEFAULT_UPSTREAM_CLOSE_GRACE_S) -> PumpStats:
+               upstream_close_grace_s: float = DEFAULT_UPSTREAM_CLOSE_GRACE_S, state=None) -> PumpStats:
     """Move bytes both ways until both sides closed, one broke, nothing moved for
     ``idle_timeout_s``, or the broker ended first and the client did not follow within
     ``upstream_close_grace_s`` (see the module docstring). Never raises for peer behaviour;
     returns what happened (``stats``, if given, is filled in as bytes move, so a caller that is
     cancelled still has the counts). The caller closes both streams afterwards
-    (``aclose_forcefully``); a client left to the grace has its socket set to reset on close."""
+    (``aclose_forcefully``); a client left to the grace has its socket set to reset on close.
+    ``state``: where a :class:`Relay` handed the connection over (its first phase is over)."""
     stats = stats if stats is not None else PumpStats()
     csock, usock = _plain_socket(client), _plain_socket(upstream)
     plain = csock is not None and usock is not None
@@ -266,8 +282,9 @@ async def pump(client: trio.abc.Stream, upstream: trio.abc.Stream, *, idle_timeo
         if idle is not None:
             scope.deadline = trio.current_time() + idle + slack
         # (done, pending bytes, bulk) for client→upstream and upstream→client
-        state = ((False, b"", False), (False, b"", False))
-        poller = active_poller() if plain else None
+        poller = active_poller() if plain and state is None else None
+        if state is None:
+            state = ((False, b"", False), (False, b"", False))
         if poller is not None:
             try:
                 state = await _pump_small(poller, csock, usock, stats, refresh)
@@ -301,76 +318,230 @@ async def pump(client: trio.abc.Stream, upstream: trio.abc.Stream, *, idle_timeo
     return stats
 
 
+_GO_ON = object()   # _SmallPhase.step: nothing to report, wait for the next readiness
+
+
+class _SmallPhase:
+    """The first phase of a plain-to-plain pump, one readiness at a time: the shared poller
+    watches both sockets, and each readable side is read once and written to the other at
+    once. Most AMQP connections (a few frames each way, then Close) end here. Driven by
+    :func:`_pump_small` (in the connection's task) or by a :class:`Relay` (no task at all)."""
+
+    __slots__ = ("poller", "csock", "usock", "cfd", "ufd", "cdone", "udone", "stats", "refresh", "registered")
+
+    def __init__(self, poller: SharedPoller, csock, usock, stats: PumpStats, refresh) -> None:
+        self.poller = poller
+        self.csock, self.usock = csock, usock
+        self.cfd, self.ufd = csock.fileno(), usock.fileno()
+        self.cdone = self.udone = False
+        self.stats = stats
+        self.refresh = refresh
+        self.registered: list[int] = []
+
+    def register(self, owner) -> None:
+        for fd in (self.cfd, self.ufd):
+            self.poller.register(owner, fd)
+            self.registered.append(fd)
+
+    def unregister(self) -> None:
+        for fd in self.registered:
+            self.poller.unregister(fd)
+        self.registered.clear()
+
+    def step(self, fd: int):
+        """``fd`` is readable: read it once and write what came to the other side. Returns
+        ``_GO_ON``; None when both directions reached EOF; or, to hand over to the two-task
+        pump, per direction (done, bytes still to write, bulk) — as soon as a write would block
+        (back-pressure needs the per-direction tasks), a read fills the whole buffer (bulk
+        traffic: splice), or the broker ended first (the client's grace). Raises ``_Broken``."""
+        poller, cfd, ufd = self.poller, self.cfd, self.ufd
+        if fd == cfd:
+            if self.cdone:
+                return _GO_ON
+            dfd, src_name, dst_name, dst = ufd, "client", "upstream", self.usock
+        else:
+            if self.udone:
+                return _GO_ON
+            dfd, src_name, dst_name, dst = cfd, "upstream", "client", self.csock
+        try:
+            data = os.read(fd, DEFAULT_CHUNK_BYTES)
+        except BlockingIOError:
+            poller.rearm(fd)
+            return _GO_ON
+        except OSError as exc:
+            if exc.errno in _BROKEN_ERRNOS:
+                raise _Broken(src_name, f"read: {exc.strerror}") from None
+            raise
+        stats = self.stats
+        if not data:  # EOF: pass it on; the other direction keeps flowing
+            if stats.first_eof is None:
+                stats.first_eof = src_name
+            _shutdown(dst, dst_name)
+            poller.unregister(fd)
+            self.registered.remove(fd)
+            if fd == cfd:
+                self.cdone = True
+            else:
+                self.udone = True
+            if self.cdone and self.udone:
+                return None
+            if fd == ufd:  # the broker ended first: the client's grace (see pump)
+                return (False, b"", False), (True, b"", False)
+            return _GO_ON
+        self.refresh()
+        try:
+            n = os.write(dfd, data)
+        except BlockingIOError:
+            n = 0
+        except OSError as exc:
+            if exc.errno in _BROKEN_ERRNOS:
+                raise _Broken(dst_name, f"write: {exc.strerror}") from None
+            raise
+        _count(stats, src_name, n)
+        if n < len(data) or len(data) == DEFAULT_CHUNK_BYTES:
+            here = (False, data[n:], len(data) == DEFAULT_CHUNK_BYTES)
+            if fd == cfd:
+                return here, (self.udone, b"", False)
+            return (self.cdone, b"", False), here
+        poller.rearm(fd)
+        return _GO_ON
+
+
 async def _pump_small(poller: SharedPoller, csock, usock, stats: PumpStats, refresh):
-    """The first phase of a plain-to-plain pump, in the calling task: the shared poller watches
-    both sockets, and each readable side is read once and written to the other at once.
-    Most AMQP connections (a few frames each way, then Close) end here, without a nursery and
-    two tasks. Returns None when both directions reached EOF, else the state to hand over to
-    the two-task pump — per direction (done, bytes still to write, bulk) — as soon as a write
-    would block (back-pressure needs the per-direction tasks) or a read fills the whole buffer
-    (bulk traffic: splice). Raises ``_Broken``."""
-    cfd, ufd = csock.fileno(), usock.fileno()
+    """:class:`_SmallPhase` in the calling task (see its ``step`` for what it returns; the
+    state also when the dispatcher stopped). Raises ``_Broken``."""
+    phase = _SmallPhase(poller, csock, usock, stats, refresh)
     w = _Waiter()
-    registered = []
     try:
-        poller.register(w, cfd)
-        registered.append(cfd)
-        poller.register(w, ufd)
-        registered.append(ufd)
-        done = {cfd: False, ufd: False}
+        phase.register(w)
         while True:
             if not await poller.wait(w):  # the dispatcher stopped: the two-task pump goes on
-                return (done[cfd], b"", False), (done[ufd], b"", False)
+                return (phase.cdone, b"", False), (phase.udone, b"", False)
             fired, w.ready = w.ready, []
             for fd in fired:
-                if done[fd]:
-                    continue
-                if fd == cfd:
-                    dfd, src_name, dst_name, dst = ufd, "client", "upstream", usock
-                else:
-                    dfd, src_name, dst_name, dst = cfd, "upstream", "client", csock
-                try:
-                    data = os.read(fd, DEFAULT_CHUNK_BYTES)
-                except BlockingIOError:
-                    poller.rearm(fd)
-                    continue
-                except OSError as exc:
-                    if exc.errno in _BROKEN_ERRNOS:
-                        raise _Broken(src_name, f"read: {exc.strerror}") from None
-                    raise
-                if not data:  # EOF: pass it on; the other direction keeps flowing
-                    if stats.first_eof is None:
-                        stats.first_eof = src_name
-                    _shutdown(dst, dst_name)
-                    poller.unregister(fd)
-                    registered.remove(fd)
-                    done[fd] = True
-                    if done[dfd]:
-                        return None
-                    if fd == ufd:  # the broker ended first: the client's grace (see pump)
-                        return (False, b"", False), (True, b"", False)
-                    continue
-                refresh()
-                try:
-                    n = os.write(dfd, data)
-                except BlockingIOError:
-                    n = 0
-                except OSError as exc:
-                    if exc.errno in _BROKEN_ERRNOS:
-                        raise _Broken(dst_name, f"write: {exc.strerror}") from None
-                    raise
-                _count(stats, src_name, n)
-                if n < len(data) or len(data) == DEFAULT_CHUNK_BYTES:
-                    pending = data[n:]
-                    bulk = len(data) == DEFAULT_CHUNK_BYTES
-                    here = (False, pending, bulk)
-                    if fd == cfd:
-                        return here, (done[ufd], b"", False)
-                    return (done[cfd], b"", False), here
-                poller.rearm(fd)
+                r = phase.step(fd)
+                if r is not _GO_ON:
+                    return r
     finally:
-        for fd in registered:
-            poller.unregister(fd)
+        phase.unregister()
+
+
+class Relay:
+    """A plain proxied connection in its first phase with no task of its own: the poller's
+    dispatcher calls :meth:`fired` for its sockets, :class:`RelayKeeper` ends it when idle or
+    cancelled. An idle held connection then costs its two sockets and this object, not a task
+    and a stack of coroutine frames. It ends (``on_end(stats)``, synchronous, once) when both
+    sides closed, one broke, it idled out or was cancelled; it hands over (``resume(state)``, a
+    new task in the keeper's nursery) when the two-task pump must take over: back-pressure,
+    bulk data, or the broker ended first (the client's grace)."""
+
+    __slots__ = ("phase", "keeper", "stats", "idle", "slack", "deadline", "on_end", "resume", "ended", "after")
+
+    def __init__(self, poller: SharedPoller, keeper: "RelayKeeper", csock, usock, stats: PumpStats,
+                 idle_timeout_s: float | None, on_end, resume) -> None:
+        self.keeper = keeper
+        self.stats = stats
+        self.idle = idle_timeout_s
+        # the same slack as pump's deadline: pushed out only when it falls short
+        self.slack = min(1.0, idle_timeout_s * 0.01) if idle_timeout_s is not None else 0.0
+        self.deadline = (trio.current_time() + idle_timeout_s + self.slack if idle_timeout_s is not None
+                         else float("inf"))
+        self.on_end = on_end
+        self.resume = resume
+        self.ended = False
+        #: run once the connection is over, however it ends (the listener's connection slot)
+        self.after: list = []
+        self.phase = _SmallPhase(poller, csock, usock, stats, self._refresh)
+
+    def start(self) -> None:
+        self.phase.register(self)
+        self.keeper.add(self)
+
+    def _refresh(self) -> None:
+        idle = self.idle
+        if idle is not None:
+            due = trio.current_time() + idle
+            if self.deadline < due:
+                self.deadline = due + self.slack
+
+    def fired(self, fd: int) -> None:
+        """The dispatcher: ``fd`` is readable."""
+        if self.ended:
+            return
+        try:
+            r = self.phase.step(fd)
+        except _Broken as exc:
+            _broken(self.stats, exc)
+            self.end()
+            return
+        except Exception:
+            log.exception("proxied connection failed in its first phase")
+            self.stats.reason = EndReason.CLIENT_ERROR
+            self.stats.error = "internal error"
+            self.end()
+            return
+        if r is _GO_ON:
+            return
+        if r is None:
+            self.end()
+            return
+        self.ended = True
+        self.phase.unregister()
+        self.keeper.discard(self)
+        self.keeper.nursery.start_soon(self.resume, r)
+
+    def end(self, reason: EndReason | None = None) -> None:
+        """End here (idle timeout, cancellation: ``reason``; else as ``stats`` says)."""
+        if self.ended:
+            return
+        self.ended = True
+        if reason is not None and self.stats.reason is EndReason.CLOSED:
+            self.stats.reason = reason
+        self.phase.unregister()
+        self.keeper.discard(self)
+        self.on_end(self.stats)
+
+
+class RelayKeeper:
+    """The relays of one process, and the one task that stands for them in the handlers nursery
+    (started with the first relay, ended with the last): it ends relays whose idle deadline
+    passed (checked every ``sweep`` — an eighth of the shortest idle timeout, at most 1 s — so an
+    idle timeout fires up to that much late), and when the nursery is cancelled (a drain's
+    deadline, shutdown) it ends every relay as cancelled. So a drain waits for relays as it waits
+    for connection tasks."""
+
+    def __init__(self) -> None:
+        self.relays: set[Relay] = set()
+        self.nursery: trio.Nursery | None = None
+        self.sweep_s = 1.0
+        self._running = False
+
+    def add(self, relay: Relay) -> None:
+        self.relays.add(relay)
+        if relay.idle is not None:
+            self.sweep_s = min(self.sweep_s, max(0.01, relay.idle / 8))
+        if not self._running:
+            self._running = True
+            self.nursery.start_soon(self._run)
+
+    def discard(self, relay: Relay) -> None:
+        self.relays.discard(relay)
+
+    async def _run(self) -> None:
+        relays = self.relays
+        try:
+            while relays:
+                await trio.sleep(self.sweep_s)
+                now = trio.current_time()
+                for r in [r for r in relays if r.deadline <= now]:
+                    r.end(EndReason.IDLE_TIMEOUT)
+        except BaseException:
+            for r in list(relays):
+                r.end(EndReason.CANCELLED)
+            raise
+        finally:
+            self._running = False
+            self.sweep_s = 1.0
 
 
 def _shutdown(dst, dst_name: str) -> None:

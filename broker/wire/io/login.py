@@ -13,7 +13,11 @@ through :meth:`LoginGate.login`:
 3. **Remembered failure** — the same user and password failed from the same source within the
    window: refused without a hash (per source: a login refused for its source address must not
    shadow the same credentials from an allowed one).
-4. **Verification** — ``SecurityConfig.verify`` (scrypt, ~50 ms, 16 MiB) in a thread, under the
+4. **One check per credentials at a time** — a login whose user and password are being verified
+   for another login right now waits for that check and takes its answer from the cache
+   (``login_ok_cached``); a failed or source-refused check sends it on to its own. A fleet that
+   reconnects at once with one account (after a restart) costs one hash, not one per client.
+5. **Verification** — ``SecurityConfig.verify`` (scrypt, ~50 ms, 16 MiB) in a thread, under the
    gate's own slots: ``max-concurrent-verifications`` at once, plus one slot that only a source
    that is not suspect may use, at most ``max-pending-verifications`` waiting. A source's
    *suspicion* is its failures in the window plus its other logins waiting or hashing right
@@ -189,6 +193,9 @@ class LoginGate:
         # one more slot than the capacity, for sources without a failure in the window: a
         # good client's first login never queues behind a flood's hash
         self._inflight: Counter[str] = Counter()   # verifications per source, waiting or hashing
+        #: (user, password digest) being verified now -> set once it is done (one hash for a
+        #: burst of logins with the same credentials)
+        self._flights: dict[tuple[str, bytes], trio.Event] = {}
         self._slots = _FairSlots(capacity, st.max_pending_verifications, self._suspicion, reserved=1)
         # a source with failures in the window hashes at a low priority; a clean one does not
         self._hasher = _HashExecutor(capacity + 1, background=False)
@@ -216,7 +223,20 @@ class LoginGate:
         elif self.memory.seen(f"{key}\0{user}", digest, t0):
             self.counters["login_refused_remembered"] += 1
         else:
+            flight = self._flights.get((user, digest))
+            if flight is not None:
+                # the same credentials are being checked right now (a fleet reconnecting with
+                # one account): wait for that one hash instead of making another
+                await flight.wait()
+                principal = security.cached(user, password, source)
+                if principal is not None:
+                    self.counters["login_ok_cached"] += 1
+                    return LoginResult(principal, "ok")
+                # that check failed, or this source may not use the account: its own check
             self._inflight[key] += 1
+            own = (user, digest) not in self._flights
+            if own:
+                flight = self._flights[(user, digest)] = trio.Event()
             try:
                 principal = await self._verify(key, user, password, source)
             except _Overloaded:
@@ -226,6 +246,9 @@ class LoginGate:
                 self._inflight[key] -= 1
                 if not self._inflight[key]:
                     del self._inflight[key]
+                if own:
+                    del self._flights[(user, digest)]
+                    flight.set()
             if principal is not None:
                 self.counters["login_ok_verified"] += 1
                 return LoginResult(principal, "ok")
@@ -252,6 +275,9 @@ class LoginGate:
         """One password check under the slots (raises ``_Overloaded`` when refused a place)."""
         await self._slots.acquire(key)
         try:
+            principal = self.security.cached(user, password, source)
+            if principal is not None:    # verified by another login while this one waited
+                return principal
             self.counters["login_verifications"] += 1
             hasher = self._hasher if self._suspicion(key) == 0 else self._suspect_hasher
             return await hasher.run(self.security.verify, user, password, source)

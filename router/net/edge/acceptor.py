@@ -11,6 +11,7 @@ import trio
 
 from broker.wire.limits import Admission, SourceLimiter, source_key
 from router.net import fastio
+from router.net import proxy as proxy_mod
 from router.net.edge import handshake as handshake_mod
 from router.net.edge import limits as limits_mod
 from router.net.edge import redirect as redirect_mod
@@ -90,48 +91,93 @@ class Acceptor:
                 active[s.name] -= 1
                 sock.close()
                 return
+        relay = None
         try:
-            with trio.CancelScope() as scope:
-                proxy = await self._serve(sock, c, scope)
-            if scope.cancelled_caught:
-                await self._timed_out(c)
-            elif proxy:
-                self._log_decision(c, "proxied")
-                self._inc("proxied")
-                # held for the connection's life: only its target (close line) and its
-                # assignment (connection_closed) are needed from here on, not the explanation
-                c.decision = dataclasses.replace(c.decision, explanation=None)
-                await run_pump(s, c, self._proxy_closed)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            # the client vanished in the middle of one of our writes; nothing to tell anybody
-            pass
-        except BaseExceptionGroup as group:
-            # From the pump's nursery (trio wraps its tasks' exceptions, strict groups): a
-            # cancellation (drain deadline, shutdown) goes on up; anything else is a bug in this
-            # connection only — counted and logged, never allowed to reach the handlers nursery.
-            cancelled, rest = group.split(trio.Cancelled)
-            if rest is not None:
-                self._inc("internal_error")
-                log.error("%s: connection %s failed", s.name, c.id, exc_info=rest)
-            if cancelled is not None:
-                raise cancelled
-        except Exception:
-            self._inc("internal_error")
-            log.exception("%s: connection %s failed", s.name, c.id)
+            with _Contained(self, c):
+                with trio.CancelScope() as scope:
+                    proxy = await self._serve(sock, c, scope)
+                if scope.cancelled_caught:
+                    await self._timed_out(c)
+                elif proxy:
+                    self._log_decision(c, "proxied")
+                    self._inc("proxied")
+                    # held for the connection's life: only its target (close line) and its
+                    # assignment (connection_closed) are needed from here on, not the explanation
+                    c.decision = dataclasses.replace(c.decision, explanation=None)
+                    result = proxy_mod.PumpStats()
+                    relay = self._relay(c, key, result)
+                    if relay is not None:
+                        return relay      # it owns the connection now (and this task ends)
+                    await run_pump(s, c, self._proxy_closed, result=result)
         finally:
-            active[s.name] -= 1
-            if c.decision is not None:
-                self.service.connection_closed(c.decision)   # LOAD_FACTOR: a live assignment ends
-            if c.refusal is not None:
-                self.limiter.release_refusal(key)
-            else:
-                self.limiter.release(key, authenticated=c.authenticated)
-            if c.upstream is not None and not close_now(c.upstream):
-                await close(c.upstream)
-            if c.client is None:
-                sock.close()
-            elif not close_now(c.client):
-                await close(c.client)
+            if relay is None:
+                self._release(c, key)
+                if c.upstream is not None and not close_now(c.upstream):
+                    await close(c.upstream)
+                if c.client is None:
+                    sock.close()
+                elif not close_now(c.client):
+                    await close(c.client)
+
+    def _release(self, c: ConnState, key: str) -> None:
+        """What every ending connection gives back (but its streams)."""
+        self.edge.stats.active[self.settings.name] -= 1
+        if c.decision is not None:
+            self.service.connection_closed(c.decision)   # LOAD_FACTOR: a live assignment ends
+        if c.refusal is not None:
+            self.limiter.release_refusal(key)
+        else:
+            self.limiter.release(key, authenticated=c.authenticated)
+
+    # -- a plain proxied connection without a task (router.net.proxy.Relay) ----------------------
+    def _relay(self, c: ConnState, key: str, result: "proxy_mod.PumpStats"):
+        """Hand a plain ↔ plain connection to a ``Relay`` (the broker's first bytes written
+        here); None when it stays with this task (TLS, no shared poller, or the client's socket
+        did not take those bytes at once: what it took is counted in ``result``)."""
+        poller = proxy_mod.active_poller()
+        client, upstream = c.client, c.upstream
+        if poller is None or type(client) is not fastio.FastSocketStream \
+                or type(upstream) is not fastio.FastSocketStream:
+            return None
+        csock = client.socket
+        if c.leftover:
+            try:
+                n = csock.send(c.leftover)
+            except OSError:
+                return None              # the pump's own send finds out and ends it
+            result.bytes_down += n
+            c.leftover = c.leftover[n:]
+            if c.leftover:
+                return None
+        keeper = poller.keeper
+        if keeper.nursery is None or not keeper.relays:
+            keeper.nursery = trio.lowlevel.current_task().parent_nursery   # the handlers nursery
+        relay = proxy_mod.Relay(poller, keeper, csock, upstream.socket, result, self.settings.idle_timeout_s,
+                                lambda stats: self._relay_ended(c, key, relay, stats),
+                                lambda state: self._relay_resumed(c, key, relay, state))
+        relay.start()
+        return relay
+
+    def _relay_ended(self, c: ConnState, key: str, relay, stats) -> None:
+        try:
+            self._proxy_closed(c, stats)
+        finally:
+            self._finish_relayed(c, key, relay)
+
+    async def _relay_resumed(self, c: ConnState, key: str, relay, state) -> None:
+        """The two-task pump takes over a relay's connection (a task in the handlers nursery)."""
+        try:
+            with _Contained(self, c):
+                await run_pump(self.settings, c, self._proxy_closed, result=relay.stats, state=state)
+        finally:
+            self._finish_relayed(c, key, relay)
+
+    def _finish_relayed(self, c: ConnState, key: str, relay) -> None:
+        self._release(c, key)
+        c.upstream.close()
+        c.client.close()
+        for done in relay.after:
+            done()
 
     async def refuse_over_limit(self, sock: socket.socket, peer) -> None:
         """The acceptor is at ``max-connections`` (counted by the listener as
@@ -238,16 +284,20 @@ class Acceptor:
         ``connect-timeout-ms``; raises an ``UpstreamError`` with nothing left open."""
         s = self.settings
         target = c.decision.target
-        for phase, step in ((PH_CONNECT, lambda: self._upstream.connect(c, target)),
-                            (PH_REPLAY, lambda: self._upstream.replay(c, detected))):
-            c.phase = phase
-            with trio.move_on_after(s.upstream_connect_timeout_s) as attempt:
-                await step()
-            if attempt.cancelled_caught:
-                if c.upstream is not None:
-                    c.upstream.close()
-                    c.upstream = None
-                raise timeout_error(s.router, target, phase == PH_REPLAY)
+        timeout = s.upstream_connect_timeout_s
+        # one scope for both steps (a scope costs more than moving its deadline), so the
+        # replay's deadline is set when it starts
+        with trio.CancelScope(deadline=trio.current_time() + timeout) as attempt:
+            c.phase = PH_CONNECT
+            await self._upstream.connect(c, target)
+            c.phase = PH_REPLAY
+            attempt.deadline = trio.current_time() + timeout
+            await self._upstream.replay(c, detected)
+        if attempt.cancelled_caught:
+            if c.upstream is not None:
+                c.upstream.close()
+                c.upstream = None
+            raise timeout_error(s.router, target, c.phase == PH_REPLAY)
 
     async def _route_again(self, c: ConnState, err: UpstreamError, tried: set[str]) -> None:
         """``err`` ended an attempt before the client saw a byte of that broker: take the broker
@@ -357,3 +407,38 @@ class Acceptor:
         routelog.write_line(close_line(self.edge.clock(), self.edge.worker, s.router, s.name, s.mode, c,
                                        c.decision, result, round((trio.current_time() - c.started) * 1000, 3),
                                        routelog.max_field_chars))
+
+
+class _Contained:
+    """What goes wrong in one connection stays there: a client that vanished in the middle of
+    one of our writes is nothing to tell anybody; an error group from the pump's nursery (trio's
+    strict groups) lets its cancellation (drain deadline, shutdown) go on up; anything else is a
+    bug in this connection only — counted ``internal_error`` and logged, never allowed to reach
+    the handlers nursery."""
+
+    __slots__ = ("acceptor", "c")
+
+    def __init__(self, acceptor: Acceptor, c: ConnState) -> None:
+        self.acceptor = acceptor
+        self.c = c
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, etype, exc, tb) -> bool:
+        if etype is None or issubclass(etype, (trio.BrokenResourceError, trio.ClosedResourceError)):
+            return etype is not None
+        name = self.acceptor.settings.name
+        if issubclass(etype, BaseExceptionGroup):
+            cancelled, rest = exc.split(trio.Cancelled)
+            if rest is not None:
+                self.acceptor._inc("internal_error")
+                log.error("%s: connection %s failed", name, self.c.id, exc_info=rest)
+            if cancelled is not None:
+                raise cancelled
+            return True
+        if issubclass(etype, Exception):
+            self.acceptor._inc("internal_error")
+            log.error("%s: connection %s failed", name, self.c.id, exc_info=(etype, exc, tb))
+            return True
+        return False

@@ -25,10 +25,12 @@ END_COUNTER = {proxy_mod.EndReason.CLOSED: "proxy_closed",
                proxy_mod.EndReason.CANCELLED: "proxy_cancelled"}
 
 
-async def run_pump(s: AcceptorSettings, c: ConnState, on_closed) -> None:
+async def run_pump(s: AcceptorSettings, c: ConnState, on_closed, *, result: proxy_mod.PumpStats | None = None,
+                   state=None) -> None:
     """Pump ``c.client`` ↔ ``c.upstream``; ``on_closed(c, PumpStats)`` once, however it ends
-    (also when cancelled; the cancellation then goes on up)."""
-    result = proxy_mod.PumpStats()
+    (also when cancelled; the cancellation then goes on up). ``result`` and ``state``: the
+    counts so far and where a ``proxy_mod.Relay`` handed the connection over."""
+    result = result if result is not None else proxy_mod.PumpStats()
     try:
         if c.leftover:
             # the broker's bytes after its sasl-outcome (its AMQP header + Open, usually)
@@ -39,10 +41,10 @@ async def run_pump(s: AcceptorSettings, c: ConnState, on_closed) -> None:
                 result.error = f"client: send {exc}"
                 on_closed(c, result)
                 return
-            result.bytes_down = len(c.leftover)
+            result.bytes_down += len(c.leftover)
         await proxy_mod.pump(c.client, c.upstream, idle_timeout_s=s.idle_timeout_s,
                              chunk_bytes=s.chunk_bytes, use_splice=s.use_splice, stats=result,
-                             upstream_close_grace_s=s.upstream_close_grace_s)
+                             upstream_close_grace_s=s.upstream_close_grace_s, state=state)
     except BaseException as exc:
         # drain deadline / shutdown: a bare Cancelled from the one-task pump, or a group of
         # them from the two-task pump's nursery (trio's strict exception groups)

@@ -359,3 +359,39 @@ async def test_gate_runs_at_most_its_capacity_of_hashes():
             n.start_soon(gate.login, "alice", f"w{i}", f"127.0.1.{i}")
     assert peak == 2          # the capacity, and the slot reserved for clean sources
     assert gate.counters["login_verifications"] == 20
+
+
+async def test_gate_a_burst_with_one_account_costs_one_hash():
+    # a fleet reconnecting at once (a restart) with the same credentials: one scrypt, every
+    # client admitted; before, each of them hashed (50 ms of CPU apiece, queued behind the slots)
+    sec = _security(failure_delay_s=0.0)
+    gate = LoginGate(sec)
+    calls = sec.scrypt_calls
+    results = []
+
+    async def one(i):
+        results.append(await gate.login("alice", "right", f"127.0.2.{i}"))
+
+    async with trio.open_nursery() as n:
+        for i in range(30):
+            n.start_soon(one, i)
+    assert [r.reason for r in results] == ["ok"] * 30
+    assert sec.scrypt_calls == calls + 1
+    assert gate.counters["login_verifications"] == 1 and gate.counters["login_ok_cached"] == 29
+
+
+async def test_gate_a_shared_check_does_not_admit_a_refused_source_or_a_wrong_password():
+    sec = _security(failure_delay_s=0.0)
+    gate = LoginGate(sec)
+    results = {}
+
+    async def one(name, user, password, src):
+        results[name] = await gate.login(user, password, src)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(one, "allowed", "local", "right", "10.9.0.1")
+        n.start_soon(one, "refused", "local", "right", "127.0.0.1")     # not in the user's sources
+        n.start_soon(one, "wrong", "alice", "wrong", "127.0.0.3")
+        n.start_soon(one, "right", "alice", "right", "127.0.0.4")
+    assert results["allowed"].principal is not None and results["right"].principal is not None
+    assert results["refused"].principal is None and results["wrong"].principal is None
