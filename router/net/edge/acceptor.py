@@ -3,7 +3,6 @@ the one place that owns its deadlines (see ``router.net.edge`` for the phases)."
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import socket
 
@@ -31,7 +30,7 @@ from router.net.edge.context import (
     close_now,
     reset_on_close,
 )
-from router.core.decide import Outcome
+from router.core.decide import Decision, Outcome
 from router.net.edge.errors import EdgeError, UpstreamError, reply_frames
 from router.net.edge.pump import END_COUNTER, run_pump
 from router.net.edge.tls import accept_tls
@@ -103,7 +102,8 @@ class Acceptor:
                     self._inc("proxied")
                     # held for the connection's life: only its target (close line) and its
                     # assignment (connection_closed) are needed from here on, not the explanation
-                    c.decision = dataclasses.replace(c.decision, explanation=None)
+                    d = c.decision
+                    c.decision = Decision(d.outcome, d.target, d.local, None, d.hold)
                     result = proxy_mod.PumpStats()
                     relay = self._relay(c, key, result)
                     if relay is not None:
