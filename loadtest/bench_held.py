@@ -83,7 +83,7 @@ class HeldBench(bp.Bench):
         self.build()
         be = self.ports["direct"] = self.start_backend("backend", tls=False)
         if "haproxy" in targets:
-            self.start_haproxy(be, maxconn=2 * held + 1000)
+            self.start_haproxy(be, maxconn=held + 100)   # 2 descriptors each: under the hard limit
         if "proxy" in targets:
             self.start_router("proxy", be, workers=1, splice=True, cpus="0,1", plain_extra=ROUTER_EXTRA)
         if "proxy-w2" in targets:
