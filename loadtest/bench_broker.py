@@ -171,8 +171,10 @@ def run_native(binary: Path, broker, durable: bool, size: int, n: int, conns: in
         r = json.loads(p.stdout.strip().splitlines()[-1])
     except (IndexError, ValueError):
         return {"error": f"amqpperf failed: {p.stderr.strip()[-300:]}"}
-    if p.returncode != 0:
-        r["error"] = r.get("error") or p.stderr.strip()[-300:]
+    if p.returncode != 0:     # a failed run's figures are not figures: only why
+        return {"error": f"{r.get('error') or 'failed'}: sent {r.get('sent')} accepted {r.get('accepted')} "
+                         f"rejected/released {r.get('rejected')} received {r.get('received')}; "
+                         f"{p.stderr.strip()[-300:]}"}
     return r
 
 
