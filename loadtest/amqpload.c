@@ -19,11 +19,12 @@
  *       one connection = TLS (-s) + handshake + 64-byte echo, then close.  -r: redirect mode, one
  *       connection = TLS + handshake up to the router's Close frame (no backend involved).
  *   amqpload bulk -t HOST:PORT [-n streams] [-d secs] [-w warmup] [-s] -m D|U
- *   amqpload hold -t HOST:PORT -n N [-c connecting] [-s]
+ *   amqpload hold -t HOST:PORT -n N [-c connecting] [-s] [-B SOURCE_ADDRESS]
  *       opens N connections (at most -c, default 200, connecting at once), each TLS (-s) +
  *       handshake + the payload byte 'U', then holds them idle: prints one JSON line once every
  *       connection is held or failed, then a second one (how many the far end closed meanwhile)
- *       when its standard input closes, and exits.
+ *       when its standard input closes, and exits. -B binds every client socket to that
+ *       source address first (any client mode): its own ephemeral ports, not 127.0.0.1's.
  * Clients print one JSON line.  TLS clients never resume sessions: every connection is a full
  * handshake (ECDSA P-256 certificates in the benchmark).
  */
@@ -309,7 +310,7 @@ static int run_server(int argc, char **argv) {
 /* ------------------------------------------------------------------------------- clients */
 enum { C_CONNECTING = 1, C_HANDSHAKE, C_ECHO, C_BULK, C_HELD };
 
-static struct sockaddr_in target;
+static struct sockaddr_in target, source_addr;   /* source_addr: -B, else the kernel's choice */
 static int redirect_mode, echo_len = 64, hold_mode;
 static long long held_count, held_dropped;
 static char bulk_mode = 0;
@@ -321,6 +322,12 @@ static conn *client_open(void) {
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0), one = 1;
     if (fd < 0) fail("socket");
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    if (source_addr.sin_family) {
+        /* the port is then picked at connect(), for the whole 4-tuple (bind() alone would pick
+         * one that no socket of any address uses, a slow search once thousands are open) */
+        setsockopt(fd, IPPROTO_IP, IP_BIND_ADDRESS_NO_PORT, &one, sizeof one);
+        if (bind(fd, (void *)&source_addr, sizeof source_addr) < 0) fail("bind -B");
+    }
     conn *c = calloc(1, sizeof *c);
     c->fd = fd;
     c->t0 = now();
@@ -473,7 +480,7 @@ static int run_hold(int n, int connecting, int tls) {
 static int run_client(const char *kind, int argc, char **argv) {
     int n = 50, opt, tls = 0, connecting = 200;
     double secs = 5, warm = 1;
-    while ((opt = getopt(argc, argv, "t:n:d:w:m:c:sr")) != -1) {
+    while ((opt = getopt(argc, argv, "t:n:d:w:m:c:B:sr")) != -1) {
         switch (opt) {
         case 't': {
             char host[256];
@@ -492,6 +499,10 @@ static int run_client(const char *kind, int argc, char **argv) {
         case 's': tls = 1; break;
         case 'r': redirect_mode = 1; break;
         case 'c': connecting = atoi(optarg); break;
+        case 'B':
+            source_addr.sin_family = AF_INET;
+            if (inet_pton(AF_INET, optarg, &source_addr.sin_addr) != 1) { fprintf(stderr, "bad -B %s\n", optarg); return 2; }
+            break;
         }
     }
     if (!strcmp(kind, "hold")) return run_hold(n, connecting, tls);
