@@ -166,7 +166,10 @@ class SharedPoller:
                     if w is None:
                         continue
                     if type(w) is Relay:
-                        w.fired(fd)
+                        try:
+                            w.fired(fd)
+                        except Exception:   # a bug in one connection must not stop the dispatcher
+                            log.exception("proxied connection: ending it failed")
                         continue
                     w.ready.append(fd)
                     task = w.task
@@ -488,7 +491,11 @@ class Relay:
         self.ended = True
         self.phase.unregister()
         self.keeper.discard(self)
-        self.keeper.nursery.start_soon(self.resume, r)
+        try:
+            self.keeper.nursery.start_soon(self.resume, r)
+        except RuntimeError:      # the handlers nursery is closing: nobody may serve it any more
+            self.ended = False
+            self.end(EndReason.CANCELLED)
 
     def end(self, reason: EndReason | None = None) -> None:
         """End here (idle timeout, cancellation: ``reason``; else as ``stats`` says)."""
