@@ -10,7 +10,11 @@ before and during the flood:
 * the same with a first login (a user never seen by the process: a real scrypt verification),
 * the broker's durable-send acknowledgement time on an open connection,
 
-and each median during the flood stays within 2x its baseline. The users file keeps the
+and each median during the flood stays within 2x its baseline. The baseline is measured before
+the flood and again after it (the flood process killed): two shared cores also carry the
+machine's own noise (the previous test's processes ending, the kernel), and a stretch of it that
+spans the flood shows in the second baseline too, so the larger of the two is the reference; a
+node still slow after the flood is checked separately. The users file keeps the
 production scrypt cost (n = 16384), so every flood attempt that is verified costs what it would
 in production. The router's health probe must keep the flooded broker ready throughout.
 """
@@ -140,9 +144,18 @@ def _logins(metrics_text: str, prefix: str) -> dict[str, float]:
     return metric_by_label(metrics_text, prefix)
 
 
-def _within_2x(baseline: dict, during: dict) -> list[str]:
-    return [f"{k}: {during[k] * 1000:.1f} ms during the flood vs {baseline[k] * 1000:.1f} ms baseline"
-            for k in baseline if during[k] > 2 * baseline[k]]
+def _within_2x(before: dict, during: dict, after: dict) -> list[str]:
+    """What was more than twice as slow during the flood as without it (the larger of the two
+    baselines), and what stayed more than 3x as slow once the flood had ended."""
+    slow = []
+    for k in before:
+        baseline = max(before[k], after[k])
+        if during[k] > 2 * baseline:
+            slow.append(f"{k}: {during[k] * 1000:.1f} ms during the flood vs {before[k] * 1000:.1f} ms "
+                        f"before and {after[k] * 1000:.1f} ms after")
+        if after[k] > 3 * before[k]:
+            slow.append(f"{k}: {after[k] * 1000:.1f} ms after the flood vs {before[k] * 1000:.1f} ms before")
+    return slow
 
 
 def _router_text(users: Path, broker) -> str:
@@ -184,9 +197,10 @@ def test_broker_login_flood_leaves_good_clients_and_acks_alone(tmp_path, users):
             stop.set()
             flood.stop()
         watcher.join(5)
-        slow = _within_2x(baseline, during)
-        print(f"broker flood: baseline {baseline}, during {during}, logins {counts}")
-        assert not slow, f"{slow}; baseline {baseline}, during {during}; logins {counts}"
+        after = _measure(broker.amqp_url, fresh, durable=40)
+        slow = _within_2x(baseline, during, after)
+        print(f"broker flood: before {baseline}, during {during}, after {after}, logins {counts}")
+        assert not slow, f"{slow}; before {baseline}, during {during}, after {after}; logins {counts}"
         assert ready_samples and all(ready_samples), \
             f"the router marked the flooded broker not ready in {ready_samples.count(False)} of {len(ready_samples)} probes"
         _assert_no_password_logged(broker, router)
@@ -214,9 +228,10 @@ def test_router_login_flood_leaves_good_clients_alone(tmp_path, users):
             counts = _router_logins(router)
         finally:
             flood.stop()
-        slow = _within_2x(baseline, during)
-        print(f"router flood: baseline {baseline}, during {during}, logins {counts}")
-        assert not slow, f"{slow}; baseline {baseline}, during {during}; logins {counts}"
+        after = _measure(url, fresh)
+        slow = _within_2x(baseline, during, after)
+        print(f"router flood: before {baseline}, during {during}, after {after}, logins {counts}")
+        assert not slow, f"{slow}; before {baseline}, during {during}, after {after}; logins {counts}"
         assert counts["login_refused_throttled"] > 0
         # the flood never reached the broker: the router refused it at its own door
         assert _broker_logins(broker).get("login_failed", 0) == 0
