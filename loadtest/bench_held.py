@@ -52,25 +52,13 @@ ALL_TARGETS = ["haproxy", "proxy", "proxy-w2"]
 ROUTER_EXTRA = ("max-connections-per-source = 20000",)
 
 
-def family(pid: int) -> list[int]:
-    """A process and its children (a router's workers)."""
-    pids = [pid]
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                pids += [int(x) for x in f.read().split()]
-    except OSError:
-        pass
-    return pids
-
-
 def fds(pid: int) -> int:
-    return sum(len(os.listdir(f"/proc/{p}/fd")) for p in family(pid))
+    return sum(len(os.listdir(f"/proc/{p}/fd")) for p in bp.family(pid))
 
 
 def rss_kib(pid: int) -> int:
     total = 0
-    for p in family(pid):
+    for p in bp.family(pid):
         with open(f"/proc/{p}/status") as f:
             for line in f:
                 if line.startswith("VmRSS:"):

@@ -93,8 +93,8 @@ def frames_env() -> dict[str, str]:
     }
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime+stime of a process and its live children (workers)."""
+def family(pid: int) -> list[int]:
+    """A process and its live children (a router's workers)."""
     pids = [pid]
     try:
         for tid in os.listdir(f"/proc/{pid}/task"):
@@ -102,8 +102,13 @@ def cpu_seconds(pid: int) -> float:
                 pids += [int(x) for x in f.read().split()]
     except OSError:
         pass
+    return pids
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime+stime of a process and its live children (workers)."""
     total = 0
-    for p in pids:
+    for p in family(pid):
         try:
             with open(f"/proc/{p}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()

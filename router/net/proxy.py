@@ -95,6 +95,10 @@ class EndReason(enum.Enum):
     CANCELLED = "cancelled"            # we stopped it (drain deadline, shutdown)
 
 
+#: ``PumpStats.error`` of a connection ended by a bug in its relay (see Relay.fired)
+INTERNAL_ERROR = "internal error"
+
+
 @dataclass(slots=True)
 class PumpStats:
     """Bytes moved and how the connection ended."""
@@ -457,8 +461,16 @@ class Relay:
         self.phase = _SmallPhase(poller, csock, usock, stats, self._refresh)
 
     def start(self) -> None:
+        """Register both sockets and join the keeper; on failure (raised) nothing stays
+        registered once :meth:`abandon` has run."""
         self.phase.register(self)
         self.keeper.add(self)
+
+    def abandon(self) -> None:
+        """Undo a failed :meth:`start` without ending the connection (its caller serves it)."""
+        self.ended = True
+        self.phase.unregister()
+        self.keeper.discard(self)
 
     def _refresh(self) -> None:
         idle = self.idle
@@ -479,8 +491,9 @@ class Relay:
             return
         except Exception:
             log.exception("proxied connection failed in its first phase")
-            self.stats.reason = EndReason.CLIENT_ERROR
-            self.stats.error = "internal error"
+            if self.stats.reason is EndReason.CLOSED:   # we stopped it; the owner counts the bug
+                self.stats.reason = EndReason.CANCELLED
+            self.stats.error = INTERNAL_ERROR
             self.end()
             return
         if r is _GO_ON:
@@ -504,9 +517,14 @@ class Relay:
         self.ended = True
         if reason is not None and self.stats.reason is EndReason.CLOSED:
             self.stats.reason = reason
-        self.phase.unregister()
-        self.keeper.discard(self)
-        self.on_end(self.stats)
+        try:
+            self.phase.unregister()
+            self.keeper.discard(self)
+        finally:
+            try:
+                self.on_end(self.stats)
+            except Exception:     # the dispatcher and the keeper serve every relay: never raise
+                log.exception("proxied connection: ending it failed")
 
 
 class RelayKeeper:
@@ -544,7 +562,7 @@ class RelayKeeper:
                     r.end(EndReason.IDLE_TIMEOUT)
         except BaseException:
             for r in list(relays):
-                r.end(EndReason.CANCELLED)
+                r.end(EndReason.CANCELLED)    # never raises (see Relay.end)
             raise
         finally:
             self._running = False

@@ -155,12 +155,24 @@ class Acceptor:
         relay = proxy_mod.Relay(poller, keeper, csock, upstream.socket, result, self.settings.idle_timeout_s,
                                 lambda stats: self._relay_ended(c, key, relay, stats),
                                 lambda state: self._relay_resumed(c, key, relay, state))
-        relay.start()
+        try:
+            relay.start()
+        except Exception:           # e.g. epoll refused a socket: the pump in this task serves it
+            relay.abandon()
+            log.exception("%s: connection %s: the shared poller refused it", self.settings.name, c.id)
+            return None
         return relay
 
     def _relay_ended(self, c: ConnState, key: str, relay, stats) -> None:
+        """Called by the relay (from the dispatcher or the keeper: shared by every relay), so it
+        never raises: a failure here is this connection's bug, counted and logged."""
         try:
+            if stats.error == proxy_mod.INTERNAL_ERROR:
+                self._inc("internal_error")
             self._proxy_closed(c, stats)
+        except Exception:
+            self._inc("internal_error")
+            log.exception("%s: connection %s: ending it failed", self.settings.name, c.id)
         finally:
             self._finish_relayed(c, key, relay)
 
@@ -173,11 +185,14 @@ class Acceptor:
             self._finish_relayed(c, key, relay)
 
     def _finish_relayed(self, c: ConnState, key: str, relay) -> None:
-        self._release(c, key)
-        c.upstream.close()
-        c.client.close()
-        for done in relay.after:
-            done()
+        """Give everything back, each step whatever the others did (never raises)."""
+        steps = [lambda: self._release(c, key), c.upstream.close, c.client.close, *relay.after]
+        for step in steps:
+            try:
+                step()
+            except Exception:
+                self._inc("internal_error")
+                log.exception("%s: connection %s: releasing it failed", self.settings.name, c.id)
 
     async def refuse_over_limit(self, sock: socket.socket, peer) -> None:
         """The acceptor is at ``max-connections`` (counted by the listener as

@@ -135,3 +135,64 @@ async def test_a_reset_ends_the_relay_as_broken():
         await _until(lambda: ends.ended)
         assert ends.ended[0].reason is EndReason.CLIENT_ERROR and len(ends.ended) == 1
         nursery.cancel_scope.cancel()
+
+
+async def test_an_owner_that_fails_while_ending_one_relay_stops_no_other():
+    """``on_end`` raising (a bug in one connection's bookkeeping) is logged; the keeper's sweep
+    and the dispatcher go on serving the other relays."""
+    async with trio.open_nursery() as nursery:
+        poller = proxy_mod.SharedPoller()
+        await nursery.start(poller.run)
+        _, _, bad, bad_ends, _ = await _relay(nursery, poller, idle=0.05)
+
+        def explode(stats):
+            bad_ends.ended.append(stats)
+            raise RuntimeError("bookkeeping bug")
+        bad.on_end = explode
+        client, broker, good, good_ends, _ = await _relay(nursery, poller)
+        await _until(lambda: bad_ends.ended)      # the idle sweep ended it, and survived its owner
+        assert bad_ends.ended[0].reason is EndReason.IDLE_TIMEOUT
+        await client.send_all(b"still here")      # the dispatcher still serves the other relay
+        assert await broker.receive_some(100) == b"still here"
+        assert good in poller.keeper.relays and not good_ends.ended
+        nursery.cancel_scope.cancel()
+    assert good_ends.ended[0].reason is EndReason.CANCELLED
+
+
+async def test_a_bug_in_the_first_phase_ends_that_relay_as_an_internal_error():
+    async with trio.open_nursery() as nursery:
+        poller = proxy_mod.SharedPoller()
+        await nursery.start(poller.run)
+        client, _, relay, ends, _ = await _relay(nursery, poller)
+
+        def broken_refresh():
+            raise ValueError("a bug")
+        relay.phase.refresh = broken_refresh      # called on every read that carried bytes
+        await client.send_all(b"x")
+        await _until(lambda: ends.ended)
+        (stats,) = ends.ended
+        assert (stats.reason, stats.error) == (EndReason.CANCELLED, proxy_mod.INTERNAL_ERROR)
+        assert not poller.keeper.relays and not poller._owners
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_failed_start_leaves_nothing_registered():
+    async with trio.open_nursery() as nursery:
+        poller = proxy_mod.SharedPoller()
+        await nursery.start(poller.run)
+        client_app, client_side = await _pair()
+        upstream_side, broker_app = await _pair()
+        _OPEN.extend((client_app, client_side, upstream_side, broker_app))
+        keeper = poller.keeper
+        keeper.nursery = None                      # keeper.add cannot start its task: raises
+        ends = _Ends()
+        relay = Relay(poller, keeper, client_side.socket._sock, upstream_side.socket._sock, PumpStats(), None,
+                      ends.on_end, ends.resume)
+        with pytest.raises(AttributeError):
+            relay.start()
+        relay.abandon()
+        assert not poller._owners and not keeper.relays and not ends.ended
+        await client_app.send_all(b"x")            # nothing fires for it any more
+        await trio.sleep(0.05)
+        assert not ends.ended
+        nursery.cancel_scope.cancel()
