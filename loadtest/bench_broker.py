@@ -141,6 +141,15 @@ class RabbitMQ:
     def address(self, durable: bool) -> str:
         return self.node.address("bench-d" if durable else "bench-t")
 
+    def left(self, durable: bool) -> int:
+        """Messages left in the run's queue (then purged): a run that received n messages and
+        left some behind received duplicates."""
+        queue = "bench-d" if durable else "bench-t"
+        k = self.node.depth(queue)
+        if k:
+            self.node.purge(queue)
+        return k
+
     def stop(self) -> None:
         self.node.stop()
 
@@ -178,6 +187,20 @@ def run_native(binary: Path, broker, durable: bool, size: int, n: int, conns: in
     return r
 
 
+def flame(out_dir: str | None, broker, durable: bool, size: int, label: str, fmt: str = "flamegraph"):
+    """With ``--flame DIR``: py-spy records a Lodestone broker through one run, into
+    ``DIR/<broker>-<durable|transient>-<size><variant>.svg``."""
+    if not out_dir or broker.name == "rabbitmq":
+        return None
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    name = f"{broker.name.replace('@', '-')}-{'durable' if durable else 'transient'}-{size}-{label.strip().replace('→', 'to').lstrip('+')}".rstrip("-")
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    ext = {"flamegraph": "svg", "raw": "txt", "speedscope": "json"}[fmt]
+    return subprocess.Popen([spy, "record", "--nonblocking", "-r", "250", "-f", fmt, "-p", str(broker.pid),
+                             "-o", str(Path(out_dir) / f"{name}.{ext}")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=50000, help="messages per run")
@@ -194,6 +217,11 @@ def main() -> int:
     ap.add_argument("--tx-batch", type=int, default=100)
     ap.add_argument("--client", choices=("python", "native"), default="python",
                     help="the load generator: python-qpid-proton (amqp_client.py) or native (amqpperf.c)")
+    ap.add_argument("--flame", metavar="DIR",
+                    help="py-spy flame graphs of each Lodestone run of the first round into DIR (pip install "
+                         "py-spy; sampling costs the broker CPU: a --flame run's figures are not for the table)")
+    ap.add_argument("--flame-format", choices=("flamegraph", "raw", "speedscope"), default="flamegraph",
+                    help="py-spy's output format for --flame (raw: collapsed stacks, for scripts)")
     ap.add_argument("--conns", default="1", help="with --client native: producers = consumers, a comma list")
     a = ap.parse_args()
     if a.client == "native" and a.features:
@@ -226,8 +254,17 @@ def main() -> int:
                         for b in brokers:
                             if on != "all" and b.name != on:
                                 continue
+                            spy = flame(a.flame, b, durable, size, label, a.flame_format) if rnd == 0 else None
                             r = (run_native(native, b, durable, size, a.n, extra[0]) if native is not None
                                  else run_client(b, durable, size, a.n, extra))
+                            if spy is not None:
+                                spy.send_signal(signal.SIGINT)     # py-spy writes its graph and ends
+                                spy.wait(60)
+                            left = b.left(durable) if hasattr(b, "left") else 0
+                            if left:
+                                r = {"error": f"{left} messages left in the queue after the run "
+                                              f"({r.get('error') or 'received ' + str(r.get('received', a.n))}): "
+                                              "duplicates were delivered"}
                             results.setdefault((b.name, durable, size, label), []).append(r)
                             if a.json:
                                 print(json.dumps({"round": rnd, "broker": b.name, "variant": label, **r}), flush=True)

@@ -283,12 +283,30 @@ backend be
             cmd.append("-r")
         owner = self.owner(target)
         pid = self.procs[owner].pid if owner else None
+        spy = self.flame(target, test, owner, pid)
         c0, t0 = (cpu_seconds(pid) if pid else 0.0), time.monotonic()
         out = subprocess.run(cmd, capture_output=True, text=True, env=self.env, timeout=a.secs + a.warmup + 60)
         c1, t1 = (cpu_seconds(pid) if pid else 0.0), time.monotonic()
+        if spy is not None:
+            spy.wait(60)
         res = json.loads(out.stdout.strip().splitlines()[-1])
         res["proxy_cpu_util"] = (c1 - c0) / (t1 - t0) if pid else None
         return res
+
+    def flame(self, target: str, test: str, owner: str | None, pid: int | None):
+        """With ``--flame DIR``: py-spy records a Lodestone router (workers included) for the
+        run's measured seconds into ``DIR/<target>-<test>.svg`` (once per target and test)."""
+        a = self.args
+        if not a.flame or pid is None or owner in ("haproxy", "trio-naive"):
+            return None
+        out = Path(a.flame) / f"{target}-{test}.svg"
+        if out.exists():
+            return None
+        out.parent.mkdir(parents=True, exist_ok=True)
+        spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        return subprocess.Popen([spy, "record", "--nonblocking", "--subprocesses", "-r", "250", "-d",
+                                 str(max(1, round(a.secs + a.warmup))), "-p", str(pid), "-o", str(out)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def stop(self) -> None:
         for p in self.procs.values():
@@ -344,7 +362,12 @@ def main() -> int:
     ap.add_argument("--json", help="write the raw results here")
     ap.add_argument("--baseline-ref", metavar="REV",
                     help="also run the router of this git revision (a temporary worktree) in the same run")
+    ap.add_argument("--flame", metavar="DIR",
+                    help="py-spy flame graphs of each Lodestone target's first run into DIR (pip install py-spy;"
+                         " sampling costs the router CPU: a --flame run's figures are not for the table)")
     a = ap.parse_args()
+    if a.flame and not (shutil.which("py-spy") or (Path(sys.executable).parent / "py-spy").exists()):
+        ap.error("--flame needs py-spy (.venv/bin/pip install py-spy)")
     targets = a.targets.split(",")
     if a.baseline_ref:
         targets += [BASELINE_OF[t] for t in targets if t in BASELINE_OF and BASELINE_OF[t] not in targets]

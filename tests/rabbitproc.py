@@ -99,6 +99,19 @@ class RabbitMQ:
                   f'rabbit_amqqueue:declare(rabbit_misc:r(<<"/">>, queue, <<"{queue}">>), '
                   f'{"true" if durable else "false"}, false, [], none, <<"lodestone">>).')
 
+    def depth(self, queue: str) -> int:
+        """Messages in ``queue`` (ready and unacknowledged)."""
+        out = subprocess.run([str(SBIN / "rabbitmqctl"), "-q", "list_queues", "name", "messages"], env=self.env,
+                             cwd=self.dir, capture_output=True, text=True, check=True, timeout=120).stdout
+        for line in out.splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[0] == queue:
+                return int(parts[1])
+        raise KeyError(queue)
+
+    def purge(self, queue: str) -> None:
+        self._ctl("rabbitmqctl", "-q", "purge_queue", queue)
+
     def _ctl(self, *args: str) -> None:
         subprocess.run([str(SBIN / args[0]), *args[1:]], env=self.env, check=True, cwd=self.dir,
                        stdout=subprocess.DEVNULL, timeout=120)
