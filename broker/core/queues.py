@@ -245,7 +245,8 @@ class Queue:
         self.expired = 0
         self.deleted = False
         self.owner: str | None = None  # the user whose link created it (resource limits)
-        self.held = 0  # settled inside a transaction not yet discharged (broker.core.transactions)
+        #: settled inside a transaction not yet discharged (broker.core.transactions): their ids
+        self.tx_held: set[int] = set()
         #: the mirrors that copy this queue's changes (``broker.connections.mirror``): each gets
         #: ``added(queue, msg)`` and ``removed(queue, msg, reason)``
         self.mirror: tuple = ()
@@ -256,7 +257,7 @@ class Queue:
     @property
     def depth(self) -> int:
         """Messages waiting plus messages delivered and not yet settled."""
-        return len(self.messages) + sum(len(s.unacked) for s in self.subs) + self.held
+        return len(self.messages) + sum(len(s.unacked) for s in self.subs) + len(self.tx_held)
 
     @property
     def consumer_count(self) -> int:
@@ -498,14 +499,14 @@ class Queue:
         """A mirror acknowledges ``mid`` while a consumer here holds it: the acknowledgement waits.
         If the message comes back (released, modified, its consumer gone) it is acknowledged
         instead of delivered again, and ``done(msg, True)`` is called to do it; if the consumer
-        settles it otherwise, ``done(msg, False)``. False: no consumer here holds ``mid``."""
-        for sub in self.subs:
-            if mid in sub.unacked:
-                if self.acks_held is None:
-                    self.acks_held = {}
-                self.acks_held[mid] = done
-                return True
-        return False
+        settles it otherwise, ``done(msg, False)``. A message a consumer settled inside a transaction
+        not yet discharged counts as held (a rollback brings it back). False: nobody here holds ``mid``."""
+        if mid not in self.tx_held and not any(mid in sub.unacked for sub in self.subs):
+            return False
+        if self.acks_held is None:
+            self.acks_held = {}
+        self.acks_held[mid] = done
+        return True
 
     def acknowledge(self, msg: Message) -> None:
         """Acknowledge a message that is neither waiting nor with a consumer (a held
@@ -669,13 +670,18 @@ class Queue:
         may go away meanwhile) and stays acquired until the discharge. None if not held by it."""
         msg = sub.unacked.pop(mid, None)
         if msg is not None:
-            self.held += 1
+            self.tx_held.add(mid)
         return msg
+
+    @property
+    def held(self) -> int:
+        """How many messages transactions hold (see :meth:`hold`)."""
+        return len(self.tx_held)
 
     def settle_held(self, msg: Message, outcome: Outcome, *, delivery_failed: bool = False,
                     undeliverable_here: bool = False) -> None:
         """Commit: apply the outcome of a held message, as :meth:`settle` does."""
-        self.held -= 1
+        self.tx_held.discard(msg.mid)
         if self.deleted:
             if msg.durable and self.durable:
                 self.host.store.remove(self.name, msg)
@@ -687,7 +693,8 @@ class Queue:
     def return_held(self, msgs: list[Message], *, failed: bool = True) -> None:
         """Rollback: held messages return to the head of the queue in their original order,
         ``failed`` counting one more failed delivery attempt (dead-lettered once exhausted)."""
-        self.held -= len(msgs)
+        for msg in msgs:
+            self.tx_held.discard(msg.mid)
         if self.deleted:
             for msg in msgs:
                 if msg.durable and self.durable:

@@ -74,6 +74,45 @@ def test_a_ring_of_three_carries_each_message_once_round_and_no_further(tmp_path
     assert [source_view(x)["mirror"]["acks"] for x in (a, b, c)] == [40, 40, 40]
 
 
+def test_an_ack_for_a_message_a_target_transaction_holds_is_applied_at_its_rollback(tmp_path, procs):
+    """A consumer on B accepts m0 inside a transaction it has not discharged when A's consumer
+    takes m0: the acknowledgement waits for the transaction; the rollback would bring m0 back,
+    so the acknowledgement takes it instead and m0 is not delivered again on B. (The same
+    consumer's prefetched m1 is held the plain way.)"""
+    from tests.txnclient import TxClient
+
+    b = start(tmp_path, "b")
+    procs.append(b)
+    a = start(tmp_path, "a", extra=mirror(b.amqp_url))
+    procs.append(a)
+    wait_for(lambda: source_view(a)["mirror"]["attached"], 20, what="the mirror attached")
+    send(a, "orders", ["m0", "m1"])
+    wait_for(lambda: depth(b, "orders") == 2, 30, what="2 mirrored to B")
+    c = TxClient(b.amqp_url.replace("amqp://", "amqp://app:app@"), timeout_s=20)
+    try:
+        r = c.bc.create_receiver("orders", credit=1)
+        t = c.declare()
+        m, d = c.receive(r, timeout_s=20)
+        assert m.body == "m0"
+        t.handle.accept(d)                                            # settled in the transaction only
+        c.bc.create_sender("audit")    # a round trip: the accept is on the wire before A consumes
+        assert consume(a, "orders", 2) == ["m0", "m1"]
+        # the receiver keeps one message of credit: m1 waits with it, unsettled
+        wait_for(lambda: _target_view(b)["pending_acks"] == 2, 30,
+                 what="both acks held on B: m0's for the transaction, m1's for the consumer")
+        r.close()                      # the consumer gives m1 back: its ack takes it; m0 stays with the transaction
+        wait_for(lambda: _target_view(b)["pending_acks"] == 1, 30, what="m1's held ack applied")
+        assert depth(b, "orders") == 1
+        c.abort(t)
+        assert t.aborted
+        wait_for(lambda: _target_view(b)["pending_acks"] == 0, 30, what="m0's held ack applied at the rollback")
+    finally:
+        c.close()
+    ev = _target_view(b)
+    assert (ev["acks"], ev["acks_held"], ev["held_acks_applied"], ev["acks_not_found"]) == (2, 2, 2, 0)
+    assert depth(b, "orders") == 0 and browse(b, "orders") == []
+
+
 def _target_view(node) -> dict:
     """The target's event counters and its held acknowledgements (``pending_acks``), from /metrics."""
     status, text = http_json(node.management_url + "/metrics", auth=ADMIN)

@@ -300,3 +300,42 @@ def test_a_committed_send_keeps_its_priority_and_expiry_in_the_journal(tmp_path)
     (stored,) = j.messages("q")
     assert stored.properties == {"expires": 123456.0, "priority": 9}
     j.close()
+
+
+def _mirror_ack(q, mid, seen):
+    """What a mirror target does with an acknowledgement from the other site (see
+    broker.connections.mirror.MirrorTarget._hold): wait for the holder, acknowledge if it comes back."""
+    def done(msg, returned):
+        seen.append((msg.mid, returned))
+        if returned:
+            q.acknowledge(msg)
+    return q.hold_ack(mid, done)
+
+
+def test_a_mirrored_ack_for_a_message_held_by_an_open_transaction_waits_for_its_rollback():
+    b, store = make()
+    q, s = deliver_three(b)
+    table = TransactionTable("c1")
+    txn = table.declare()
+    first = s.got[0]
+    txn.acknowledge(q, s.sub, first.mid, Outcome.ACCEPTED)    # settled in the transaction only
+    seen = []
+    assert _mirror_ack(q, first.mid, seen)       # held by the transaction: the ack waits
+    table.discharge(txn.txn_id, True, b)         # rolled back: the message comes back...
+    assert seen == [(first.mid, True)]           # ...and the mirrored ack takes it instead
+    assert [m.mid for m in q.messages] == [] and q.acked == 1 and q.held == 0
+    assert ("q", first.mid) not in store.live    # its removal was written
+
+
+def test_a_mirrored_ack_for_a_message_held_by_a_transaction_that_commits_is_moot():
+    b, store = make()
+    q, s = deliver_three(b)
+    table = TransactionTable("c1")
+    txn = table.declare()
+    first = s.got[0]
+    txn.acknowledge(q, s.sub, first.mid, Outcome.ACCEPTED)
+    seen = []
+    assert _mirror_ack(q, first.mid, seen)
+    table.discharge(txn.txn_id, False, b)
+    assert seen == [(first.mid, False)] and q.acked == 1 and q.held == 0 and q.depth == 2
+    assert not _mirror_ack(q, 999_999, seen)     # a message nobody holds: not held
