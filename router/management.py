@@ -5,6 +5,7 @@ Routes (``/openapi.json`` has the full document; docs/router.md has examples):
 =======  ==============================================  ==============================================
 GET      /health                                         liveness + degraded I/O components (open, no credentials)
 GET      /api/v1/router                                  process summary: name, worker(s), acceptors, routers
+POST     /api/v1/reload                                  read the configuration file again, apply it all or nothing
 GET      /api/v1/routers                                 every router: config, filters, pool readiness
 GET      /api/v1/routers/{r}                             one router
 GET      /api/v1/routers/{r}/target?key=K                Artemis ``getTargetAsJSON`` + outcome + explanation
@@ -54,6 +55,7 @@ from router.core.decide import Decision, Outcome
 from router.errors import FilterError
 from router.fdlimit import fd_limit, open_fd_count
 from router.net.stats import COUNTER_NAMES, EdgeStats
+from router.reload import ReloadRefused
 from broker.wire.io.http import basic_auth
 
 log = logging.getLogger("router.management")
@@ -304,7 +306,11 @@ class ManagementApi(RouterResources):
 
     def __init__(self, running):
         self.running = running
-        self.cfg = running.config
+
+    @property
+    def cfg(self):
+        """The configuration in force (a reload replaces it)."""
+        return self.running.config
 
     @property
     def services(self) -> dict:
@@ -373,10 +379,25 @@ class ManagementApi(RouterResources):
             return json_response(self.summary(await self.aggregate()))
         if path == "/api/v1/counters":
             return json_response(self.counters(await self.aggregate()))
+        if path == "/api/v1/reload":
+            return await self.reload(request)
         resp = await self.handle_routers(request, path)
         if resp is not None:
             return resp
         raise HttpError(404, f"no such resource: {path}")
+
+    async def reload(self, request: Request) -> Response:
+        if request.method != "POST":
+            raise HttpError(405, f"{request.method} not allowed on /api/v1/reload (POST)", [("Allow", "POST")])
+        reloader = getattr(self.running, "reloader", None)
+        if reloader is None:
+            raise HttpError(409, f"reload refused, the configuration in force stays: workers = {self.running.workers}: "
+                                 "a router with more than one worker cannot reload yet; restart it")
+        who = basic_auth(request)
+        try:
+            return json_response(await reloader.reload(f"POST /api/v1/reload by {who[0] if who else 'anonymous'}"))
+        except ReloadRefused as exc:
+            raise HttpError(409, f"reload refused, the configuration in force stays: {exc}") from None
 
     # -- views -----------------------------------------------------------------------------------
     async def aggregate(self) -> Aggregate:
@@ -618,6 +639,12 @@ def openapi_document() -> dict:
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {
                 "description": "text exposition format 0.0.4", "content": {"text/plain": {}}}}}},
             "/api/v1/router": {"get": op("Process summary: acceptors, routers, workers")},
+            "/api/v1/reload": {"post": {**op("Read the configuration file again and apply it, all or nothing "
+                                             "(docs/router.md, Reload): applied, summary, changes", {
+                                                 "type": "object", "properties": {
+                                                     "applied": {"type": "boolean"}, "summary": {"type": "string"},
+                                                     "changes": {"type": "array", "items": {"type": "string"}}}}),
+                                        "description": "409: refused (nothing changed); the body's error says why"}},
             "/api/v1/routers": {"get": op("Every router", {"type": "array", "items": {"type": "object"}})},
             "/api/v1/routers/{router}": {"get": op("One router: key type, filters, policy, pool",
                                                    params=[router_param])},

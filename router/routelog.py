@@ -283,6 +283,19 @@ class RouteLog:
             self._backoff = min(self.RETRY_MAX_S, max(self.RETRY_MIN_S, self._backoff * 2))
             self._retry_at = trio.current_time() + self._backoff
 
+    async def reconfigure(self, path: Path | None, *, max_bytes: int, backup_count: int,
+                          max_field_chars: int) -> None:
+        """A reload: what is buffered goes to the old file, then lines go to ``path`` (None:
+        no routing log), rotated by the new sizes."""
+        await self.flush(force=True)
+        async with self._lock:
+            if path != self.path:
+                self._close_fd()            # opened again, at the new path, by the next write
+                self.path = Path(path) if path is not None else None
+                self.error = None
+                self._backoff = 0.0
+            self.max_bytes, self.backup_count, self.max_field_chars = max_bytes, backup_count, max_field_chars
+
     async def aclose(self) -> None:
         """Flush what is left and close the file. Shielded: it runs during shutdown."""
         with trio.CancelScope(shield=True):

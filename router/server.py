@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import trio
@@ -40,6 +40,7 @@ from broker.wire.io.users import load_users
 from router.control import Link, stream_from_fd
 from router.net.proxy import SharedPoller
 from router.management import io_status, serve_management
+from router.reload import Reloader, reload_on_sighup
 
 log = logging.getLogger("router.server")
 
@@ -62,6 +63,8 @@ class RunningRouter:
     draining: bool = False
     #: the supervisor of a multi-worker router (``router.workers.Supervisor``), else None
     supervisor: Any = None
+    #: applies a reloaded configuration (``router.reload``; SIGHUP, ``POST /api/v1/reload``)
+    reloader: Any = None
 
 
 def acceptor_settings(acc: AcceptorConfig) -> AcceptorSettings:
@@ -205,13 +208,34 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
     primary = link is None
     bound: dict[str, list[trio.SocketListener]] = {}
 
+    async def bind(acc: AcceptorConfig, port: int) -> list[trio.SocketListener]:
+        try:
+            return await open_listeners(acc.host, port, reuse_port=workers > 1)
+        except OSError as exc:  # name the address: "Address already in use" alone tells nothing
+            raise OSError(exc.errno, f"acceptors.{acc.name}: cannot listen on "
+                                     f"{acc.host}:{port}: {exc.strerror}") from None
+
+    reloader = None
+    if primary:
+        def log_path(rl):
+            return worker_log_path(rl.path, worker, workers) if rl.enabled and rl.path is not None else None
+
+        reloader = running.reloader = Reloader(
+            running, bound=bound, make_settings=acceptor_settings,
+            make_acceptor=lambda settings, service: Acceptor(settings, service, edge),
+            make_limit=lambda acc: ConnectionLimit(acc.max_connections or None),
+            make_service=lambda rc: build_services(replace(cfg, routers={rc.name: rc}))[rc.name],
+            open_bound=lambda acc: bind(acc, acc.port), serve=None, log_path=log_path)
+
     try:
         async with trio.open_nursery() as system:
             if link is not None:
                 await system.start(link.run)
                 await _wait_for_state(link, state_applied)
+            if reloader is not None:
+                reloader.system = system
             for name, service in services.items():
-                await system.start(service.run)
+                await system.start(_watched, reloader, f"router:{name}", service.run)
             await system.start(routelog.run)
             if any(acc.mode != "redirect" for acc in cfg.acceptors):
 
@@ -219,12 +243,7 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
 
             try:
                 for acc in cfg.acceptors:
-                    port = (ports or {}).get(acc.name, acc.port)
-                    try:
-                        bound[acc.name] = await open_listeners(acc.host, port, reuse_port=workers > 1)
-                    except OSError as exc:  # name the address: "Address already in use" alone tells nothing
-                        raise OSError(exc.errno, f"acceptors.{acc.name}: cannot listen on "
-                                                 f"{acc.host}:{port}: {exc.strerror}") from None
+                    bound[acc.name] = await bind(acc, (ports or {}).get(acc.name, acc.port))
                     running.ports[acc.name] = listener_port(bound[acc.name])
                 if primary:
 
@@ -250,8 +269,15 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
                     async with trio.open_nursery() as accepting:
                         for acc in cfg.acceptors:
                             a = acceptors[acc.name]
-                            accepting.start_soon(_serve_acceptor, a, bound[acc.name], handlers, limits[acc.name], edge)
+                            accepting.start_soon(_watched, reloader, f"acceptor:{acc.name}", _serve_acceptor,
+                                                 a, bound[acc.name], handlers, limits[acc.name], edge)
                         accepting.start_soon(_wait_for_signal, accepting.cancel_scope)
+                        if reloader is not None:
+                            reloader.accepting = accepting
+                            reloader.serve = lambda a, ls, limit: _serve_acceptor(a, ls, handlers, limit, edge)
+                            accepting.start_soon(reload_on_sighup, reloader)
+                        else:   # a worker: its supervisor answers a SIGHUP sent to the whole group
+                            accepting.start_soon(_ignore_sighup)
                         if link is not None:
                             accepting.start_soon(_wait_for_supervisor_exit, link, accepting.cancel_scope)
                     # accepting is over (signal): stop listening, then drain
@@ -273,6 +299,24 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
         with trio.CancelScope(shield=True):
             for service in services.values():
                 await service.aclose()  # cache file flushed and closed, Redis client released
+
+
+async def _ignore_sighup() -> None:
+    with trio.open_signal_receiver(signal.SIGHUP) as hups:
+        async for _ in hups:
+            pass
+
+
+async def _watched(reloader, key: str, fn, *args, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Run ``fn`` in a cancel scope a reload can cancel (a removed router or acceptor)."""
+    with trio.CancelScope() as scope:
+        if reloader is not None:
+            reloader.watch(key, scope)
+        if args:
+            task_status.started()
+            await fn(*args)
+        else:
+            await fn(task_status=task_status)
 
 
 async def _serve_acceptor(acceptor: Acceptor, listeners, handlers: trio.Nursery, limit: ConnectionLimit,

@@ -135,6 +135,8 @@ class RouterService:
         #: is the local target, ready while it is active); it is never probed
         self.local_managed = local_managed
         self._closed = False
+        self._nursery: trio.Nursery | None = None        # run()'s, while it runs
+        self._health_scope: trio.CancelScope | None = None
 
         pc = config.pool
         local_t = config.local_target.to_target() if config.local_target else None
@@ -423,27 +425,85 @@ class RouterService:
         ``started()`` is reported after the first probe round, so a freshly started router
         already knows which targets are ready.
         """
-        pc = self.config.pool
         try:
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 if self.dynamic_membership and not self.follower:
                     await nursery.start(self._follow_membership)
-                if (self._holder.all_states() or self.dynamic_membership) and not self.follower:
+                if self._probes_wanted():
                     await nursery.start(self._health_task)
                 if self._store is not None:
                     nursery.start_soon(self._persist_loop)
                 if self._remote is not None:
                     nursery.start_soon(self._redis_loop)
                     nursery.start_soon(self._remote.run)
-                if self.core.cache is not None and self.config.cache.timeout_ms:
+                if self.core.cache is not None:
                     nursery.start_soon(self._expiry_loop)
-                if self.config.pins is not None:
-                    nursery.start_soon(self._pins_loop,
-                                       (pc.check_period_ms if pc else 5000) / 1000.0)
+                nursery.start_soon(self._pins_loop)
                 task_status.started()
         finally:
+            self._nursery = None
             with trio.CancelScope(shield=True):
                 await self.aclose()
+
+    def _probes_wanted(self) -> bool:
+        return bool(self._holder.all_states() or self.dynamic_membership) and not self.follower
+
+    # -- reload (router.reload) ----------------------------------------------------------------
+    def reconfigure(self, rc: RouterConfig) -> None:
+        """Apply a reloaded ``[routers.<name>]`` whose changes ``router.core.reload.plan_reload``
+        found live: filters, key length, policy, pins, cache timing and size, the pool's targets
+        and settings. Established connections and cached keys keep their targets (a key whose
+        target left the pool is re-placed at its next connection). Raises FilterError/PolicyError
+        before changing anything when the new values do not compile."""
+        old = self.config
+        key_filter = compile_key_filter(rc.key_filter)
+        local_filter = compile_local_filter(rc.local_target_filter, from_config=True)
+        policy = (create_policy(rc.policy.name, rc.policy.properties, random.Random(self.rng.getrandbits(64)))
+                  if rc.policy else None)
+        rc = dataclasses.replace(rc, local_target=old.local_target)   # the embedder's, never the file's
+        pc = rc.pool
+        if pc is not None and old.pool is not None:   # a pool's source and state file never change live
+            pc = dataclasses.replace(pc, source_options=old.pool.source_options, state_path=old.pool.state_path)
+            rc = dataclasses.replace(rc, pool=pc)
+        self.config = rc
+        core = self.core
+        core.resolver.key_filter = key_filter
+        core.local_filter = local_filter
+        core.max_key_length = rc.max_key_length
+        if rc.policy != old.policy:
+            core.replace_policy(policy)
+        cc = rc.cache
+        if core.cache is not None and cc is not None:
+            core.cache.timeout_s = cc.timeout_ms / 1000.0
+            core.cache.max_entries = cc.max_entries
+            core.fail_back = cc.fail_back
+            redis = getattr(self._remote, "client", None)
+            if isinstance(redis, RedisCache):     # the entries' time to live in Redis
+                redis.timeout_ms = cc.timeout_ms
+                if redis.reader is not None:
+                    redis.reader.timeout_ms = cc.timeout_ms
+        if rc.pins != old.pins:
+            self._pins_mtime = None
+            core.pins = self._read_pins(initial=True) if rc.pins is not None else None
+        if pc is not None:
+            self._holder.configure(quorum_size=pc.quorum_size, local_target_enabled=pc.local_target_enabled,
+                                   allow_failback=pc.allow_failback)
+            core.failover_wait = bool(pc.quorum_timeout_ms)
+            core.failover_wait_s = pc.quorum_timeout_ms / 1000.0
+            if pc.source == "static" and not self.follower:
+                self._holder.sync_members([t.to_target() for t in pc.targets])
+            if (old.pool is None or (old.pool.check_period_ms, old.pool.username, old.pool.password,
+                                     old.pool.targets) != (pc.check_period_ms, pc.username, pc.password, pc.targets)):
+                self._restart_probes()
+
+    def _restart_probes(self) -> None:
+        """New probe settings (period, credentials): the health task starts again with them."""
+        scope = self._health_scope
+        if scope is not None:
+            scope.cancel()
+        if self._nursery is not None and self._probes_wanted():
+            self._nursery.start_soon(self._health_task)
 
     def flush(self) -> None:
         """Write pending cache changes to the embedded file now (sync; used at shutdown)."""
@@ -646,6 +706,15 @@ class RouterService:
             task_status=task_status)
 
     async def _health_task(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        with trio.CancelScope() as scope:
+            self._health_scope = scope
+            try:
+                await self._health_checks(task_status)
+            finally:
+                if self._health_scope is scope:
+                    self._health_scope = None
+
+    async def _health_checks(self, task_status) -> None:
         pc = self.config.pool
 
         def on_round() -> None:
@@ -739,11 +808,12 @@ class RouterService:
 
     async def _expiry_loop(self) -> None:
         cache = self.core.cache
-        period = min(max(cache.timeout_s / 4, 0.05), 5.0)
         while True:
-            await trio.sleep(period)
-            for key in cache.expire(self.clock()):
-                self._redis_seen.pop(key, None)
+            # the timeout may change (a reload): 0 = entries never expire, nothing to scan
+            await trio.sleep(min(max(cache.timeout_s / 4, 0.05), 5.0) if cache.timeout_s else 5.0)
+            if cache.timeout_s:
+                for key in cache.expire(self.clock()):
+                    self._redis_seen.pop(key, None)
 
     # -- internals: the remote tier (Redis or shared; router.cache_tiers) -----------------------
     def _set_degraded(self, exc: BaseException) -> None:
@@ -948,9 +1018,14 @@ class RouterService:
         self.counters["pins_reloads"] += 1
         return table
 
-    async def _pins_loop(self, period: float) -> None:
+    async def _pins_loop(self) -> None:
+        """Re-read the pins file when it changes (checked every check-period; a reload may add,
+        move or remove the file)."""
         while True:
-            await trio.sleep(period)
+            pc = self.config.pool
+            await trio.sleep((pc.check_period_ms if pc else 5000) / 1000.0)
+            if self.config.pins is None:
+                continue
             table = self._read_pins()
             if table is not None:
                 self.core.pins = table

@@ -331,6 +331,13 @@ class Supervisor:
             log.info("received %s: stopping the workers (they drain)", signal.Signals(signum).name)
             self._stop()
 
+    async def _refuse_reloads(self) -> None:
+        """SIGHUP: a router with workers does not reload yet (the configuration in force stays)."""
+        with trio.open_signal_receiver(signal.SIGHUP) as hups:
+            async for _ in hups:
+                log.error("reload (SIGHUP) refused, the configuration in force stays: %s: workers = %d: a "
+                          "router with more than one worker cannot reload yet; restart it", self.cfg.file, self.count)
+
     # -- main ------------------------------------------------------------------------------------
     async def run(self) -> int:
         """Run until signalled (exit status 0) or a fatal worker failure (1, or 2)."""
@@ -359,6 +366,7 @@ class Supervisor:
         async with trio.open_nursery() as system:
             self._system = system
             system.start_soon(self._signals, signals)
+            system.start_soon(self._refuse_reloads)
             for svc in self.services.values():
                 await system.start(svc.run)  # the first probe round is done
             for name, svc in self.services.items():

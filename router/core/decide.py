@@ -192,6 +192,26 @@ class Router:
         if cache is not None and policy is not None and policy.tracks_assignments:
             cache.on_drop = self._cache_dropped
 
+    def replace_policy(self, policy: Policy | None) -> None:
+        """A reloaded policy: it observes the pool's probes from now on; the old one's live
+        assignments (bounded load) are forgotten (a release for one of them is a no-op)."""
+        old = self._policy
+        pool = self.pool
+        if pool is not None:
+            if old is not None and old.observe in pool.observers:
+                pool.observers.remove(old.observe)
+            if policy is not None:
+                pool.observers.append(policy.observe)
+                pool.require_connection_count = policy.needs_connection_count
+                for st in pool.all_states():     # what the new policy needs to know already
+                    if st.ready:
+                        policy.observe(st.target, st.connection_count)
+        self.policy = policy
+        self.assigned.clear()
+        if self.cache is not None:
+            self.cache.on_drop = (self._cache_dropped if policy is not None and policy.tracks_assignments
+                                  else None)
+
     # -- bounded load: live assignments ---------------------------------------------------------
     def _cache_dropped(self, key: str) -> None:
         slot = self.assigned.pop(key, None)

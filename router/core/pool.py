@@ -167,6 +167,18 @@ class Pool:
             self._changed()
         return True
 
+    def configure(self, *, quorum_size: int, local_target_enabled: bool, allow_failback: bool) -> None:
+        """A reloaded configuration's pool settings (targets: :meth:`sync_members`)."""
+        self.quorum_size = quorum_size
+        self.allow_failback = allow_failback
+        if self.local is not None and local_target_enabled != self.local_target_enabled:
+            if local_target_enabled:
+                self.members.insert(0, self.local)
+            else:
+                self.members.remove(self.local)
+        self.local_target_enabled = local_target_enabled
+        self._changed()
+
     def remove_target(self, slot: str) -> bool:
         """Remove the target with this name (or host:port); False if absent."""
         for i, st in enumerate(self.members):

@@ -17,15 +17,15 @@ What changes live:
   (mode, router, timeouts, limits, SASL, upstream TLS, its certificate files and their content:
   new handshakes use the new certificate);
 * routers added or removed; a router's key filter, local-target filter, maximum key length,
-  policy, pins (file or content), cache timeout, size, fail-back and Redis timeouts;
+  policy, pins (file or content), cache timeout, size and fail-back;
 * a pool's targets (added, removed; a changed target is removed and added), check period,
   quorum, failback rule and credentials.
 
 What does not (a restart): ``workers``, the management address, the users file's path, an
 acceptor's host or port (add one under a new name and remove the old), a router's key type or
 Artemis key compatibility (every cached key would mean something else), its local target, a
-cache's store (backend, file, Redis URL or prefix: its entries would be lost), and a pool's
-membership source, its options and its state file.
+cache's store (backend, file, Redis URL or prefix: its entries would be lost) and Redis
+timeouts, and a pool's membership source, its options and its state file.
 """
 
 from __future__ import annotations
@@ -196,10 +196,12 @@ def _router(p: _Planner, part: str, old: Any, new: Any) -> None:
     _optional(p, f"{part}.pins", old.pins, new.pins,
               lambda: p.content(f"{part}.pins.file", old.pins.file, new.pins.file))
     store = "its entries would be lost; " + _RESTART
+    redis = "the Redis client is made at start; " + _RESTART
     _optional(p, f"{part}.cache", old.cache, new.cache,
               lambda: p.fields(f"{part}.cache", old.cache, new.cache,
                                refused={"backend": store, "persisted": store, "path": store,
-                                        "redis_url": store, "redis_key_prefix": store}),
+                                        "redis_url": store, "redis_key_prefix": store,
+                                        "redis_timeout_ms": redis, "redis_connect_timeout_ms": redis}),
               reason=None if not _stored(old.cache) and not _stored(new.cache) else store)
     _optional(p, f"{part}.pool", old.pool, new.pool, lambda: _pool(p, f"{part}.pool", old.pool, new.pool),
               reason="a router's pool is created with it; remove the router and add a new one")

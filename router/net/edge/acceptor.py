@@ -57,6 +57,16 @@ class Acceptor:
         self._handshake = handshake_mod.Handshake(settings, edge, self.limiter, self._inc)
         self._upstream = Upstream(settings)
 
+    def reconfigure(self, settings: AcceptorSettings, service) -> None:
+        """A reloaded ``[[acceptors]]`` entry (same name and address): new connections use the new
+        settings, router and certificate; connections under way keep what they started with. The
+        per-source counts carry over under the new limits."""
+        self.settings = settings
+        self.service = service
+        self.limiter.limits = settings.limits
+        self._handshake = handshake_mod.Handshake(settings, self.edge, self.limiter, self._inc)
+        self._upstream = Upstream(settings)
+
     def _inc(self, name: str, n: int = 1) -> None:
         self._counters[self._keys[name]] += n
 

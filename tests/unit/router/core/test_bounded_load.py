@@ -145,3 +145,37 @@ def test_fail_back_return_keeps_the_entry_and_the_connection_holds_the_detour():
     assert detour.hold == detour.target.slot and live(r) == 2
     r.release(detour)
     assert live(r) == 1 and r.policy.loads == {first.target.slot: 1}
+
+
+def test_a_reloaded_policy_takes_over_and_the_old_assignments_are_forgotten():
+    """``Router.replace_policy`` (a hot reload): the new policy decides new keys and observes the
+    pool; a release of a decision the old policy made is a no-op for the new one; cached keys
+    keep their target."""
+    cache = StickyCache(0)
+    r = router(cache=cache)
+    before = {f"c{i}": r.decide(conn(f"c{i}"), 1.0) for i in range(6)}
+    old = r.policy
+    assert sum(old.loads.values()) == 6 and cache.on_drop is not None
+    r.replace_policy(create_policy("FIRST_ELEMENT", {}))
+    assert old.observe not in r.pool.observers and r.policy.observe in r.pool.observers
+    assert cache.on_drop is None and r.assigned == {}
+    for cid, d in before.items():                      # cached keys keep their target
+        assert r.decide(conn(cid), 2.0).target.name == d.target.name
+        r.release(d)                                   # the old policy's assignment: nothing to do
+    assert r.decide(conn("new"), 3.0).target.name == "t0"
+    r.replace_policy(create_policy("CONSISTENT_HASH", {"LOAD_FACTOR": "1.0"}))
+    assert cache.on_drop is not None                   # tracking again, from zero
+    assert sum(r.policy.loads.values()) == 0
+    r.decide(conn("newer"), 4.0)
+    assert sum(r.policy.loads.values()) == 1
+
+
+def test_a_reloaded_quorum_is_in_force_at_once():
+    r = router(cache=None, n=3)
+    pool = r.pool
+    pool.set_ready("t2", False)
+    assert pool.quorum_met
+    pool.configure(quorum_size=3, local_target_enabled=False, allow_failback=True)
+    assert not pool.quorum_met and r.decide(conn("c"), 1.0).outcome is Outcome.REFUSED_UNAVAILABLE
+    pool.configure(quorum_size=2, local_target_enabled=False, allow_failback=True)
+    assert pool.quorum_met and r.decide(conn("c"), 2.0).ok

@@ -1,0 +1,196 @@
+"""Hot reload of a running router (docs/router.md, "Reload"): real broker processes, the real router
+process, unmodified python-qpid-proton clients.
+
+Clients hold proxied connections open and exchange messages while the configuration file changes
+five times (a key filter, a target added, a target removed, a policy, a certificate renewed in
+place), through ``POST /api/v1/reload`` and ``SIGHUP``, and twice to a file the router must refuse
+whole (a syntax error; a live change beside one that needs a restart). The oracles: every held
+connection still carries a message both ways after each step (none dropped: the acceptor's
+connection count and closes are checked too), each applied change is in effect for new
+connections (the routing decision, the pool, the certificate a new TLS client is shown), and
+after a refusal the router answers exactly as before it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import ssl
+
+import pytest
+import trustme
+from proton import Message
+from proton.reactor import Container
+from proton.utils import BlockingConnection
+
+from tests.brokerproc import BrokerProcess, write_config, write_users_file
+from tests.routerproc import start_router, toml_str
+from tests.waiting import wait_for
+
+pytestmark = pytest.mark.slow
+
+USERS = {"admin": ("admin", ["admin"]), "alice": ("alice-pw", ["app"])}
+HELD = 12
+
+
+def _config(users, brokers: dict, *, names, pem, key_filter="^app-", policy="CONSISTENT_HASH",
+            extra: str = "") -> str:
+    lines = [f"users-file = {toml_str(users)}", "[management]", "port = 0", "[routing-log]", "enabled = false",
+             "[[acceptors]]", 'name = "proxy"', "port = 0", 'router = "main"', 'mode = "proxy"',
+             "[[acceptors]]", 'name = "tls"', "port = 0", 'router = "main"', 'mode = "redirect"',
+             f"tls-cert = {toml_str(pem)}", f"tls-key = {toml_str(pem)}",
+             "[routers.main]", 'key-type = "CLIENT_ID"', f"key-filter = {toml_str(key_filter)}",
+             "[routers.main.policy]", f"name = {toml_str(policy)}",
+             "[routers.main.pool]", "check-period = 200", 'username = "admin"', 'password = "admin"']
+    for name in names:
+        b = brokers[name]
+        lines += ["[[routers.main.pool.targets]]", f"name = {toml_str(name)}", 'host = "127.0.0.1"', f"port = {b.port}",
+                  f"management-url = {toml_str(b.management_url)}"]
+    return "\n".join(lines) + "\n" + extra
+
+
+class Held:
+    """One client holding a proxied connection, with a sender and a receiver on its own queue."""
+
+    def __init__(self, router, i: int):
+        self.name = f"app-{i}"
+        self.conn = BlockingConnection(router.url("proxy"), user="alice", password="alice-pw", allowed_mechs="PLAIN",
+                                       timeout=20, container=Container(container_id=self.name))
+        self.sender = self.conn.create_sender(f"reload.{i}")
+        self.receiver = self.conn.create_receiver(f"reload.{i}", credit=1)
+        self.n = 0
+
+    def round_trip(self) -> None:
+        body = f"{self.name}-{self.n}"
+        self.n += 1
+        self.sender.send(Message(body=body, durable=True))
+        got = self.receiver.receive(timeout=20)
+        self.receiver.accept()
+        assert got.body == body
+
+
+def _served_cert_serial(router) -> int:
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    with socket.create_connection(("127.0.0.1", router.port("tls")), timeout=10) as raw:
+        with ctx.wrap_socket(raw) as tls:
+            der = tls.getpeercert(binary_form=True)
+    from cryptography import x509
+    return x509.load_der_x509_certificate(der).serial_number
+
+
+def _reload(router) -> tuple[int, dict]:
+    return router.request("POST", "/api/v1/reload")
+
+
+def _router(router) -> dict:
+    status, body = router.get("/api/v1/routers/main")
+    assert status == 200, body
+    return body
+
+
+def _pool_names(router) -> list[str]:
+    return [t["name"] for t in _router(router)["pool"]["targets"]]
+
+
+def test_five_reloads_and_two_refusals_drop_no_connection(tmp_path):
+    users = write_users_file(tmp_path / "users.toml", USERS)
+    brokers = {n: BrokerProcess(tmp_path / n, write_config(tmp_path / n, name=n, users_file=users)).start()
+               for n in ("b1", "b2", "b3")}
+    ca = trustme.CA()
+    pem = tmp_path / "router.pem"
+    ca.issue_cert("localhost", "127.0.0.1").private_key_and_cert_chain_pem.write_to_path(str(pem))
+    text = _config(users, brokers, names=["b1", "b2"], pem=pem)
+    router = start_router(tmp_path / "router", text, expect=3, auth=("admin", "admin"))
+    path = router.config_path
+    held: list[Held] = []
+    try:
+        wait_for(lambda: all(t["ready"] for t in _router(router)["pool"]["targets"]), 20, what="b1, b2 ready")
+        held = [Held(router, i) for i in range(HELD)]
+        placed = {h.name: router.target_for("main", h.name)["target"]["name"] for h in held}
+        assert set(placed.values()) == {"b1", "b2"}, placed     # both brokers hold some
+
+        def all_alive(step: str) -> None:
+            for h in held:
+                h.round_trip()
+            counters = router.counters("proxy")
+            assert counters.get("proxied", 0) == HELD, (step, counters)
+            closed = {k: v for k, v in counters.items() if k.startswith("proxy_") and v}
+            assert not closed, (step, closed)                 # no proxied connection ended
+
+        all_alive("start")
+        serial = _served_cert_serial(router)
+
+        # 1. a key filter, by POST
+        path.write_text(_config(users, brokers, names=["b1", "b2"], pem=pem, key_filter="^svc-"))
+        status, body = _reload(router)
+        assert status == 200 and body["applied"], body
+        assert body["changes"] == ["routers.main.key-filter: '^app-' -> '^svc-'"], body
+        assert _router(router)["key_filter"] == "^svc-"
+        all_alive("key filter")
+
+        # 2. a target added, by SIGHUP
+        path.write_text(_config(users, brokers, names=["b1", "b2", "b3"], pem=pem, key_filter="^svc-"))
+        os.kill(router.proc.pid, signal.SIGHUP)
+        wait_for(lambda: "b3" in _pool_names(router), 20, what="b3 in the pool after SIGHUP")
+        wait_for(lambda: all(t["ready"] for t in _router(router)["pool"]["targets"]), 20, what="b3 ready")
+        all_alive("target added")
+
+        # 3. a target removed: its clients keep their connections; new ones go elsewhere
+        path.write_text(_config(users, brokers, names=["b2", "b3"], pem=pem, key_filter="^svc-"))
+        status, body = _reload(router)
+        assert status == 200 and body["changes"] == ["routers.main.pool.targets.b1: target removed"], body
+        assert _pool_names(router) == ["b2", "b3"]
+        on_b1 = [name for name, t in placed.items() if t == "b1"]
+        assert on_b1
+        for name in on_b1:       # a key cached on b1 is placed again, on a broker still in the pool
+            assert router.target_for("main", name)["target"]["name"] in ("b2", "b3")
+        all_alive("target removed")
+
+        # 4. a policy
+        path.write_text(_config(users, brokers, names=["b2", "b3"], pem=pem, key_filter="^svc-",
+                                policy="FIRST_ELEMENT"))
+        status, body = _reload(router)
+        assert status == 200 and body["changes"] == ["routers.main.policy.name: 'CONSISTENT_HASH' -> 'FIRST_ELEMENT'"]
+        assert _router(router)["policy"] == "FIRST_ELEMENT"
+        assert router.target_for("main", "a-new-key")["target"]["name"] == "b2"
+        all_alive("policy")
+
+        # 5. the certificate renewed in place: new handshakes get the new one
+        ca.issue_cert("localhost", "127.0.0.1").private_key_and_cert_chain_pem.write_to_path(str(pem))
+        status, body = _reload(router)
+        assert status == 200, body
+        assert [c.split(":")[0] for c in body["changes"]] == ["acceptors.tls.tls-cert", "acceptors.tls.tls-key"]
+        renewed = _served_cert_serial(router)
+        assert renewed != serial
+        all_alive("certificate")
+
+        # refused whole: a file that does not load...
+        good = path.read_text()
+        path.write_text(good.replace('name = "FIRST_ELEMENT"', 'name = "NO_SUCH_POLICY"'))
+        before = _router(router)
+        status, body = _reload(router)
+        assert status == 409, body
+        assert str(path) in body["error"] and "policy" in body["error"] and "NO_SUCH_POLICY" in body["error"], body
+        assert _router(router) == before
+        # ...and a live change beside one that needs a restart
+        path.write_text(good.replace('key-filter = "^svc-"', 'key-filter = "^other-"').replace(
+            'key-type = "CLIENT_ID"', 'key-type = "SNI_HOST"'))
+        status, body = _reload(router)
+        assert status == 409 and "routers.main.key-type" in body["error"] and "cannot change live" in body["error"]
+        assert "key-filter" not in body["error"]           # only what cannot apply is named
+        assert _router(router) == before                   # the filter did not change either
+        assert _served_cert_serial(router) == renewed
+        all_alive("refusals")
+
+        log = router.stderr_text()
+        assert log.count("reload (") == 7 and log.count("refused, the configuration in force stays") == 2, log
+        assert "admin-pw" not in log and "alice-pw" not in log
+    finally:
+        for h in held:
+            h.conn.close()
+        router.terminate()
+        for b in brokers.values():
+            b.kill()
