@@ -34,6 +34,8 @@ import trio
 from broker.wire.io.tomlconfig import ConfigError
 from router.config import RouterProcessConfig, load_router_config
 from router.core.reload import ReloadPlan, plan_reload
+from router.errors import PinFileError
+from router.service import load_pins
 
 log = logging.getLogger("router.reload")
 
@@ -113,6 +115,8 @@ class Reloader:
                                 "worker cannot reload yet; restart it")
         if old.file is None:
             raise ReloadRefused("this router was not started from a configuration file")
+        if running.draining or self.accepting is None:
+            raise ReloadRefused("the router is starting or draining; try again once it serves")
         try:
             new = load_router_config(old.file)
         except ConfigError as exc:
@@ -123,9 +127,9 @@ class Reloader:
             raise ReloadRefused(f"{new.file}: {plan.summary()}")
         prepared = await self._prepare(old, new, plan)
         reset = self._apply(old, new, plan, prepared)
-        await self._apply_routing_log(old, new)
         running.config = new
         self.digests = digests
+        await self._apply_routing_log(old, new)
         summary = plan.summary()
         if reset:
             summary += f"; runtime filters set back to the file's ({', '.join(reset)})"
@@ -152,6 +156,18 @@ class Reloader:
                     for svc in services.values():
                         await svc.aclose()
                     raise ReloadRefused(f"{new.file}: routers.{name}: {exc}") from None
+        pins = {}
+        for name, rc in new.routers.items():
+            if name in old.routers and rc.pins is not None and any(
+                    c.part.startswith(f"routers.{name}.pins") for c in plan.changes):
+                bad: list[str] = []
+                try:
+                    pins[name] = load_pins(rc.pins.file, bad_lines=bad)
+                    if bad and not pins[name]:      # as the pins loop: a bad line loses only itself
+                        raise PinFileError(f"no valid pin: {'; '.join(bad[:3])}")
+                except PinFileError as exc:
+                    await self._discard(services, {})
+                    raise ReloadRefused(f"{new.file}: routers.{name}.pins: {exc}") from None
         olds = {a.name for a in old.acceptors}
         listeners: dict[str, list] = {}
         try:
@@ -159,13 +175,19 @@ class Reloader:
                 if acc.name not in olds:
                     listeners[acc.name] = await self.open_bound(acc)
         except OSError as exc:
-            for ls in listeners.values():
-                for listener in ls:
-                    await listener.aclose()
-            for svc in services.values():
-                await svc.aclose()
+            await self._discard(services, listeners)
             raise ReloadRefused(f"{new.file}: {exc.strerror or exc}") from None
-        return {"settings": settings, "services": services, "listeners": listeners}
+        for name, svc in services.items():     # nothing can fail after this: they start serving
+            await self._start_service(name, svc)
+        return {"settings": settings, "services": services, "listeners": listeners, "pins": pins}
+
+    @staticmethod
+    async def _discard(services: dict, listeners: dict) -> None:
+        for ls in listeners.values():
+            for listener in ls:
+                await listener.aclose()
+        for svc in services.values():
+            await svc.aclose()
 
     # -- all at once (no checkpoint in between) ----------------------------------------------
     def _apply(self, old: RouterProcessConfig, new: RouterProcessConfig, plan: ReloadPlan,
@@ -174,14 +196,14 @@ class Reloader:
         reset = []
         for name, svc in prepared["services"].items():
             running.services[name] = svc
-            self._start_service(name, svc)
         for name, rc in new.routers.items():
             svc = running.services[name]
             if name in old.routers:
-                if (svc.get_key_filter() != rc.key_filter or
-                        svc.get_local_target_filter() != rc.local_target_filter):
-                    reset.append(name)
-                svc.reconfigure(rc)
+                was = old.routers[name]
+                if (svc.get_key_filter() != was.key_filter or
+                        svc.get_local_target_filter() != was.local_target_filter):
+                    reset.append(name)          # set at runtime (PUT): the file's value again
+                svc.reconfigure(rc, pins=prepared["pins"].get(name))
         olds = {a.name: a for a in old.acceptors}
         for acc in new.acceptors:
             if acc.name in olds:
@@ -233,13 +255,14 @@ class Reloader:
 
         self.accepting.start_soon(accept)
 
-    def _start_service(self, name: str, svc) -> None:
-        async def run() -> None:
+    async def _start_service(self, name: str, svc) -> None:
+        """Start a new router and wait for its first probe round (as at start)."""
+        async def run(task_status=trio.TASK_STATUS_IGNORED) -> None:
             with trio.CancelScope() as scope:
                 self.scopes[f"router:{name}"] = scope
-                await svc.run()
+                await svc.run(task_status=task_status)
 
-        self.system.start_soon(run)
+        await self.system.start(run)
 
     def watch(self, key: str, scope: trio.CancelScope) -> None:
         """``serve_router``'s own accept loops and services (``acceptor:<name>``,

@@ -234,6 +234,10 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
                 await _wait_for_state(link, state_applied)
             if reloader is not None:
                 reloader.system = system
+                # SIGHUP never ends the process: a reload, refused while starting or draining
+                system.start_soon(reload_on_sighup, reloader)
+            else:   # a worker: its supervisor answers a SIGHUP sent to the whole group
+                system.start_soon(_ignore_sighup)
             for name, service in services.items():
                 await system.start(_watched, reloader, f"router:{name}", service.run)
             await system.start(routelog.run)
@@ -275,9 +279,6 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
                         if reloader is not None:
                             reloader.accepting = accepting
                             reloader.serve = lambda a, ls, limit: _serve_acceptor(a, ls, handlers, limit, edge)
-                            accepting.start_soon(reload_on_sighup, reloader)
-                        else:   # a worker: its supervisor answers a SIGHUP sent to the whole group
-                            accepting.start_soon(_ignore_sighup)
                         if link is not None:
                             accepting.start_soon(_wait_for_supervisor_exit, link, accepting.cancel_scope)
                     # accepting is over (signal): stop listening, then drain

@@ -450,12 +450,13 @@ class RouterService:
         return bool(self._holder.all_states() or self.dynamic_membership) and not self.follower
 
     # -- reload (router.reload) ----------------------------------------------------------------
-    def reconfigure(self, rc: RouterConfig) -> None:
+    def reconfigure(self, rc: RouterConfig, *, pins: "PinTable | None | object" = None) -> None:
         """Apply a reloaded ``[routers.<name>]`` whose changes ``router.core.reload.plan_reload``
         found live: filters, key length, policy, pins, cache timing and size, the pool's targets
         and settings. Established connections and cached keys keep their targets (a key whose
-        target left the pool is re-placed at its next connection). Raises FilterError/PolicyError
-        before changing anything when the new values do not compile."""
+        target left the pool is re-placed at its next connection). ``pins``: the new pin table
+        (read and checked by the caller) when the pins file or its content changed. Raises
+        FilterError/PolicyError before changing anything when the new values do not compile."""
         old = self.config
         key_filter = compile_key_filter(rc.key_filter)
         local_filter = compile_local_filter(rc.local_target_filter, from_config=True)
@@ -483,15 +484,23 @@ class RouterService:
                 redis.timeout_ms = cc.timeout_ms
                 if redis.reader is not None:
                     redis.reader.timeout_ms = cc.timeout_ms
-        if rc.pins != old.pins:
-            self._pins_mtime = None
-            core.pins = self._read_pins(initial=True) if rc.pins is not None else None
+        if pins is not None or rc.pins != old.pins:
+            core.pins = pins if rc.pins is not None else None
+            self.pins_error = None
+            try:
+                self._pins_mtime = os.stat(rc.pins.file).st_mtime_ns if rc.pins is not None else None
+            except OSError:
+                self._pins_mtime = None
         if pc is not None:
             self._holder.configure(quorum_size=pc.quorum_size, local_target_enabled=pc.local_target_enabled,
                                    allow_failback=pc.allow_failback)
             core.failover_wait = bool(pc.quorum_timeout_ms)
             core.failover_wait_s = pc.quorum_timeout_ms / 1000.0
             if pc.source == "static" and not self.follower:
+                before = {t.name: t for t in (old.pool.targets if old.pool is not None else ())}
+                for t in pc.targets:      # a target whose configuration changed starts afresh
+                    if t.name in before and before[t.name] != t:
+                        self._holder.remove_target(t.name)
                 self._holder.sync_members([t.to_target() for t in pc.targets])
             if (old.pool is None or (old.pool.check_period_ms, old.pool.username, old.pool.password,
                                      old.pool.targets) != (pc.check_period_ms, pc.username, pc.password, pc.targets)):
@@ -499,11 +508,12 @@ class RouterService:
 
     def _restart_probes(self) -> None:
         """New probe settings (period, credentials): the health task starts again with them."""
-        scope = self._health_scope
-        if scope is not None:
-            scope.cancel()
+        if self._health_scope is not None:
+            self._health_scope.cancel()
+        self._health_scope = None
         if self._nursery is not None and self._probes_wanted():
-            self._nursery.start_soon(self._health_task)
+            scope = self._health_scope = trio.CancelScope()    # set now: a second reload cancels it
+            self._nursery.start_soon(self._health_task, scope)
 
     def flush(self) -> None:
         """Write pending cache changes to the embedded file now (sync; used at shutdown)."""
@@ -705,9 +715,10 @@ class RouterService:
             pc.check_period_ms, pc.username, pc.password, self.clock, on_change),
             task_status=task_status)
 
-    async def _health_task(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        with trio.CancelScope() as scope:
-            self._health_scope = scope
+    async def _health_task(self, scope: trio.CancelScope | None = None, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        if scope is None:
+            scope = self._health_scope = trio.CancelScope()
+        with scope:
             try:
                 await self._health_checks(task_status)
             finally:

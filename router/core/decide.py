@@ -101,9 +101,10 @@ class Decision:
     target: Target | None
     local: bool
     explanation: Explanation
-    #: the target slot of a live assignment this connection holds (bounded load, no cache):
-    #: ``Router.release(decision)`` ends it when the connection closes
-    hold: str | None = None
+    #: a live assignment this connection holds (bounded load, no cache): (the policy that
+    #: made it, its target slot); ``Router.release(decision)`` ends it when the connection closes
+    #: (on that policy, also after a reload replaced it)
+    hold: tuple[Any, str] | None = None
 
     @property
     def ok(self) -> bool:
@@ -193,16 +194,17 @@ class Router:
             cache.on_drop = self._cache_dropped
 
     def replace_policy(self, policy: Policy | None) -> None:
-        """A reloaded policy: it observes the pool's probes from now on; the old one's live
-        assignments (bounded load) are forgotten (a release for one of them is a no-op)."""
+        """A reloaded policy: it observes the pool's probes from now on and counts its own live
+        assignments (bounded load) from zero; a connection the old one placed releases on the old
+        one when it closes."""
         old = self._policy
         pool = self.pool
         if pool is not None:
             if old is not None and old.observe in pool.observers:
                 pool.observers.remove(old.observe)
+            pool.require_connection_count = policy is not None and policy.needs_connection_count
             if policy is not None:
                 pool.observers.append(policy.observe)
-                pool.require_connection_count = policy.needs_connection_count
                 for st in pool.all_states():     # what the new policy needs to know already
                     if st.ready:
                         policy.observe(st.target, st.connection_count)
@@ -221,10 +223,11 @@ class Router:
     def release(self, decision: Decision) -> None:
         """The connection that got ``decision`` closed: end the assignment it holds (bounded
         load without a cache; with a cache the entry holds it until it goes). Idempotent."""
-        slot = decision.__dict__.get("hold")
-        if slot is not None and self._policy is not None:
+        held = decision.__dict__.get("hold")
+        if held is not None:
             decision.__dict__["hold"] = None
-            self._policy.release(slot)
+            policy, slot = held
+            policy.release(slot)
 
     @property
     def policy(self) -> Policy | None:
@@ -468,7 +471,7 @@ class Router:
         if counting and count:
             # no cache entry holds it (no cache, or fail-back = return kept the old entry):
             # the connection does, until it closes
-            d.__dict__["hold"] = target.slot
+            d.__dict__["hold"] = (self._policy, target.slot)
         return d
 
     def _keep_stale(self, identity: str, pool: Pool) -> bool:

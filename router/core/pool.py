@@ -207,11 +207,11 @@ class Pool:
         i = 0
         while i < len(have) and i < len(want) and key(have[i].target) == want_keys[i]:
             i += 1
-        for st in have[i:]:  # out of order (rare): rebuild the tail in the wanted order
-            self.members.remove(st)
-            changed = True
+        kept = {key(st.target): st for st in have[i:]}
+        for st in have[i:]:  # out of order (a target inserted or moved): rebuild the tail in the
+            self.members.remove(st)  # wanted order, each member that stays keeping its state
         for t in want[i:]:
-            self.members.append(TargetState(t))
+            self.members.append(kept.pop(key(t), None) or TargetState(t))
             changed = True
         for st, t in zip([st for st in self.members if not st.local], want):
             if (st.target.pair, st.target.backup) != (t.pair, t.backup):  # a role changed

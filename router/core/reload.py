@@ -18,14 +18,15 @@ What changes live:
   new handshakes use the new certificate);
 * routers added or removed; a router's key filter, local-target filter, maximum key length,
   policy, pins (file or content), cache timeout, size and fail-back;
-* a pool's targets (added, removed; a changed target is removed and added), check period,
-  quorum, failback rule and credentials.
+* a static pool's targets (added, removed; a changed target is removed and added), and a pool's
+  check period and probe credentials (a static pool's only), quorum and failback rule.
 
 What does not (a restart): ``workers``, the management address, the users file's path, an
 acceptor's host or port (add one under a new name and remove the old), a router's key type or
 Artemis key compatibility (every cached key would mean something else), its local target, a
-cache's store (backend, file, Redis URL or prefix: its entries would be lost) and Redis
-timeouts, and a pool's membership source, its options and its state file.
+cache added or removed, its store (backend, file, Redis URL or prefix: its entries would be
+lost) and Redis timeouts; a pool added or removed, its membership source, its options, its
+state file, and a dynamic pool's check period and credentials.
 """
 
 from __future__ import annotations
@@ -202,13 +203,9 @@ def _router(p: _Planner, part: str, old: Any, new: Any) -> None:
                                refused={"backend": store, "persisted": store, "path": store,
                                         "redis_url": store, "redis_key_prefix": store,
                                         "redis_timeout_ms": redis, "redis_connect_timeout_ms": redis}),
-              reason=None if not _stored(old.cache) and not _stored(new.cache) else store)
+              reason="a router's cache is made with it; " + _RESTART)
     _optional(p, f"{part}.pool", old.pool, new.pool, lambda: _pool(p, f"{part}.pool", old.pool, new.pool),
               reason="a router's pool is created with it; remove the router and add a new one")
-
-
-def _stored(cache: Any) -> bool:
-    return cache is not None and cache.backend != "memory"
 
 
 def _optional(p: _Planner, part: str, old: Any, new: Any, compare, reason: str | None = None) -> None:
@@ -225,10 +222,11 @@ def _optional(p: _Planner, part: str, old: Any, new: Any, compare, reason: str |
 
 def _pool(p: _Planner, part: str, old: Any, new: Any) -> None:
     source = "the membership source is started with the pool"
-    p.fields(part, old, new,
-             refused={"source": source, "source_options": source,
-                      "state_path": "the held targets are read from it at start"},
-             skip=("targets",))
+    refused = {"source": source, "source_options": source,
+               "state_path": "the held targets are read from it at start"}
+    if old.source != "static":    # the membership follower keeps the period and credentials it started with
+        refused.update(check_period_ms=source, username=source, password=source)
+    p.fields(part, old, new, refused=refused, skip=("targets",))
     if old.source != "static" or new.source != "static":
         return                    # a dynamic source's targets are not in the file
     olds = {t.name: t for t in old.targets}

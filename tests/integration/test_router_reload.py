@@ -35,14 +35,14 @@ HELD = 12
 
 
 def _config(users, brokers: dict, *, names, pem, key_filter="^app-", policy="CONSISTENT_HASH",
-            extra: str = "") -> str:
+            extra: str = "", check_period_ms: int = 200) -> str:
     lines = [f"users-file = {toml_str(users)}", "[management]", "port = 0", "[routing-log]", "enabled = false",
              "[[acceptors]]", 'name = "proxy"', "port = 0", 'router = "main"', 'mode = "proxy"',
              "[[acceptors]]", 'name = "tls"', "port = 0", 'router = "main"', 'mode = "redirect"',
              f"tls-cert = {toml_str(pem)}", f"tls-key = {toml_str(pem)}",
              "[routers.main]", 'key-type = "CLIENT_ID"', f"key-filter = {toml_str(key_filter)}",
              "[routers.main.policy]", f"name = {toml_str(policy)}",
-             "[routers.main.pool]", "check-period = 200", 'username = "admin"', 'password = "admin"']
+             "[routers.main.pool]", f"check-period = {check_period_ms}", 'username = "admin"', 'password = "admin"']
     for name in names:
         b = brokers[name]
         lines += ["[[routers.main.pool.targets]]", f"name = {toml_str(name)}", 'host = "127.0.0.1"', f"port = {b.port}",
@@ -194,3 +194,64 @@ def test_five_reloads_and_two_refusals_drop_no_connection(tmp_path):
         router.terminate()
         for b in brokers.values():
             b.kill()
+
+
+def test_runtime_filters_and_pins_follow_the_file_at_a_reload(tmp_path):
+    """A key filter set at runtime (PUT) is set back to the file's value, and said so; a pins
+    file whose content changed is in force when the reload answers; a pins file with no valid pin
+    refuses the reload whole."""
+    users = write_users_file(tmp_path / "users.toml", USERS)
+    brokers = {n: BrokerProcess(tmp_path / n, write_config(tmp_path / n, name=n, users_file=users)).start()
+               for n in ("b1", "b2")}
+    ca = trustme.CA()
+    pem = tmp_path / "router.pem"
+    ca.issue_cert("localhost", "127.0.0.1").private_key_and_cert_chain_pem.write_to_path(str(pem))
+    pins = tmp_path / "pins.txt"
+    pins.write_text('{"key": "pinned-key", "node_id": "b1"}\n')
+    extra = f"[routers.main.pins]\nfile = {toml_str(pins)}\n"
+    router = start_router(tmp_path / "router",
+                          _config(users, brokers, names=["b1", "b2"], pem=pem, policy="FIRST_ELEMENT", extra=extra,
+                                  check_period_ms=60_000),     # the pins loop would not see it for a minute
+                          expect=3, auth=("admin", "admin"))
+    try:
+        wait_for(lambda: all(t["ready"] for t in _router(router)["pool"]["targets"]), 20, what="b1, b2 ready")
+        assert router.target_for("main", "pinned-key")["target"]["name"] == "b1"
+        assert router.target_for("main", "pinned-key")["explanation"]["pin"] is not None
+        status, body = router.request("PUT", "/api/v1/routers/main/key-filter", {"key_filter": "^runtime-"})
+        assert status == 200, body
+        pins.write_text('{"key": "pinned-key", "node_id": "b2"}\n')
+        status, body = _reload(router)
+        assert status == 200 and body["filters_reset"] == ["main"], body
+        assert "runtime filters set back" in body["summary"]
+        assert _router(router)["key_filter"] == "^app-"
+        assert router.target_for("main", "pinned-key")["target"]["name"] == "b2"    # at once
+        pins.write_text("this line is not a pin\n")
+        status, body = _reload(router)
+        assert status == 409 and "routers.main.pins" in body["error"], body
+        assert router.target_for("main", "pinned-key")["target"]["name"] == "b2"    # the pins in force stay
+    finally:
+        router.terminate()
+        for b in brokers.values():
+            b.kill()
+
+
+def test_a_router_with_workers_refuses_a_reload_and_survives_sighup(tmp_path):
+    users = write_users_file(tmp_path / "users.toml", USERS)
+    broker = BrokerProcess(tmp_path / "b1", write_config(tmp_path / "b1", name="b1", users_file=users)).start()
+    ca = trustme.CA()
+    pem = tmp_path / "router.pem"
+    ca.issue_cert("localhost", "127.0.0.1").private_key_and_cert_chain_pem.write_to_path(str(pem))
+    text = _config(users, {"b1": broker}, names=["b1"], pem=pem).replace("workers = 1", "").replace(
+        "[management]", "workers = 2\n[management]", 1)
+    router = start_router(tmp_path / "router", text, expect=3, auth=("admin", "admin"))
+    try:
+        status, body = _reload(router)
+        assert status == 409 and "workers = 2" in body["error"], body
+        os.kill(router.proc.pid, signal.SIGHUP)
+        wait_for(lambda: "reload (SIGHUP) refused" in router.stderr_text(), 10, what="the refusal logged")
+        assert router.proc.poll() is None
+        status, body = router.get("/api/v1/router")
+        assert status == 200 and body["workers"] == 2
+    finally:
+        router.terminate()
+        broker.kill()

@@ -71,8 +71,10 @@ class Acceptor:
         self._counters[self._keys[name]] += n
 
     def _new_conn(self, host: str, port: int, now: float) -> ConnState:
-        return ConnState(self.edge.next_connection_id(), f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
-                         host, port, now)
+        c = ConnState(self.edge.next_connection_id(), f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
+                      host, port, now)
+        c.service = self.service
+        return c
 
     # -- the one place that owns every deadline ------------------------------------------------
     async def handle(self, sock: socket.socket, peer) -> None:
@@ -133,7 +135,7 @@ class Acceptor:
         """What every ending connection gives back (but its streams)."""
         self.edge.stats.active[self.settings.name] -= 1
         if c.decision is not None:
-            self.service.connection_closed(c.decision)   # LOAD_FACTOR: a live assignment ends
+            c.service.connection_closed(c.decision)   # LOAD_FACTOR: a live assignment ends
         if c.refusal is not None:
             self.limiter.release_refusal(key)
         else:
@@ -274,7 +276,7 @@ class Acceptor:
             # 3. Route (the service bounds its own quorum wait)
             c.phase = PH_ROUTE
             scope.deadline = _INF
-            decision = await route_mod.decide(self.service, s, c)
+            decision = await route_mod.decide(c.service, s, c)
             self._inc(route_mod.ROUTE_COUNTER[decision.outcome])
             action = route_mod.action_for(s, decision, detected)
             if action is route_mod.REDIRECT:
@@ -333,10 +335,10 @@ class Acceptor:
         again: a broker that accepts TCP and answers nothing): ``err`` itself is raised, about
         the broker that failed (already out of rotation)."""
         failed, failed_us = c.decision, c.decision_us
-        self.service.upstream_failed(failed.target.slot, err.description)
+        c.service.upstream_failed(failed.target.slot, err.description)
         err.target_down = False          # reported: _refuse must not report it again
         c.phase = PH_ROUTE
-        decision = await route_mod.decide(self.service, self.settings, c)
+        decision = await route_mod.decide(c.service, self.settings, c)
         decision_us = c.decision_us
         if decision.outcome is not Outcome.OK or decision.target is None or decision.target.slot in tried:
             c.decision, c.decision_us = failed, failed_us
@@ -378,7 +380,7 @@ class Acceptor:
                 and c.decision.target is not None:
             # not ready at once, probed again now: the next clients (and a pair's waiting keys)
             # do not wait a whole check-period to learn it
-            self.service.upstream_failed(c.decision.target.slot, err.description)
+            c.service.upstream_failed(c.decision.target.slot, err.description)
         await self._answer(c, reply_frames(err), scope)
 
     async def _send_quietly(self, client, data: bytes) -> None:

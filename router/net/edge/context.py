@@ -123,6 +123,7 @@ class ConnState:
     decision: Decision | None = None
     decision_us: int = 0
     leftover: bytes = b""       # broker bytes after its sasl-outcome, for the client
+    service: Any = None         # the router it is routed by (a reload may give the acceptor another)
 
 
 def reset_on_close(stream) -> None:

@@ -257,3 +257,18 @@ def test_the_source_refuses_bad_options():
         ClusterSource([t("A", 1)], {"seed-connectors": ["http://h:1"]})
     with pytest.raises(MembershipSourceError):
         ClusterSource([], {"seed-connectors": ["http://h:1"], "bogus": 1})
+
+
+def test_a_target_inserted_in_the_middle_leaves_the_others_their_state():
+    """A reload that adds a backup right after its primary (a static pool's targets are synced
+    with ``sync_members``): the members after it keep their readiness, nothing is re-probed."""
+    targets = [Target(f"n{i}", "h", 5670 + i, name=f"b{i}") for i in range(4)]
+    pool = Pool(targets)
+    for i in range(4):
+        pool.set_ready(f"b{i}", True)
+    assert pool.sync_members([targets[0], Target(None, "h", 6000, name="b0-backup"), *targets[1:]])
+    assert [(st.target.name, st.ready) for st in pool.members] == \
+        [("b0", True), ("b0-backup", False), ("b1", True), ("b2", True), ("b3", True)]
+    assert pool.sync_members([targets[3], *targets[:3]])          # moved: still ready
+    assert [(st.target.name, st.ready) for st in pool.members] == \
+        [("b3", True), ("b0", True), ("b1", True), ("b2", True)]

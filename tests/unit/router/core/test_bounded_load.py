@@ -142,7 +142,7 @@ def test_fail_back_return_keeps_the_entry_and_the_connection_holds_the_detour():
     detour = r.decide(conn("k"), 2.0)
     assert detour.ok and detour.target.name != first.target.name
     assert cache.entries["k"][0] == first.target.identity  # kept for the return
-    assert detour.hold == detour.target.slot and live(r) == 2
+    assert detour.hold == (r.policy, detour.target.slot) and live(r) == 2
     r.release(detour)
     assert live(r) == 1 and r.policy.loads == {first.target.slot: 1}
 
@@ -161,7 +161,7 @@ def test_a_reloaded_policy_takes_over_and_the_old_assignments_are_forgotten():
     assert cache.on_drop is None and r.assigned == {}
     for cid, d in before.items():                      # cached keys keep their target
         assert r.decide(conn(cid), 2.0).target.name == d.target.name
-        r.release(d)                                   # the old policy's assignment: nothing to do
+        r.release(d)                                   # with a cache, the entry holds it: no-op
     assert r.decide(conn("new"), 3.0).target.name == "t0"
     r.replace_policy(create_policy("CONSISTENT_HASH", {"LOAD_FACTOR": "1.0"}))
     assert cache.on_drop is not None                   # tracking again, from zero
@@ -179,3 +179,18 @@ def test_a_reloaded_quorum_is_in_force_at_once():
     assert not pool.quorum_met and r.decide(conn("c"), 1.0).outcome is Outcome.REFUSED_UNAVAILABLE
     pool.configure(quorum_size=2, local_target_enabled=False, allow_failback=True)
     assert pool.quorum_met and r.decide(conn("c"), 2.0).ok
+
+
+def test_a_connection_placed_before_a_reload_releases_on_the_policy_that_placed_it():
+    r = router(cache=None)
+    old_ds = [r.decide(conn(f"c{i}"), 1.0) for i in range(3)]
+    old = r.policy
+    r.replace_policy(create_policy("CONSISTENT_HASH", {"LOAD_FACTOR": "1.5"}))
+    new_ds = [r.decide(conn(f"n{i}"), 2.0) for i in range(3)]
+    assert sum(old.loads.values()) == 3 and sum(r.policy.loads.values()) == 3
+    for d in old_ds:
+        r.release(d)                                   # the old policy's count goes down, not the new one's
+    assert sum(old.loads.values()) == 0 and sum(r.policy.loads.values()) == 3
+    for d in new_ds:
+        r.release(d)
+    assert r.policy.loads == {}
