@@ -402,6 +402,18 @@ def _policy(t: Table) -> PolicyConfig:
     return PolicyConfig(name, props)
 
 
+def _without_password(url: str) -> str:
+    """``url`` for an error message: a password in it shown as ``***``."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+        return parts._replace(netloc=netloc).geturl()
+    except ValueError:
+        return "<unparsable URL>"
+
+
 def _cache(t: Table, router: str, default_dir: Path | None = None) -> CacheConfig:
     timeout = t.int("timeout", 0, min=0)
     persisted = t.bool("persisted", False)
@@ -420,9 +432,9 @@ def _cache(t: Table, router: str, default_dir: Path | None = None) -> CacheConfi
         if redis_url is None:
             raise t.error("redis-url", "missing (required with backend = 'redis')")
         if urlsplit(redis_url).scheme not in ("redis", "rediss", "unix"):
-            raise t.error("redis-url", f"{redis_url!r} must be a redis://, rediss:// or unix:// URL")
+            raise t.error("redis-url", f"{_without_password(redis_url)!r} must be a redis://, rediss:// or unix:// URL")
     elif redis_url is not None:
-        raise t.error("redis-url", f"{redis_url!r} is only used with backend = 'redis'")
+        raise t.error("redis-url", f"{_without_password(redis_url)!r} is only used with backend = 'redis'")
     c = CacheConfig(timeout, persisted, backend, path, redis_url,
                     t.str("redis-key-prefix", "lodestone:"), t.int("redis-timeout-ms", 50, min=1),
                     t.int("max-entries", 100_000, min=1),

@@ -234,3 +234,11 @@ def test_integer_policy_properties_are_written_as_integers(tmp_path):
                  '[routers.r.policy]\nname = "CONSISTENT_HASH_MODULO"\nproperties = { MODULO = 2 }\n')
     cfg = load_router_config(p)
     assert cfg.routers["r"].policy.properties["MODULO"] == "2"
+
+
+@pytest.mark.parametrize("extra", ['backend = "redis"\nredis-url = "http://user:s3cret@host:1"',
+                                   'backend = "memory"\nredis-url = "redis://:s3cret@host:6379"'])
+def test_a_bad_redis_url_is_named_without_its_password(tmp_path, extra):
+    with pytest.raises(ConfigError) as e:
+        load_router_config(write(tmp_path, MINIMAL + "[routers.r.cache]\n" + extra + "\n"))
+    assert "redis-url" in str(e.value) and "s3cret" not in str(e.value) and ":***@" in str(e.value)
