@@ -312,7 +312,9 @@ def _mirror_ack(q, mid, seen):
     return q.hold_ack(mid, done)
 
 
-def test_a_mirrored_ack_for_a_message_held_by_an_open_transaction_waits_for_its_rollback():
+def _acked_in_a_transaction_then_mirrored():
+    """Three delivered; the first accepted inside an open transaction, then acknowledged by a
+    mirror (which must wait: the transaction holds it)."""
     b, store = make()
     q, s = deliver_three(b)
     table = TransactionTable("c1")
@@ -321,6 +323,11 @@ def test_a_mirrored_ack_for_a_message_held_by_an_open_transaction_waits_for_its_
     txn.acknowledge(q, s.sub, first.mid, Outcome.ACCEPTED)    # settled in the transaction only
     seen = []
     assert _mirror_ack(q, first.mid, seen)       # held by the transaction: the ack waits
+    return b, store, q, table, txn, first, seen
+
+
+def test_a_mirrored_ack_for_a_message_held_by_an_open_transaction_waits_for_its_rollback():
+    b, store, q, table, txn, first, seen = _acked_in_a_transaction_then_mirrored()
     table.discharge(txn.txn_id, True, b)         # rolled back: the message comes back...
     assert seen == [(first.mid, True)]           # ...and the mirrored ack takes it instead
     assert [m.mid for m in q.messages] == [] and q.acked == 1 and q.held == 0
@@ -328,14 +335,7 @@ def test_a_mirrored_ack_for_a_message_held_by_an_open_transaction_waits_for_its_
 
 
 def test_a_mirrored_ack_for_a_message_held_by_a_transaction_that_commits_is_moot():
-    b, store = make()
-    q, s = deliver_three(b)
-    table = TransactionTable("c1")
-    txn = table.declare()
-    first = s.got[0]
-    txn.acknowledge(q, s.sub, first.mid, Outcome.ACCEPTED)
-    seen = []
-    assert _mirror_ack(q, first.mid, seen)
+    b, store, q, table, txn, first, seen = _acked_in_a_transaction_then_mirrored()
     table.discharge(txn.txn_id, False, b)
     assert seen == [(first.mid, False)] and q.acked == 1 and q.held == 0 and q.depth == 2
     assert not _mirror_ack(q, 999_999, seen)     # a message nobody holds: not held

@@ -28,7 +28,7 @@ class _Ends:
 _OPEN: list = []     # every stream a test made: closed when it ends (no socket left to the GC)
 
 
-async def _relay(nursery, poller, idle: float | None = None):
+async def _relay(nursery, poller, idle: float | None = None, *, start: bool = True):
     client_app, client_side = await _pair()
     upstream_side, broker_app = await _pair()
     _OPEN.extend((client_app, client_side, upstream_side, broker_app))
@@ -37,7 +37,8 @@ async def _relay(nursery, poller, idle: float | None = None):
     ends = _Ends()
     relay = Relay(poller, keeper, client_side.socket._sock, upstream_side.socket._sock, PumpStats(), idle,
                   ends.on_end, ends.resume)
-    relay.start()
+    if start:
+        relay.start()
     return client_app, broker_app, relay, ends, (client_side, upstream_side)
 
 
@@ -180,14 +181,9 @@ async def test_a_failed_start_leaves_nothing_registered():
     async with trio.open_nursery() as nursery:
         poller = proxy_mod.SharedPoller()
         await nursery.start(poller.run)
-        client_app, client_side = await _pair()
-        upstream_side, broker_app = await _pair()
-        _OPEN.extend((client_app, client_side, upstream_side, broker_app))
+        client_app, _, relay, ends, _ = await _relay(nursery, poller, start=False)
         keeper = poller.keeper
         keeper.nursery = None                      # keeper.add cannot start its task: raises
-        ends = _Ends()
-        relay = Relay(poller, keeper, client_side.socket._sock, upstream_side.socket._sock, PumpStats(), None,
-                      ends.on_end, ends.resume)
         with pytest.raises(AttributeError):
             relay.start()
         relay.abandon()
