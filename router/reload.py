@@ -87,8 +87,6 @@ class Reloader:
         self.accepting: trio.Nursery | None = None   # accept loops run here
         self.scopes: dict[str, trio.CancelScope] = {}     # accept loops and services, to stop one
         self.digests = file_digests(running.config)
-        self.reloads = 0
-        self.refusals = 0
         self._lock = trio.Lock()
 
     # -- the entry points ------------------------------------------------------------------------
@@ -100,10 +98,8 @@ class Reloader:
             try:
                 result = await self._reload()
             except ReloadRefused as exc:
-                self.refusals += 1
                 log.error("reload (%s) refused, the configuration in force stays: %s", cause, exc)
                 raise
-            self.reloads += 1
             log.warning("reload (%s): %s", cause, result["summary"])
             return result
 

@@ -81,9 +81,6 @@ class ReloadPlan:
         """Every change applies live (an empty plan is a reload that changes nothing)."""
         return not self.refused
 
-    def parts(self) -> set[str]:
-        return {c.part for c in self.changes}
-
     def summary(self) -> str:
         """One line: what changed, or why the whole reload is refused."""
         if not self.changes:
