@@ -28,6 +28,7 @@ from broker.wire.io.tomlconfig import ConfigError
 from router.config import load_router_config
 from router.fdlimit import budget_warning, raise_nofile_limit
 from broker.wire.io.logsetup import setup_logging
+from router.control import read_config_message
 from router.workers import default_workers, run_supervisor
 from router.server import DEFAULT_DRAIN_TIMEOUT_S, serve_router
 from broker.wire.io.users import load_users
@@ -66,9 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load(path: Path):
+def _load(path: Path, data: bytes | None = None):
 
-    cfg = load_router_config(path)
+    cfg = load_router_config(path, data)
     if cfg.users_file is not None:
 
         load_users(cfg.users_file)  # fail now, with the file's own error, not after binding
@@ -88,7 +89,19 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
 
     try:
-        cfg = _load(args.config)
+        if args.command == "worker":   # the supervisor's configuration in force, not the file's now
+            try:
+                text = read_config_message(args.control_fd)
+            except (OSError, ValueError) as exc:
+                print(f"lodestone-router: worker {args.index}: {exc}", file=sys.stderr)
+                return 1
+            cfg = _load(args.config, text.encode("utf-8"))
+        else:
+            try:   # read once: a supervisor hands its workers exactly the text it checked
+                text = args.config.read_bytes().decode("utf-8")
+            except (OSError, UnicodeDecodeError):
+                text = None   # _load names the problem
+            cfg = _load(args.config, None if text is None else text.encode("utf-8"))
         if args.command == "run" and args.workers is not None and args.workers < 0:
             raise ConfigError("<command line>", "--workers", f"{args.workers} must be >= 0")
         if args.command != "check":
@@ -139,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         if drain is not None:
             extra += ["--drain-timeout-s", str(drain)]
         return _guard(lambda: run_supervisor(str(args.config), cfg, workers, worker_args=extra,
-                                             drain_timeout_s=drain))
+                                             drain_timeout_s=drain, config_text=text))
     return _run(cfg, worker=0, workers=1, ports=None, drain=drain)
 
 

@@ -185,9 +185,11 @@ class RouterProcessConfig:
 
 
 # -- TOML -------------------------------------------------------------------------------------
-def load_router_config(path: str | Path) -> RouterProcessConfig:
-    """Read a router TOML file; raises ConfigError (file, key, value) on any problem."""
-    root = open_config(path)
+def load_router_config(path: str | Path, data: bytes | None = None) -> RouterProcessConfig:
+    """Read a router TOML file (``data``: its content, read earlier: a worker of a multi-worker
+    router runs the text its supervisor has in force); raises ConfigError (file, key, value) on
+    any problem."""
+    root = open_config(path, data)
     file = root.file
     name = root.str("name", "router")
     users_file = root.path_value("users-file", None)

@@ -10,7 +10,9 @@ survive: ``json`` escapes them). A message with ``"op"`` is a command; when it a
 
 ``Link.run`` reads and dispatches messages **in arrival order, synchronously** (the handler is a
 plain function): a reply wakes the task waiting in ``request``; a command is handled before the
-next message is read. So the first message a worker reads (``state``: filters and pool) is always
+next message is read. A handler may instead return a coroutine (a reload's steps, which bind
+sockets and start services): it runs as a task of the link and its result is the reply, while
+later messages are dispatched meanwhile (a reload's step changes nothing until its commit). So the first message a worker reads (``state``: filters and pool) is always
 applied before any later filter change or pool update, and changes apply in the order the
 supervisor made them. Writes go through an unbounded in-memory queue drained by one writer task
 (``send`` never blocks, so a pool or filter callback may call it); queued messages are coalesced
@@ -19,9 +21,12 @@ into one ``send_all``.
 Either side closing (process exit, kill -9) ends ``run``; ``closed`` is set, waiting requests get
 ``ChannelClosed``. Messages (all JSON objects):
 
-supervisor → worker: ``state {filters, pools}``, ``set_filter {router, field, value}`` (id),
+supervisor → worker: ``config {text}`` (always the first message: the configuration file's
+content in force, which a worker runs even when the file has changed since; read before trio
+starts by ``read_config_message``), ``state {filters, pools}``, ``set_filter {router, field, value}`` (id),
 ``pool {router, states}`` (the probe results and the held targets; with an id after a hold or
-readmit, answered once applied), ``stats`` (id).
+readmit, answered once applied), ``stats`` (id), ``reload_prepare {text, files, ports, pools}``
+(id), ``reload_commit`` (id), ``reload_abort`` (id) (``router.reload``).
 worker → supervisor: ``ready {ports}``, ``cache_get {router, key}`` (id),
 ``cache_write {router, puts, touches, deletes}`` (id), ``ping`` (id),
 ``upstream_failed {router, slot, error}`` (the worker's proxy could not connect to that target),
@@ -30,6 +35,7 @@ worker → supervisor: ``ready {ports}``, ``cache_get {router, key}`` (id),
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import json
 import logging
@@ -87,6 +93,7 @@ class Link:
         self._pending: dict[int, list] = {}
         self._ids = itertools.count(1)
         self.closed = trio.Event()
+        self._nursery: trio.Nursery | None = None
 
     def send(self, msg: dict) -> None:
         """Queue one message (never blocks). Raises ChannelClosed once the link is closed."""
@@ -117,6 +124,7 @@ class Link:
         """Read and dispatch until the peer closes; then mark the link closed."""
         try:
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 nursery.start_soon(self._writer, nursery.cancel_scope)
                 task_status.started()
                 try:
@@ -184,8 +192,49 @@ class Link:
             if not isinstance(exc, (ValueError, KeyError)):
                 log.exception("%s: handling %r failed", self.name, msg.get("op"))
             reply = {"error": f"{type(exc).__name__}: {exc}"}
+        if inspect.iscoroutine(reply):
+            self._nursery.start_soon(self._answer_later, rid, msg.get("op"), reply)
+            return
         if rid is not None and not self.closed.is_set():
             self.send({**(reply or {}), "re": rid})
+
+    async def _answer_later(self, rid, op, coro) -> None:
+        try:
+            reply = await coro
+        except Exception as exc:  # noqa: BLE001 - as _dispatch: the peer gets the error text
+            if not isinstance(exc, (ValueError, KeyError)):
+                log.exception("%s: handling %r failed", self.name, op)
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        if rid is not None and not self.closed.is_set():
+            self.send({**(reply or {}), "re": rid})
+
+
+def read_config_message(fd: int) -> str:
+    """The worker's first control message (``config``), read with a blocking socket before trio
+    starts; what follows stays in the socket for ``Link.run``. Raises OSError or ValueError."""
+    sock = socket.socket(fileno=fd)
+    try:
+        sock.setblocking(True)
+        head = _read_exactly(sock, 4)
+        n = int.from_bytes(head, "big")
+        if n > MAX_MESSAGE_BYTES:
+            raise ValueError(f"control message of {n} bytes")
+        msg = json.loads(_read_exactly(sock, n))
+    finally:
+        sock.detach()   # the fd stays open for the link
+    if msg.get("op") != "config" or not isinstance(msg.get("text"), str):
+        raise ValueError(f"expected the config message first, got {msg.get('op')!r}")
+    return msg["text"]
+
+
+def _read_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise OSError("control channel closed before the config message")
+        buf += chunk
+    return bytes(buf)
 
 
 class SharedCacheTier:

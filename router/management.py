@@ -391,8 +391,7 @@ class ManagementApi(RouterResources):
             raise HttpError(405, f"{request.method} not allowed on /api/v1/reload (POST)", [("Allow", "POST")])
         reloader = getattr(self.running, "reloader", None)
         if reloader is None:
-            raise HttpError(409, f"reload refused, the configuration in force stays: workers = {self.running.workers}: "
-                                 "a router with more than one worker cannot reload yet; restart it")
+            raise HttpError(409, "reload refused, the configuration in force stays: this process does not reload")
         who = basic_auth(request)
         try:
             return json_response(await reloader.reload(f"POST /api/v1/reload by {who[0] if who else 'anonymous'}"))

@@ -18,8 +18,13 @@ handshake finishes with the settings it started with, a removed acceptor's conne
 The runtime filters (``PUT .../key-filter``) are set back to the file's values, and the answer
 says so. One log line lists what changed (or why nothing did).
 
-A router with ``workers`` > 1 is not reloaded yet: its reload is refused with a message that
-says so (the configuration in force stays).
+A router with ``workers`` > 1 reloads in two phases (``SupervisorReloader``): the supervisor
+reads the file once, plans, starts its new routers and reserves new acceptors' ports, then sends
+the text it read to every worker (``reload_prepare``); each worker plans and prepares the same way
+(its certificates, its new listeners) and answers. If any step fails anywhere, every prepared
+worker is told ``reload_abort`` and the reload is refused whole; otherwise the supervisor applies
+its side and tells every worker ``reload_commit``. A worker started later (a restart) runs the
+text in force, never the file as it is on disk then (``router.control``, ``config``).
 """
 
 from __future__ import annotations
@@ -73,14 +78,15 @@ class Reloader:
 
     def __init__(self, running: Any, *, bound: dict, make_settings: Callable, make_acceptor: Callable,
                  make_limit: Callable, make_service: Callable, open_bound: Callable, serve: Callable,
-                 log_path: Callable) -> None:
+                 log_path: Callable, ports: dict | None = None) -> None:
         self.running = running
         self.bound = bound                       # acceptor name -> its listeners
         self.make_settings = make_settings       # AcceptorConfig -> AcceptorSettings
         self.make_acceptor = make_acceptor       # (AcceptorSettings, service) -> Acceptor
         self.make_limit = make_limit             # AcceptorConfig -> ConnectionLimit
         self.make_service = make_service         # RouterConfig -> RouterService
-        self.open_bound = open_bound             # async AcceptorConfig -> listeners
+        self.open_bound = open_bound             # async (AcceptorConfig, port) -> listeners
+        self.ports = ports if ports is not None else {}   # a worker: the supervisor's port per acceptor
         self.serve = serve                       # async (Acceptor, listeners, ConnectionLimit) -> None
         self.log_path = log_path                 # RoutingLogConfig -> Path | None
         self.system: trio.Nursery | None = None      # services run here
@@ -88,6 +94,7 @@ class Reloader:
         self.scopes: dict[str, trio.CancelScope] = {}     # accept loops and services, to stop one
         self.digests = file_digests(running.config)
         self._lock = trio.Lock()
+        self._pending: tuple | None = None       # a worker: a prepared reload awaiting its commit
 
     # -- the entry points ------------------------------------------------------------------------
     async def reload(self, cause: str) -> dict:
@@ -104,33 +111,77 @@ class Reloader:
             return result
 
     async def _reload(self) -> dict:
-        running = self.running
-        old: RouterProcessConfig = running.config
-        if running.workers > 1:
-            raise ReloadRefused(f"{old.file}: workers = {running.workers}: a router with more than one "
-                                "worker cannot reload yet; restart it")
-        if old.file is None:
+        old: RouterProcessConfig = self.running.config
+        self._check_serving()
+        new, plan, digests = read_and_plan(old, self.digests)
+        prepared = await self._prepare(old, new, plan)
+        reset = await self._commit(old, new, plan, prepared, digests)
+        return result(plan, reset)
+
+    def _check_serving(self) -> None:
+        if self.running.config.file is None:
             raise ReloadRefused("this router was not started from a configuration file")
-        if running.draining or self.accepting is None:
+        if self.running.draining or self.accepting is None:
             raise ReloadRefused("the router is starting or draining; try again once it serves")
+
+    async def _commit(self, old, new, plan, prepared, digests) -> list[str]:
+        reset = self._apply(old, new, plan, prepared)
+        self.running.config = new
+        self.digests = digests
+        await self._apply_routing_log(old, new)
+        return reset
+
+    # -- a worker of a multi-worker router: the supervisor's two phases ------------------------
+    async def prepare_remote(self, text: str, files: dict, ports: dict, pools: dict) -> dict:
+        """``reload_prepare``: plan and prepare the configuration ``text`` the supervisor read
+        (``files``: the digests it saw; ``ports``: the port of each acceptor it added; ``pools``:
+        its new routers' first probe results). Nothing changes until ``commit_remote``."""
+        if self._pending is not None:
+            await self.abort_remote()
+        self._check_serving()
+        old: RouterProcessConfig = self.running.config
         try:
-            new = load_router_config(old.file)
+            new = load_router_config(old.file, text.encode("utf-8"))
         except ConfigError as exc:
             raise ReloadRefused(str(exc)) from None
         digests = file_digests(new)
+        moved = sorted(p for p in set(files) | set(digests) if files.get(p) != digests.get(p))
+        if moved:
+            raise ReloadRefused(f"{', '.join(moved)}: changed while the reload was read; reload again")
         plan = plan_reload(old, new, old_files=self.digests, new_files=digests)
         if not plan.ok:
             raise ReloadRefused(f"{new.file}: {plan.summary()}")
+        self.ports.update(ports)
         prepared = await self._prepare(old, new, plan)
-        reset = self._apply(old, new, plan, prepared)
-        running.config = new
-        self.digests = digests
-        await self._apply_routing_log(old, new)
-        summary = plan.summary()
-        if reset:
-            summary += f"; runtime filters set back to the file's ({', '.join(reset)})"
-        return {"applied": True, "summary": summary, "changes": [str(c) for c in plan.changes],
-                "filters_reset": reset}
+        for name, states in pools.items():
+            if name in prepared["services"]:
+                prepared["services"][name].apply_pool_states(states)
+        self._pending = (old, new, plan, prepared, digests)
+        return {"changes": len(plan.changes)}
+
+    async def commit_remote(self) -> dict:
+        """``reload_commit``: apply what ``prepare_remote`` prepared."""
+        if self._pending is None:
+            raise ReloadRefused("no reload prepared")
+        old, new, plan, prepared, digests = self._pending
+        self._pending = None
+        if self.running.config is not old:
+            raise ReloadRefused("the configuration changed since the reload was prepared")
+        reset = await self._commit(old, new, plan, prepared, digests)
+        log.warning("reload (by the supervisor): %s", plan.summary())
+        return {"filters_reset": reset}
+
+    async def abort_remote(self) -> dict:
+        """``reload_abort``: discard what ``prepare_remote`` prepared."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            prepared = pending[3]
+            await self._discard(prepared["services"], prepared["listeners"])
+            for name in prepared["services"]:
+                scope = self.scopes.pop(f"router:{name}", None)
+                if scope is not None:
+                    scope.cancel()
+        return {}
 
     # -- before anything changes: what can still fail -----------------------------------------
     async def _prepare(self, old: RouterProcessConfig, new: RouterProcessConfig, plan: ReloadPlan) -> dict:
@@ -143,33 +194,18 @@ class Reloader:
                 except (OSError, ValueError) as exc:   # ssl.SSLError is an OSError
                     raise ReloadRefused(f"{new.file}: acceptors.{acc.name}: cannot load its TLS files: {exc}") \
                         from None
-        services = {}
-        for name, rc in new.routers.items():
-            if name not in old.routers:
-                try:
-                    services[name] = self.make_service(rc)
-                except Exception as exc:  # noqa: BLE001 - a cache file, a Redis URL...: refused whole
-                    for svc in services.values():
-                        await svc.aclose()
-                    raise ReloadRefused(f"{new.file}: routers.{name}: {exc}") from None
-        pins = {}
-        for name, rc in new.routers.items():
-            if name in old.routers and rc.pins is not None and any(
-                    c.part.startswith(f"routers.{name}.pins") for c in plan.changes):
-                bad: list[str] = []
-                try:
-                    pins[name] = load_pins(rc.pins.file, bad_lines=bad)
-                    if bad and not pins[name]:      # as the pins loop: a bad line loses only itself
-                        raise PinFileError(f"no valid pin: {'; '.join(bad[:3])}")
-                except PinFileError as exc:
-                    await self._discard(services, {})
-                    raise ReloadRefused(f"{new.file}: routers.{name}.pins: {exc}") from None
+        services = await new_services(old, new, self.make_service)
+        try:
+            pins = changed_pins(old, new, plan)
+        except ReloadRefused:
+            await self._discard(services, {})
+            raise
         olds = {a.name for a in old.acceptors}
         listeners: dict[str, list] = {}
         try:
             for acc in new.acceptors:
                 if acc.name not in olds:
-                    listeners[acc.name] = await self.open_bound(acc)
+                    listeners[acc.name] = await self.open_bound(acc, self.ports.get(acc.name, acc.port))
         except OSError as exc:
             await self._discard(services, listeners)
             raise ReloadRefused(f"{new.file}: {exc.strerror or exc}") from None
@@ -189,17 +225,7 @@ class Reloader:
     def _apply(self, old: RouterProcessConfig, new: RouterProcessConfig, plan: ReloadPlan,
                prepared: dict) -> list[str]:
         running = self.running
-        reset = []
-        for name, svc in prepared["services"].items():
-            running.services[name] = svc
-        for name, rc in new.routers.items():
-            svc = running.services[name]
-            if name in old.routers:
-                was = old.routers[name]
-                if (svc.get_key_filter() != was.key_filter or
-                        svc.get_local_target_filter() != was.local_target_filter):
-                    reset.append(name)          # set at runtime (PUT): the file's value again
-                svc.reconfigure(rc, pins=prepared["pins"].get(name))
+        reset = apply_routers(running.services, old, new, prepared)
         olds = {a.name: a for a in old.acceptors}
         for acc in new.acceptors:
             if acc.name in olds:
@@ -225,12 +251,7 @@ class Reloader:
                     listener.socket.close()
                 running.ports.pop(name, None)
                 log.info("acceptor %s no longer listening (its connections run on)", name)
-        for name in old.routers:
-            if name not in new.routers:
-                scope = self.scopes.pop(f"router:{name}", None)
-                if scope is not None:
-                    scope.cancel()
-                running.services.pop(name, None)
+        remove_routers(running.services, self.scopes, old, new)
         return reset
 
     async def _apply_routing_log(self, old: RouterProcessConfig, new: RouterProcessConfig) -> None:
@@ -264,6 +285,156 @@ class Reloader:
         """``serve_router``'s own accept loops and services (``acceptor:<name>``,
         ``router:<name>``), so a reload can stop one."""
         self.scopes[key] = scope
+
+
+class SupervisorReloader:
+    """The supervisor's side of a multi-worker reload (see the module docstring): one file read,
+    prepared here and in every worker, then applied everywhere or nowhere. The supervisor
+    (``router.workers.Supervisor``) supplies its own steps: ``prepare_reload``,
+    ``discard_reload``, ``apply_reload`` and ``ask_workers``."""
+
+    #: how long a worker may take to prepare (certificates, listeners) or to commit
+    STEP_TIMEOUT_S = 30.0
+
+    def __init__(self, supervisor: Any) -> None:
+        self.sup = supervisor
+        self.digests = file_digests(supervisor.cfg)
+        self._lock = trio.Lock()
+
+    async def reload(self, cause: str) -> dict:
+        """As ``Reloader.reload``, for the whole router: supervisor and workers."""
+        async with self._lock:
+            try:
+                answer = await self._reload()
+            except ReloadRefused as exc:
+                log.error("reload (%s) refused, the configuration in force stays: %s", cause, exc)
+                raise
+            log.warning("reload (%s): %s", cause, answer["summary"])
+            return answer
+
+    async def _reload(self) -> dict:
+        sup = self.sup
+        old: RouterProcessConfig = sup.cfg
+        if old.file is None:
+            raise ReloadRefused("this router was not started from a configuration file")
+        if sup.stopping or not sup.serving:
+            raise ReloadRefused("the router is starting or draining; try again once it serves")
+        try:
+            data = Path(old.file).read_bytes()
+        except OSError as exc:
+            raise ReloadRefused(str(ConfigError(old.file, "", f"cannot read: {exc.strerror}"))) from None
+        new, plan, digests = read_and_plan(old, self.digests, data)
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:   # read_and_plan refused it already; for the type checker
+            raise ReloadRefused(f"{old.file}: not UTF-8") from None
+        own = await sup.prepare_reload(old, new, plan)
+        slots = sup.ready_workers()
+        failed = await sup.ask_workers(slots, {
+            "op": "reload_prepare", "text": text, "files": digests, "ports": own["ports"],
+            "pools": {name: svc.pool_states() for name, svc in own["services"].items()}},
+            timeout_s=self.STEP_TIMEOUT_S)
+        if failed:
+            await sup.ask_workers(slots, {"op": "reload_abort"}, timeout_s=self.STEP_TIMEOUT_S)
+            await sup.discard_reload(own)
+            raise ReloadRefused("; ".join(f"worker {i}: {err}" for i, err in failed))
+        links = {s.index: s.link for s in slots}     # a restart meanwhile has another link
+        reset = sup.apply_reload(old, new, plan, own, text)
+        self.digests = digests
+        failed = await sup.ask_workers(slots, {"op": "reload_commit"}, timeout_s=self.STEP_TIMEOUT_S)
+        for s in slots:
+            if s.index not in dict(failed) and s.link is links[s.index]:
+                s.text = text                           # this process now runs the new text
+        for index, err in failed:   # a bug, or it died: it must not serve the old configuration
+            log.error("worker %d did not apply the reload (%s); restarting it on the new configuration",
+                      index, err)
+            sup.restart_worker(index)
+        sup.after_reload()
+        return result(plan, reset, workers={"applied": sorted(s.index for s in slots
+                                                              if s.index not in dict(failed)),
+                                            "restarted": sorted(i for i, _ in failed)})
+
+
+async def new_services(old: RouterProcessConfig, new: RouterProcessConfig, make_service: Callable) -> dict:
+    """The routers ``new`` adds, built (not started); ReloadRefused if one cannot be built."""
+    services = {}
+    for name, rc in new.routers.items():
+        if name not in old.routers:
+            try:
+                services[name] = make_service(rc)
+            except Exception as exc:  # noqa: BLE001 - a cache file, a Redis URL...: refused whole
+                for svc in services.values():
+                    await svc.aclose()
+                raise ReloadRefused(f"{new.file}: routers.{name}: {exc}") from None
+    return services
+
+
+def changed_pins(old: RouterProcessConfig, new: RouterProcessConfig, plan: ReloadPlan) -> dict:
+    """The pin tables of the kept routers whose pins changed (file or content), read and checked
+    now; ReloadRefused if one has no valid pin."""
+    pins = {}
+    for name, rc in new.routers.items():
+        if name in old.routers and rc.pins is not None and any(
+                c.part.startswith(f"routers.{name}.pins") for c in plan.changes):
+            bad: list[str] = []
+            try:
+                pins[name] = load_pins(rc.pins.file, bad_lines=bad)
+                if bad and not pins[name]:      # as the pins loop: a bad line loses only itself
+                    raise PinFileError(f"no valid pin: {'; '.join(bad[:3])}")
+            except PinFileError as exc:
+                raise ReloadRefused(f"{new.file}: routers.{name}.pins: {exc}") from None
+    return pins
+
+
+def apply_routers(services: dict, old: RouterProcessConfig, new: RouterProcessConfig, prepared: dict) -> list[str]:
+    """Add the new routers (``prepared["services"]``) to ``services`` and reconfigure the kept
+    ones; returns the routers whose runtime filters were set back to the file's values."""
+    reset = []
+    for name, svc in prepared["services"].items():
+        services[name] = svc
+    for name, rc in new.routers.items():
+        svc = services[name]
+        if name in old.routers:
+            was = old.routers[name]
+            if (svc.get_key_filter() != was.key_filter or
+                    svc.get_local_target_filter() != was.local_target_filter):
+                reset.append(name)          # set at runtime (PUT): the file's value again
+            svc.reconfigure(rc, pins=prepared["pins"].get(name))
+    return reset
+
+
+def remove_routers(services: dict, scopes: dict, old: RouterProcessConfig, new: RouterProcessConfig) -> None:
+    """Stop the routers ``new`` no longer has (their tasks run in ``scopes["router:<name>"]``)."""
+    for name in old.routers:
+        if name not in new.routers:
+            scope = scopes.pop(f"router:{name}", None)
+            if scope is not None:
+                scope.cancel()
+            services.pop(name, None)
+
+
+def read_and_plan(old: RouterProcessConfig, old_digests: dict, data: bytes | None = None):
+    """Read the configuration file (``data``: its content, already read) and plan the reload
+    from ``old``: ``(new, plan, digests)``; raises ReloadRefused (an invalid file, a change that
+    cannot apply live)."""
+    try:
+        new = load_router_config(old.file, data)
+    except ConfigError as exc:
+        raise ReloadRefused(str(exc)) from None
+    digests = file_digests(new)
+    plan = plan_reload(old, new, old_files=old_digests, new_files=digests)
+    if not plan.ok:
+        raise ReloadRefused(f"{new.file}: {plan.summary()}")
+    return new, plan, digests
+
+
+def result(plan: ReloadPlan, reset: list[str], **extra: Any) -> dict:
+    """The answer of an applied reload (``POST /api/v1/reload``), also its log line's summary."""
+    summary = plan.summary()
+    if reset:
+        summary += f"; runtime filters set back to the file's ({', '.join(reset)})"
+    return {"applied": True, "summary": summary, "changes": [str(c) for c in plan.changes],
+            "filters_reset": reset, **extra}
 
 
 async def reload_on_sighup(reloader: Reloader) -> None:

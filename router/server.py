@@ -40,7 +40,7 @@ from broker.wire.io.users import load_users
 from router.control import Link, stream_from_fd
 from router.net.proxy import SharedPoller
 from router.management import io_status, serve_management
-from router.reload import Reloader, reload_on_sighup
+from router.reload import Reloader, ReloadRefused, reload_on_sighup
 
 log = logging.getLogger("router.server")
 
@@ -154,6 +154,11 @@ def _control_handler(running_box: dict, services: dict, state_applied: trio.Even
             get = svc.get_key_filter if field == "key_filter" else svc.get_local_target_filter
             log.info("%s of router %s set to %r by the supervisor", field, msg["router"], get())
             return {"value": get()}
+        if op in ("reload_prepare", "reload_commit", "reload_abort"):
+            running = running_box.get("running")
+            if running is None or running.reloader is None:
+                raise ValueError("not started yet")
+            return _reload_step(running.reloader, msg)
         if op == "stats":
             running = running_box.get("running")
             if running is None:
@@ -215,26 +220,23 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
             raise OSError(exc.errno, f"acceptors.{acc.name}: cannot listen on "
                                      f"{acc.host}:{port}: {exc.strerror}") from None
 
-    reloader = None
-    if primary:
-        def log_path(rl):
-            return worker_log_path(rl.path, worker, workers) if rl.enabled and rl.path is not None else None
+    def log_path(rl):
+        return worker_log_path(rl.path, worker, workers) if rl.enabled and rl.path is not None else None
 
-        reloader = running.reloader = Reloader(
-            running, bound=bound, make_settings=acceptor_settings,
-            make_acceptor=lambda settings, service: Acceptor(settings, service, edge),
-            make_limit=lambda acc: ConnectionLimit(acc.max_connections or None),
-            make_service=lambda rc: build_services(replace(cfg, routers={rc.name: rc}))[rc.name],
-            open_bound=lambda acc: bind(acc, acc.port), serve=None, log_path=log_path)
+    reloader = running.reloader = Reloader(
+        running, bound=bound, make_settings=acceptor_settings,
+        make_acceptor=lambda settings, service: Acceptor(settings, service, edge),
+        make_limit=lambda acc: ConnectionLimit(acc.max_connections or None),
+        make_service=lambda rc: build_services(replace(cfg, routers={rc.name: rc}), shared=link)[rc.name],
+        open_bound=bind, serve=None, log_path=log_path, ports=dict(ports or {}))
 
     try:
         async with trio.open_nursery() as system:
             if link is not None:
                 await system.start(link.run)
                 await _wait_for_state(link, state_applied)
-            if reloader is not None:
-                reloader.system = system
-                # SIGHUP never ends the process: a reload, refused while starting or draining
+            reloader.system = system
+            if primary:   # SIGHUP never ends the process: a reload, refused while starting or draining
                 system.start_soon(reload_on_sighup, reloader)
             else:   # a worker: its supervisor answers a SIGHUP sent to the whole group
                 system.start_soon(_ignore_sighup)
@@ -276,9 +278,8 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
                             accepting.start_soon(_watched, reloader, f"acceptor:{acc.name}", _serve_acceptor,
                                                  a, bound[acc.name], handlers, limits[acc.name], edge)
                         accepting.start_soon(_wait_for_signal, accepting.cancel_scope)
-                        if reloader is not None:
-                            reloader.accepting = accepting
-                            reloader.serve = lambda a, ls, limit: _serve_acceptor(a, ls, handlers, limit, edge)
+                        reloader.accepting = accepting
+                        reloader.serve = lambda a, ls, limit: _serve_acceptor(a, ls, handlers, limit, edge)
                         if link is not None:
                             accepting.start_soon(_wait_for_supervisor_exit, link, accepting.cancel_scope)
                     # accepting is over (signal): stop listening, then drain
@@ -300,6 +301,20 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
         with trio.CancelScope(shield=True):
             for service in services.values():
                 await service.aclose()  # cache file flushed and closed, Redis client released
+
+
+async def _reload_step(reloader: Reloader, msg: dict) -> dict:
+    """A worker's step of the supervisor's reload (``router.reload``); a refusal is the answer's
+    error text."""
+    try:
+        op = msg["op"]
+        if op == "reload_prepare":
+            return await reloader.prepare_remote(msg["text"], msg["files"], msg["ports"], msg["pools"])
+        if op == "reload_commit":
+            return await reloader.commit_remote()
+        return await reloader.abort_remote()
+    except ReloadRefused as exc:
+        return {"error": str(exc)}
 
 
 async def _ignore_sighup() -> None:

@@ -496,7 +496,7 @@ class RouterService:
                                    allow_failback=pc.allow_failback)
             core.failover_wait = bool(pc.quorum_timeout_ms)
             core.failover_wait_s = pc.quorum_timeout_ms / 1000.0
-            if pc.source == "static" and not self.follower:
+            if pc.source == "static":     # a worker too: the supervisor pushes probe results only
                 before = {t.name: t for t in (old.pool.targets if old.pool is not None else ())}
                 for t in pc.targets:      # a target whose configuration changed starts afresh
                     if t.name in before and before[t.name] != t:

@@ -34,7 +34,11 @@ accepts no client connections) and N **workers** (``python -m router worker ...`
    serving. More than ``MAX_RESTARTS`` restarts of one worker within ``RESTART_WINDOW_S`` (a crash
    loop), or a worker that fails before the router was first ready (bad config, port in use),
    stops the router with exit status 1 (2 for a config error).
-6. SIGTERM/SIGINT: ``/health`` says draining, SIGTERM goes to every worker (each drains its
+6. SIGHUP or ``POST /api/v1/reload``: the supervisor reloads every process in two phases
+   (``router.reload.SupervisorReloader``: prepared everywhere, then applied everywhere, or
+   refused whole); a worker always runs the configuration text in force, sent first on its
+   control channel (``config``), so a restart after a refused reload never runs the broken file.
+7. SIGTERM/SIGINT: ``/health`` says draining, SIGTERM goes to every worker (each drains its
    connections for ``--drain-timeout-s``), workers still alive ``KILL_GRACE_S`` after the drain
    timeout are killed, the cache is flushed, exit 0. If the supervisor itself dies, each worker
    sees its control channel close and drains and exits.
@@ -63,6 +67,9 @@ from router.service import build_services
 from broker.wire.io.logsetup import print_listening
 from router.management import serve_management
 from router.server import _url
+from router.reload import (ReloadRefused, SupervisorReloader, apply_routers, changed_pins, new_services,
+                           reload_on_sighup, remove_routers)
+from dataclasses import replace
 from broker.wire.io.users import load_users
 
 log = logging.getLogger("router.workers")
@@ -75,23 +82,29 @@ FILTER_ACK_TIMEOUT_S = 5.0
 STATS_TIMEOUT_S = 2.0
 
 
-def reserve_ports(acceptors) -> tuple[dict[str, int], list[socket.socket]]:
+def reserve_ports(acceptors) -> tuple[dict[str, int], dict[str, socket.socket]]:
     """Pick the port for each acceptor (``name -> port``); for port 0, bind a placeholder with
-    SO_REUSEPORT and return it so the caller keeps it while workers bind (and rebind)."""
+    SO_REUSEPORT and return it (``name -> socket``) so the caller keeps it while workers bind
+    (and rebind). Raises OSError (the placeholders bound so far closed)."""
     ports: dict[str, int] = {}
-    held: list[socket.socket] = []
-    for acc in acceptors:
-        if acc.port != 0:
-            ports[acc.name] = acc.port
-            continue
-        infos = socket.getaddrinfo(acc.host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        family, type_, proto, _c, sockaddr = infos[0]
-        s = socket.socket(family, type_, proto)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        s.bind(sockaddr)
-        ports[acc.name] = s.getsockname()[1]
-        held.append(s)
+    held: dict[str, socket.socket] = {}
+    try:
+        for acc in acceptors:
+            if acc.port != 0:
+                ports[acc.name] = acc.port
+                continue
+            infos = socket.getaddrinfo(acc.host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+            family, type_, proto, _c, sockaddr = infos[0]
+            s = socket.socket(family, type_, proto)
+            held[acc.name] = s
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            s.bind(sockaddr)
+            ports[acc.name] = s.getsockname()[1]
+    except OSError:
+        for s in held.values():
+            s.close()
+        raise
     return ports, held
 
 
@@ -106,6 +119,7 @@ class WorkerSlot:
         self.ready = False
         self.restarts = 0
         self.restart_times: collections.deque[float] = collections.deque()
+        self.text: str | None = None     # the configuration text this process was started with
 
     def info(self) -> dict:
         return {"worker": self.index, "pid": self.pid, "ready": self.ready, "restarts": self.restarts}
@@ -115,10 +129,15 @@ class Supervisor:
     """The owner of a multi-worker router's state; see the module docstring."""
 
     def __init__(self, config_path: str, cfg, count: int, ports: dict[str, int], *,
-                 worker_args: list[str] | None = None, drain_timeout_s: float | None = None) -> None:
+                 worker_args: list[str] | None = None, drain_timeout_s: float | None = None,
+                 config_text: str | None = None, placeholders: dict | None = None) -> None:
 
         self.config_path = config_path
         self.cfg = cfg
+        #: the configuration file's content in force: every worker runs it (router.control, config)
+        self.config_text = config_text
+        self.placeholders: dict[str, socket.socket] = placeholders if placeholders is not None else {}
+        self.scopes: dict[str, trio.CancelScope] = {}    # router:<name> -> its service's task
         self.count = count
         self.ports = ports
         self.worker_args = list(worker_args or [])
@@ -253,7 +272,11 @@ class Supervisor:
             ours, theirs = socket.socketpair()
             link = Link(stream_from_socket(ours), functools.partial(self._handle, slot),
                         name=f"worker {slot.index} control")
-            link.send(self._state_message())  # first message, before any change sent later
+            if self.config_text is None:   # tests that build a Supervisor by hand
+                self.config_text = open(self.config_path, encoding="utf-8").read()
+            slot.text = self.config_text
+            link.send({"op": "config", "text": slot.text})   # read before the worker starts trio
+            link.send(self._state_message())  # then the state, before any change sent later
             slot.link, slot.ready = link, False
             async with trio.open_nursery() as nursery:
                 await nursery.start(link.run)
@@ -331,12 +354,103 @@ class Supervisor:
             log.info("received %s: stopping the workers (they drain)", signal.Signals(signum).name)
             self._stop()
 
-    async def _refuse_reloads(self) -> None:
-        """SIGHUP: a router with workers does not reload yet (the configuration in force stays)."""
-        with trio.open_signal_receiver(signal.SIGHUP) as hups:
-            async for _ in hups:
-                log.error("reload (SIGHUP) refused, the configuration in force stays: %s: workers = %d: a "
-                          "router with more than one worker cannot reload yet; restart it", self.cfg.file, self.count)
+    # -- reload (router.reload.SupervisorReloader) ---------------------------------------------
+    def ready_workers(self) -> list[WorkerSlot]:
+        return [s for s in self._live() if s.ready]
+
+    async def ask_workers(self, slots: list[WorkerSlot], msg: dict, *, timeout_s: float) -> list[tuple[int, str]]:
+        """Send ``msg`` to each of ``slots`` (as it was when asked) and wait for every answer;
+        returns ``[(worker, error)]`` for those that failed, died or did not answer in time."""
+        failed: list[tuple[int, str]] = []
+
+        async def ask(slot: WorkerSlot, link) -> None:
+            try:
+                await link.request(msg, timeout_s=timeout_s)
+            except ChannelClosed:
+                failed.append((slot.index, "worker exited"))
+            except RemoteFailure as exc:
+                failed.append((slot.index, str(exc)))
+            except trio.TooSlowError:
+                failed.append((slot.index, f"no answer within {timeout_s:g}s"))
+
+        async with trio.open_nursery() as nursery:
+            for slot in slots:
+                nursery.start_soon(ask, slot, slot.link)
+        return sorted(failed)
+
+    async def prepare_reload(self, old, new, plan) -> dict:
+        """What can fail on the supervisor's side, before any worker is asked: the new routers
+        built and started (their first probe round done), changed pins read, and a port (a
+        placeholder) for each new acceptor. Raises ReloadRefused with nothing changed."""
+        pins = changed_pins(old, new, plan)
+        olds = {a.name for a in old.acceptors}
+        try:
+            ports, held = reserve_ports([a for a in new.acceptors if a.name not in olds])
+        except OSError as exc:
+            raise ReloadRefused(f"{new.file}: acceptors: cannot reserve a port: {exc.strerror or exc}") from None
+        services = await new_services(old, new, lambda rc: build_services(replace(new, routers={rc.name: rc}))[rc.name])
+        for name, svc in services.items():
+            await self._system.start(self._run_service, name, svc)
+        return {"services": services, "pins": pins, "ports": ports, "placeholders": held}
+
+    async def discard_reload(self, own: dict) -> None:
+        for s in own["placeholders"].values():
+            s.close()
+        for name, svc in own["services"].items():
+            scope = self.scopes.pop(f"router:{name}", None)
+            if scope is not None:
+                scope.cancel()
+            await svc.aclose()
+
+    def apply_reload(self, old, new, plan, own: dict, text: str) -> list[str]:
+        """The supervisor's side of a reload, all at once: its routers, the configuration and
+        text in force (what a restarted worker runs), the acceptors' ports."""
+        reset = apply_routers(self.services, old, new, own)
+        for name in own["services"]:
+            svc = self.services[name]
+            svc.round_listeners.append(functools.partial(self._push_pool, name))
+        remove_routers(self.services, self.scopes, old, new)
+        self.cfg = self.running.config = new
+        self.config_text = text
+        self.ports.update(own["ports"])
+        self.placeholders.update(own["placeholders"])
+        news = {a.name for a in new.acceptors}
+        for name in list(self.ports):
+            if name not in news:
+                self.ports.pop(name)
+                s = self.placeholders.pop(name, None)
+                if s is not None:
+                    s.close()
+        self.running.ports = dict(self.ports)
+        for acc in new.acceptors:
+            if acc.name in own["ports"]:
+                log.info("acceptor %s listening on %s", acc.name, _url(acc, acc.host, self.ports[acc.name]))
+        return reset
+
+    def after_reload(self) -> None:
+        """Every router's pool to every worker; a worker (re)started during the reload with the
+        old text is restarted on the new one (it drains first)."""
+        for name in self.services:
+            self._push_pool(name)
+        for slot in self.slots:
+            if slot.text != self.config_text and slot.proc is not None and slot.proc.returncode is None:
+                log.warning("worker %d started during the reload; restarting it on the new configuration",
+                            slot.index)
+                self.restart_worker(slot.index)
+
+    def restart_worker(self, index: int) -> None:
+        """SIGTERM one worker (it drains, then ``_keep_worker`` restarts it with the text in force)."""
+        slot = self.slots[index]
+        if slot.proc is not None and slot.proc.returncode is None:
+            try:
+                slot.proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    async def _run_service(self, name: str, svc, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        with trio.CancelScope() as scope:
+            self.scopes[f"router:{name}"] = scope
+            await svc.run(task_status=task_status)
 
     # -- main ------------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -352,6 +466,7 @@ class Supervisor:
             edge = EdgeContext(EdgeStats(), RouteLog(None), authenticator, worker=-1)
             self.running = RunningRouter(cfg, self.services, {}, {}, edge, ports=dict(self.ports),
                                          worker=None, workers=self.count, supervisor=self)
+            self.running.reloader = SupervisorReloader(self)
             try:
                 await self._serve(signals)
             finally:
@@ -366,9 +481,9 @@ class Supervisor:
         async with trio.open_nursery() as system:
             self._system = system
             system.start_soon(self._signals, signals)
-            system.start_soon(self._refuse_reloads)
-            for svc in self.services.values():
-                await system.start(svc.run)  # the first probe round is done
+            system.start_soon(reload_on_sighup, self.running.reloader)
+            for name, svc in self.services.items():
+                await system.start(self._run_service, name, svc)  # the first probe round is done
             for name, svc in self.services.items():
                 svc.round_listeners.append(functools.partial(self._push_pool, name))
             self.running.management_address = await system.start(serve_management, self.running)
@@ -393,15 +508,17 @@ class Supervisor:
 
 
 def run_supervisor(config_path: str, cfg, workers: int, *, worker_args: list[str] | None = None,
-                   drain_timeout_s: float | None = None) -> int:
+                   drain_timeout_s: float | None = None, config_text: str | None = None) -> int:
     """Run a supervisor and ``workers`` worker processes until signalled; returns the exit status.
-    Raises what ``trio.run`` raises (ConfigError, OSError) for the caller to report."""
+    ``config_text``: the file's content ``cfg`` was read from. Raises what ``trio.run`` raises
+    (ConfigError, OSError) for the caller to report."""
     ports, held = reserve_ports(cfg.acceptors)
+    sup = Supervisor(config_path, cfg, workers, ports, worker_args=worker_args, drain_timeout_s=drain_timeout_s,
+                     config_text=config_text, placeholders=held)
     try:
-        sup = Supervisor(config_path, cfg, workers, ports, worker_args=worker_args, drain_timeout_s=drain_timeout_s)
         return trio.run(sup.run)
     finally:
-        for s in held:
+        for s in sup.placeholders.values():
             s.close()
 
 

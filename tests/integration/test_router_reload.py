@@ -13,6 +13,7 @@ after a refusal the router answers exactly as before it.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -35,8 +36,8 @@ HELD = 12
 
 
 def _config(users, brokers: dict, *, names, pem, key_filter="^app-", policy="CONSISTENT_HASH",
-            extra: str = "", check_period_ms: int = 200) -> str:
-    lines = [f"users-file = {toml_str(users)}", "[management]", "port = 0", "[routing-log]", "enabled = false",
+            extra: str = "", check_period_ms: int = 200, workers: int = 1) -> str:
+    lines = [f"users-file = {toml_str(users)}", f"workers = {workers}", "[management]", "port = 0", "[routing-log]", "enabled = false",
              "[[acceptors]]", 'name = "proxy"', "port = 0", 'router = "main"', 'mode = "proxy"',
              "[[acceptors]]", 'name = "tls"', "port = 0", 'router = "main"', 'mode = "redirect"',
              f"tls-cert = {toml_str(pem)}", f"tls-key = {toml_str(pem)}",
@@ -95,20 +96,23 @@ def _pool_names(router) -> list[str]:
     return [t["name"] for t in _router(router)["pool"]["targets"]]
 
 
-def test_five_reloads_and_two_refusals_drop_no_connection(tmp_path):
+@pytest.mark.parametrize("workers,count", [(1, HELD), (2, 200)], ids=["one-process", "two-workers-200"])
+def test_five_reloads_and_two_refusals_drop_no_connection(tmp_path, workers, count):
     users = write_users_file(tmp_path / "users.toml", USERS)
     brokers = {n: BrokerProcess(tmp_path / n, write_config(tmp_path / n, name=n, users_file=users)).start()
                for n in ("b1", "b2", "b3")}
     ca = trustme.CA()
     pem = tmp_path / "router.pem"
     ca.issue_cert("localhost", "127.0.0.1").private_key_and_cert_chain_pem.write_to_path(str(pem))
-    text = _config(users, brokers, names=["b1", "b2"], pem=pem)
+
+    config = functools.partial(_config, workers=workers)     # every file of this test
+    text = config(users, brokers, names=["b1", "b2"], pem=pem)
     router = start_router(tmp_path / "router", text, expect=3, auth=("admin", "admin"))
     path = router.config_path
     held: list[Held] = []
     try:
         wait_for(lambda: all(t["ready"] for t in _router(router)["pool"]["targets"]), 20, what="b1, b2 ready")
-        held = [Held(router, i) for i in range(HELD)]
+        held = [Held(router, i) for i in range(count)]
         placed = {h.name: router.target_for("main", h.name)["target"]["name"] for h in held}
         assert set(placed.values()) == {"b1", "b2"}, placed     # both brokers hold some
 
@@ -116,7 +120,7 @@ def test_five_reloads_and_two_refusals_drop_no_connection(tmp_path):
             for h in held:
                 h.round_trip()
             counters = router.counters("proxy")
-            assert counters.get("proxied", 0) == HELD, (step, counters)
+            assert counters.get("proxied", 0) == count, (step, counters)
             closed = {k: v for k, v in counters.items() if k.startswith("proxy_") and v}
             assert not closed, (step, closed)                 # no proxied connection ended
 
@@ -124,7 +128,7 @@ def test_five_reloads_and_two_refusals_drop_no_connection(tmp_path):
         serial = _served_cert_serial(router)
 
         # 1. a key filter, by POST
-        path.write_text(_config(users, brokers, names=["b1", "b2"], pem=pem, key_filter="^svc-"))
+        path.write_text(config(users, brokers, names=["b1", "b2"], pem=pem, key_filter="^svc-"))
         status, body = _reload(router)
         assert status == 200 and body["applied"], body
         assert body["changes"] == ["routers.main.key-filter: '^app-' -> '^svc-'"], body
@@ -132,14 +136,14 @@ def test_five_reloads_and_two_refusals_drop_no_connection(tmp_path):
         all_alive("key filter")
 
         # 2. a target added, by SIGHUP
-        path.write_text(_config(users, brokers, names=["b1", "b2", "b3"], pem=pem, key_filter="^svc-"))
+        path.write_text(config(users, brokers, names=["b1", "b2", "b3"], pem=pem, key_filter="^svc-"))
         os.kill(router.proc.pid, signal.SIGHUP)
         wait_for(lambda: "b3" in _pool_names(router), 20, what="b3 in the pool after SIGHUP")
         wait_for(lambda: all(t["ready"] for t in _router(router)["pool"]["targets"]), 20, what="b3 ready")
         all_alive("target added")
 
         # 3. a target removed: its clients keep their connections; new ones go elsewhere
-        path.write_text(_config(users, brokers, names=["b2", "b3"], pem=pem, key_filter="^svc-"))
+        path.write_text(config(users, brokers, names=["b2", "b3"], pem=pem, key_filter="^svc-"))
         status, body = _reload(router)
         assert status == 200 and body["changes"] == ["routers.main.pool.targets.b1: target removed"], body
         assert _pool_names(router) == ["b2", "b3"]
@@ -150,7 +154,7 @@ def test_five_reloads_and_two_refusals_drop_no_connection(tmp_path):
         all_alive("target removed")
 
         # 4. a policy
-        path.write_text(_config(users, brokers, names=["b2", "b3"], pem=pem, key_filter="^svc-",
+        path.write_text(config(users, brokers, names=["b2", "b3"], pem=pem, key_filter="^svc-",
                                 policy="FIRST_ELEMENT"))
         status, body = _reload(router)
         assert status == 200 and body["changes"] == ["routers.main.policy.name: 'CONSISTENT_HASH' -> 'FIRST_ELEMENT'"]
@@ -165,6 +169,8 @@ def test_five_reloads_and_two_refusals_drop_no_connection(tmp_path):
         assert [c.split(":")[0] for c in body["changes"]] == ["acceptors.tls.tls-cert", "acceptors.tls.tls-key"]
         renewed = _served_cert_serial(router)
         assert renewed != serial
+        for _ in range(6):      # whichever worker the kernel hands the handshake to
+            assert _served_cert_serial(router) == renewed
         all_alive("certificate")
 
         # refused whole: a file that does not load...
@@ -186,7 +192,10 @@ def test_five_reloads_and_two_refusals_drop_no_connection(tmp_path):
         all_alive("refusals")
 
         log = router.stderr_text()
-        assert log.count("reload (") == 7 and log.count("refused, the configuration in force stays") == 2, log
+        ours = log.count("reload (POST") + log.count("reload (SIGHUP")
+        assert ours == 7 and log.count("refused, the configuration in force stays") == 2, log
+        if workers > 1:     # each worker applied the five changes, told by the supervisor
+            assert log.count("reload (by the supervisor)") == 5 * workers, log
         assert "admin-pw" not in log and "alice-pw" not in log
     finally:
         for h in held:
@@ -235,23 +244,55 @@ def test_runtime_filters_and_pins_follow_the_file_at_a_reload(tmp_path):
             b.kill()
 
 
-def test_a_router_with_workers_refuses_a_reload_and_survives_sighup(tmp_path):
+def test_workers_refuse_a_reload_whole_and_a_restarted_worker_runs_the_configuration_in_force(tmp_path):
+    """Two workers: an acceptor added on a port another process holds cannot be bound by the
+    workers (the supervisor binds nothing itself), so the reload is refused whole after their
+    prepare step; the file on disk is then left invalid, a worker is SIGKILLed, and its restart
+    runs the text in force (it would exit on the file's), serving on every acceptor."""
     users = write_users_file(tmp_path / "users.toml", USERS)
     broker = BrokerProcess(tmp_path / "b1", write_config(tmp_path / "b1", name="b1", users_file=users)).start()
     ca = trustme.CA()
     pem = tmp_path / "router.pem"
     ca.issue_cert("localhost", "127.0.0.1").private_key_and_cert_chain_pem.write_to_path(str(pem))
-    text = _config(users, {"b1": broker}, names=["b1"], pem=pem).replace("workers = 1", "").replace(
-        "[management]", "workers = 2\n[management]", 1)
+    text = _config(users, {"b1": broker}, names=["b1"], pem=pem, workers=2)
     router = start_router(tmp_path / "router", text, expect=3, auth=("admin", "admin"))
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
     try:
+        wait_for(lambda: all(t["ready"] for t in _router(router)["pool"]["targets"]), 20, what="b1 ready")
+        before = _router(router)
+        router.config_path.write_text(text.replace('key-filter = "^app-"', 'key-filter = "^svc-"') + "\n".join([
+            "[[acceptors]]", 'name = "extra"', 'host = "127.0.0.1"', f"port = {taken.getsockname()[1]}",
+            'router = "main"', 'mode = "redirect"']) + "\n")
         status, body = _reload(router)
-        assert status == 409 and "workers = 2" in body["error"], body
+        assert status == 409, body
+        assert "worker 0" in body["error"] and "worker 1" in body["error"], body
+        assert "acceptors.extra" in body["error"] and "cannot listen" in body["error"], body
+        assert _router(router) == before                  # the key filter did not change either
+        status, info = router.get("/api/v1/router")
+        assert status == 200 and [a["name"] for a in info["acceptors"]] == ["proxy", "tls"], info
+
+        router.config_path.write_text("this is not TOML [\n")
         os.kill(router.proc.pid, signal.SIGHUP)
         wait_for(lambda: "reload (SIGHUP) refused" in router.stderr_text(), 10, what="the refusal logged")
+        victim = _workers(router)[1]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: (lambda w: w["restarts"] == 1 and w["ready"] and w["pid"] != victim)(_workers(router)[1]),
+                 30, what="worker 1 restarted and ready")
         assert router.proc.poll() is None
-        status, body = router.get("/api/v1/router")
-        assert status == 200 and body["workers"] == 2
+        for i in range(20):     # the kernel spreads them over both workers: every one is served
+            h = Held(router, 1000 + i)
+            h.round_trip()
+            h.conn.close()
+        assert _served_cert_serial(router)
     finally:
+        taken.close()
         router.terminate()
         broker.kill()
+
+
+def _workers(router) -> list[dict]:
+    status, body = router.get("/api/v1/router")
+    assert status == 200, body
+    return sorted(body["processes"], key=lambda w: w["worker"])

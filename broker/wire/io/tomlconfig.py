@@ -31,12 +31,16 @@ class ConfigError(Exception):
         super().__init__(f"{self.file}: {path}: {message}" if path else f"{self.file}: {message}")
 
 
-def load_toml(file: str | Path) -> dict[str, Any]:
-    """Read a TOML file, turning I/O and syntax errors into ConfigError."""
+def load_toml(file: str | Path, data: bytes | None = None) -> dict[str, Any]:
+    """Read a TOML file (or ``data``, that file's content read earlier), turning I/O and syntax
+    errors into ConfigError."""
     p = Path(file)
     try:
-        with p.open("rb") as fh:
-            return tomllib.load(fh)
+        if data is None:
+            data = p.read_bytes()
+        return tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(p, "", f"invalid TOML: not UTF-8 ({exc.reason} at byte {exc.start})") from None
     except FileNotFoundError:
         raise ConfigError(p, "", "no such file") from None
     except OSError as exc:
@@ -184,10 +188,10 @@ class Table:
             raise self.error(unknown[0], f"unknown key (value {self.data[unknown[0]]!r})")
 
 
-def open_config(file: str | Path) -> Table:
-    """Load a TOML file and return its root Table."""
+def open_config(file: str | Path, data: bytes | None = None) -> Table:
+    """Load a TOML file (``data``: its content, already read) and return its root Table."""
     p = Path(file)
-    return Table(p, "", load_toml(p))
+    return Table(p, "", load_toml(p, data))
 
 
 def _kind_name(kinds: tuple[type, ...]) -> str:

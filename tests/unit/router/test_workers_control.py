@@ -9,6 +9,7 @@ import socket
 
 import pytest
 import trio
+import trio.testing
 
 from router.config import CacheConfig, PolicyConfig, PoolConfig, RouterConfig, TargetConfig
 from router.control import ChannelClosed, Link, RemoteFailure, stream_from_socket
@@ -45,6 +46,67 @@ async def test_link_answers_requests_in_order_and_reports_errors():
         with pytest.raises(RemoteFailure, match="no such thing"):
             await b.request({"op": "boom"}, timeout_s=5)
         nursery.cancel_scope.cancel()
+
+
+async def test_a_coroutine_answer_lets_later_messages_through_and_reports_errors():
+    """A handler may answer with a coroutine (a reload step): later messages are handled while
+    it runs, its result is the reply, and its exception the peer's RemoteFailure."""
+    go = trio.Event()
+    seen = []
+
+    async def slow(fail: bool) -> dict:
+        await go.wait()
+        if fail:
+            raise ValueError("cannot bind")
+        return {"done": list(seen)}
+
+    def handle(msg):
+        if msg["op"] in ("slow", "slow-fail"):
+            return slow(msg["op"] == "slow-fail")
+        seen.append(msg["op"])
+        if msg["op"] == "release":
+            go.set()
+        return {}
+
+    a, b = link_pair(handle, lambda m: None)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(a.run)
+        await nursery.start(b.run)
+        answers = {}
+
+        async def ask(op):
+            try:
+                answers[op] = await b.request({"op": op}, timeout_s=5)
+            except RemoteFailure as exc:
+                answers[op] = str(exc)
+
+        nursery.start_soon(ask, "slow")
+        nursery.start_soon(ask, "slow-fail")
+        await trio.testing.wait_all_tasks_blocked()
+        await b.request({"op": "release"}, timeout_s=5)    # handled while both wait
+        with trio.fail_after(5):
+            while len(answers) < 2:
+                await trio.sleep(0.01)
+        assert answers["slow"] == {"done": ["release"], "re": answers["slow"]["re"]}
+        assert "cannot bind" in answers["slow-fail"]
+        nursery.cancel_scope.cancel()
+
+
+def test_the_config_message_is_read_first_and_the_rest_stays_for_the_link():
+    from router.control import _encode, read_config_message
+
+    a, b = socket.socketpair()
+    try:
+        a.sendall(_encode({"op": "config", "text": "name = \"r\"\n"}) + _encode({"op": "state"}))
+        assert read_config_message(b.fileno()) == "name = \"r\"\n"
+        rest = b.recv(1000)
+        assert rest == _encode({"op": "state"})
+        a.sendall(_encode({"op": "state"}))
+        with pytest.raises(ValueError, match="config message first"):
+            read_config_message(b.fileno())
+    finally:
+        a.close()
+        b.close()
 
 
 async def test_a_closed_peer_fails_waiting_requests_and_sets_closed():
