@@ -537,13 +537,15 @@ def openapi_document() -> dict:
         "filter": {"type": "string", "nullable": True}}}
     conn = {"type": "object", "properties": {
         "id": s_str, "container_id": {"type": "string", "nullable": True}, "user": {"type": "string", "nullable": True},
-        "source": s_str, "tls": s_bool, "opened_at": {"type": "string", "format": "date-time"}}}
+        "source": s_str, "tls": s_bool, "opened_at": {"type": "string", "format": "date-time"},
+        "internal": {"type": "boolean", "description": "a cluster, mirror or broker connection: never "
+                                                       "closed by POST /api/v1/connections/close"}}}
     health = {"type": "object", "properties": {"status": {"enum": ["ok", "starting", "passive"]}, "active": s_bool,
                                                "node_id": s_str}}
     close_request = {
         "type": "object", "additionalProperties": False,
-        "description": "exactly one selector: container-id, user or all",
-        "properties": {"container-id": s_str, "user": s_str, "all": {"type": "boolean", "enum": [True]},
+        "description": "exactly one selector: container-id, user, id (GET /api/v1/connections) or all",
+        "properties": {"container-id": s_str, "user": s_str, "id": s_str, "all": {"type": "boolean", "enum": [True]},
                        "redirect": {"type": "string", "description": "host:port ([v6]:port) of the node "
                                                                       "redirect-capable clients go to"},
                        "rate-per-second": {"type": "number", "minimum": 0.01, "maximum": 100000},

@@ -541,6 +541,7 @@ class Node:
                 continue
             d = e.describe()
             d["opened_at"] = iso_utc(self.opened_at.get(e.conn_id, self.started_at))
+            d["internal"] = self._internal(e)
             out.append(d)
         return out
 
@@ -644,10 +645,14 @@ class Node:
         for e in self.engines.values():
             if not e.opened or e.closed:
                 continue
-            internal = (e.client or e.peer_broker
-                        or CLUSTER_ROLE in getattr(e.principal, "roles", ()))
-            facts.append(ConnectionFacts(e.conn_id, e.container_id, e.user, e.follows_redirect, internal))
+            facts.append(ConnectionFacts(e.conn_id, e.container_id, e.user, e.follows_redirect, self._internal(e)))
         return plan_departures(facts, selector, target, why, unmodified)
+
+    @staticmethod
+    def _internal(e) -> bool:
+        """Dialled by this node, another broker's broker connection, or the cluster user's:
+        never a client to move (``plan_departures``; ``GET /api/v1/connections`` ``internal``)."""
+        return bool(e.client or e.peer_broker or CLUSTER_ROLE in getattr(e.principal, "roles", ()))
 
     async def depart_all(self, target: Target | None, why: str, wait_s: float) -> None:
         """Move every client connection (failback, scale-down: the listeners are closed): plan,

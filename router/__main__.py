@@ -3,6 +3,7 @@
     lodestone-router run etc/router.toml [--workers N] [--drain-timeout-s S] [--log-level L] [--log-json]
     lodestone-router check etc/router.toml          (validate the config and the users file; exit 0/2)
     lodestone-router dry-run etc/router.toml --keys FILE --add NAME=HOST:PORT --remove NAME
+    lodestone-router drain etc/router.toml broker-2 [--undrain] [--wait]
                                                     (which keys would move; see router.dryrun_cli)
 
 A bad config prints one line naming file, key and value and exits with status 2. Once every
@@ -33,6 +34,7 @@ from router.workers import default_workers, run_supervisor
 from router.server import DEFAULT_DRAIN_TIMEOUT_S, serve_router
 from broker.wire.io.users import load_users
 from router.dryrun_cli import dry_run_main
+from router.drain_cli import drain_main
 from broker.wire.io.tls import server_context
 import trio
 
@@ -41,7 +43,7 @@ __all__ = ["main"]
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lodestone-router", description="Lodestone AMQP 1.0 connection router")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{run,check,dry-run}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{run,check,dry-run,drain}")
     for name, help_ in (("run", "run the router from a TOML config file"),
                         ("check", "validate a router config (and its users file) and exit")):
         sp = sub.add_parser(name, help=help_)
@@ -55,6 +57,8 @@ def _parser() -> argparse.ArgumentParser:
             sp.add_argument("--log-json", action="store_true", help="log JSON lines on stderr")
     sub.add_parser("dry-run", add_help=False,
                    help="report which keys would move if a pool changed (dry-run --help for options)")
+    sub.add_parser("drain", add_help=False,
+                   help="drain a target of a running router (drain --help for options)")
     w = sub.add_parser("worker")  # internal: what the supervisor starts; not listed in --help
     w.add_argument("config", type=Path)
     w.add_argument("--index", type=int, required=True)
@@ -83,6 +87,8 @@ def _load(path: Path, data: bytes | None = None):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["drain"]:
+        return drain_main(argv[1:])
     if argv[:1] == ["dry-run"]:
 
         return dry_run_main(argv[1:])

@@ -129,6 +129,9 @@ class PoolConfig:
     allow_failback: bool = True
     #: where the held targets are kept across restarts (only with allow_failback = False)
     state_path: Path | None = None
+    #: a drained target's clients leave at this rate (``router.drain``), after the grace
+    drain_rate_per_s: float = 10.0
+    drain_grace_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -455,7 +458,9 @@ def _failback(t: Table, router: str, default_dir: Path | None) -> dict:
         raise t.error("state-path", f"{str(path)!r} is only used with allow-failback = false")
     if not allow and path is None:
         path = (default_dir or t.file.parent) / f"router-pool-{router}.json"
-    return {"allow_failback": allow, "state_path": path}
+    return {"allow_failback": allow, "state_path": path,
+            "drain_rate_per_s": t.float("drain-rate-per-s", 10.0, min=0.01),
+            "drain_grace_ms": t.int("drain-grace-ms", 0, min=0)}
 
 
 def _pool(t: Table, embedded: bool = False, router: str = "", default_dir: Path | None = None

@@ -15,6 +15,8 @@ GET      /api/v1/routers/{r}/pool                        targets (ready, node id
 GET      /api/v1/routers/{r}/cache?limit=&after=         sticky-cache entries, one page (key order)
 POST     /api/v1/routers/{r}/targets/{t}/hold            hold a target out of routing (planned switchover)
 POST     /api/v1/routers/{r}/targets/{t}/readmit         let a held target take connections (failback)
+POST     /api/v1/routers/{r}/targets/{t}/drain           move a target's clients elsewhere (router.drain)
+POST     /api/v1/routers/{r}/targets/{t}/undrain         let a drained target take new connections
 GET      /api/v1/counters                                edge counters (total and per acceptor) + routers'
 GET      /metrics                                        Prometheus text format
 GET      /openapi.json                                   this API as OpenAPI 3.0
@@ -62,7 +64,31 @@ log = logging.getLogger("router.management")
 
 MANAGEMENT_ADDRESS = "activemq.management"
 _ROUTE = re.compile(r"^/api/v1/routers/([^/]+)(/[a-z-]+)?$")
-_TARGET_OP = re.compile(r"^/api/v1/routers/([^/]+)/targets/([^/]+)/(hold|readmit)$")
+_TARGET_OP = re.compile(r"^/api/v1/routers/([^/]+)/targets/([^/]+)/(hold|readmit|drain|undrain)$")
+
+
+def _drain_options(request: Request) -> dict:
+    """The optional body of ``POST .../drain``: ``{"rate-per-s": R, "grace-ms": G}`` (the
+    pool's ``drain-rate-per-s`` / ``drain-grace-ms`` when absent)."""
+    if not request.body:
+        return {}
+    body = request.json()
+    if body is None:
+        return {}
+    if not isinstance(body, dict) or set(body) - {"rate-per-s", "grace-ms"}:
+        raise HttpError(400, 'body must be {"rate-per-s": <number>, "grace-ms": <integer>} (both optional)')
+    out = {}
+    rate = body.get("rate-per-s")
+    if rate is not None:
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.01 <= rate <= 100000:
+            raise HttpError(400, f"rate-per-s: {rate!r} must be a number from 0.01 to 100000")
+        out["rate_per_s"] = float(rate)
+    grace = body.get("grace-ms")
+    if grace is not None:
+        if isinstance(grace, bool) or not isinstance(grace, int) or grace < 0:
+            raise HttpError(400, f"grace-ms: {grace!r} must be an integer >= 0")
+        out["grace_ms"] = grace
+    return out
 
 
 async def serve_management(running, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -188,8 +214,9 @@ class RouterResources:
 
     async def _target_op(self, request: Request, path: str, name: str, target: str, op: str) -> Response:
         """``POST .../targets/<t>/hold`` and ``/readmit`` (no automatic failback,
-        docs/site-failover.md): 200 with the pool, 404 for an unknown router or target, 409 for a
-        hold that would leave no target ready."""
+        docs/site-failover.md), ``/drain`` and ``/undrain`` (``router.drain``): 200 with the
+        pool, 404 for an unknown router or target, 409 for a hold or drain that would leave no
+        target ready."""
         service = self.services.get(name)
         if service is None:
             raise HttpError(404, f"no router named {name!r} (routers: {', '.join(self.services)})")
@@ -199,7 +226,12 @@ class RouterResources:
         if service.pool.group_of(target) is None:
             raise HttpError(404, f"router {name!r} has no target named {target!r}")
         try:
-            out = service.readmit_target(target) if op == "readmit" else service.hold_target(target)
+            if op == "drain":
+                out = service.drain_target(target, **_drain_options(request))
+            elif op == "undrain":
+                out = service.undrain_target(target)
+            else:
+                out = service.readmit_target(target) if op == "readmit" else service.hold_target(target)
         except ValueError as exc:
             raise HttpError(409, str(exc)) from None
         workers = await self.sync_pool(name)  # several workers: answered once each routes by it
@@ -230,6 +262,8 @@ class RouterResources:
         if pool is None:
             return None
         snap = pool.snapshot() if hasattr(pool, "snapshot") else {}
+        if getattr(service, "drains", None):
+            snap["drains"] = service.drain_views()   # draining targets: what is left to move
         membership = getattr(service, "membership_status", None)
         if membership is not None and membership() is not None:
             snap["membership"] = membership()  # a dynamic source: where it reads, last error
@@ -594,13 +628,13 @@ def target_json(decision: Decision, connectors: dict | None = None) -> dict:
 def openapi_document() -> dict:
     """The OpenAPI 3.0 description of this API."""
     def op(summary: str, schema: dict | None = None, *, params: list | None = None, body: dict | None = None,
-           auth: bool = True) -> dict:
+           auth: bool = True, body_required: bool = True) -> dict:
         o: dict = {"summary": summary, "responses": {"200": {"description": "OK", "content": {
             "application/json": {"schema": schema or {"type": "object"}}}}}}
         if params:
             o["parameters"] = params
         if body:
-            o["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+            o["requestBody"] = {"required": body_required, "content": {"application/json": {"schema": body}}}
             o["responses"]["400"] = {"description": "invalid body or regular expression"}
         if auth:
             o["responses"]["401"] = {"description": "credentials required"}
@@ -674,6 +708,17 @@ def openapi_document() -> dict:
             "/api/v1/routers/{router}/targets/{target}/readmit": {"post": op(
                 "Let a held target take connections again (the operator's failback with "
                 "allow-failback = false)", params=[router_param, target_param])},
+            "/api/v1/routers/{router}/targets/{target}/drain": {"post": op(
+                "Drain a target (its HA pair): new connections go to the others at once; its "
+                "proxied clients are ended, then the broker's clients are closed with a redirect to "
+                "their key's new target, at rate-per-s after grace-ms (the pool's drain-rate-per-s, "
+                "drain-grace-ms by default); 409 when no other target is ready",
+                params=[router_param, target_param],
+                body={"type": "object", "properties": {"rate-per-s": {"type": "number", "minimum": 0.01},
+                                                       "grace-ms": {"type": "integer", "minimum": 0}}},
+                body_required=False)},
+            "/api/v1/routers/{router}/targets/{target}/undrain": {"post": op(
+                "Let a drained target take new connections again", params=[router_param, target_param])},
             "/api/v1/routers/{router}/cache": {"get": op(
                 "One page of sticky-cache entries in key order; follow next as after for the next page",
                 {"type": "object", "properties": {

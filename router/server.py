@@ -112,6 +112,9 @@ def worker_stats(running: RunningRouter) -> dict:
             "counters": [[a, n, v] for (a, n), v in st.counters.items()],
             "active": dict(st.active), "bytes_up": dict(st.bytes_up), "bytes_down": dict(st.bytes_down),
             "routers": {name: dict(svc.counters) for name, svc in running.services.items()},
+            "proxied": {name: {g: len(c) for g, c in svc.proxied.items()} for name, svc in running.services.items()},
+            "drained": {name: {g: d.proxied_ended for g, d in svc.drains.items()}
+                        for name, svc in running.services.items()},
             "routing_log": [running.edge.routelog.lines_written, running.edge.routelog.lines_dropped,
                             running.edge.routelog.write_errors, running.edge.routelog.error],
             "io": io_status(running),

@@ -55,7 +55,7 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import trio
 
@@ -72,6 +72,7 @@ from router.core.pins import PinTable, parse_pins
 from router.core.policies import create_policy
 from router.core.policies.base import Target
 from router.core.pool import FollowContext, Pool, create_membership_source
+from router.drain import Drain, run_on_broker, run_proxied
 from router.errors import CacheBackendError, CacheBackendTimeout, PinFileError
 from router.health import REPROBE_MIN_INTERVAL_S, ProbeKicks, run_health_checks
 from router.cache_redis import RedisCache
@@ -94,7 +95,8 @@ COUNTERS = ("route_ok", "route_refused_unavailable", "route_refused_use_another"
             "key_too_long", "redis_reads", "redis_reads_skipped", "redis_read_timeouts",
             "pins_reloads", "pins_errors", "pins_bad_lines", "probe_rounds",
             "management_lookups", "failover_waits", "failover_wait_timeouts",
-            "upstream_marked_down", "upstream_reprobes", "pool_holds")
+            "upstream_marked_down", "upstream_reprobes", "pool_holds", "drain_proxied_ended",
+            "drain_broker_closed", "drain_errors")
 
 _OUTCOME_COUNTER = {Outcome.OK: "route_ok",
                     Outcome.REFUSED_UNAVAILABLE: "route_refused_unavailable",
@@ -137,6 +139,15 @@ class RouterService:
         self._closed = False
         self._nursery: trio.Nursery | None = None        # run()'s, while it runs
         self._health_scope: trio.CancelScope | None = None
+        #: this process's proxied connections by target group: connection id -> how to end it
+        self.proxied: dict[str, dict[str, Callable[[], None]]] = {}
+        #: drained groups (``router.drain``): their state, and the tasks that move their clients
+        self.drains: dict[str, Drain] = {}
+        self._drain_scopes: dict[str, trio.CancelScope] = {}
+        #: how many processes share the proxied connections (the supervisor sets its workers')
+        self.processes = 1
+        #: the owner: a group's proxied connections left and ended by its drain, in every process
+        self.count_proxied: Callable[[str], Awaitable[tuple[int, int]]] = self._count_own_proxied
 
         pc = config.pool
         local_t = config.local_target.to_target() if config.local_target else None
@@ -382,7 +393,9 @@ class RouterService:
         return {"members": members,
                 "states": [[st.target.slot, st.ready, st.target.node_id, st.connection_count,
                             st.last_error] for st in self._holder.all_states() if st.probes],
-                "held": dict(self._holder.held)}
+                "held": dict(self._holder.held),
+                "draining": {g: {"rate_per_s": d.rate_per_s, "grace_s": d.grace_s, "started_at": d.started_at,
+                                 "processes": self.processes} for g, d in self.drains.items()}}
 
     def apply_pool_states(self, pushed: dict[str, Any]) -> None:
         """Follower: take the supervisor's membership (dynamic sources) and probe results
@@ -393,6 +406,8 @@ class RouterService:
                 for name, host, port, tls, mgmt, node_id, pair, backup in pushed["members"])
         if "held" in pushed:  # first: a group that comes back and is held is never offered
             self._holder.set_holds(pushed["held"])
+        if "draining" in pushed:
+            self._follow_drains(pushed["draining"])
         now = self.clock()
         for slot, ready, node_id, count, error in pushed["states"]:
             self._holder.report_probe(slot, bool(ready), node_id, count, now, error=error)
@@ -440,6 +455,8 @@ class RouterService:
                 if self.core.cache is not None:
                     nursery.start_soon(self._expiry_loop)
                 nursery.start_soon(self._pins_loop)
+                for drain in list(self.drains.values()):   # asked for before the router ran
+                    self._start_drain(drain)
                 task_status.started()
         finally:
             self._nursery = None
@@ -650,6 +667,91 @@ class RouterService:
         group, was = self._holder.readmit(name)
         self._readmitting.discard(group)
         return {"target": group, "was_held": was, "pool": self._holder.snapshot()}
+
+    # -- drain (router.drain) ---------------------------------------------------------------------
+    def proxy_started(self, group: str, conn_id: str, end: Callable[[], None]) -> None:
+        """A proxied connection to ``group`` is established (``end`` ends it, for a drain)."""
+        self.proxied.setdefault(group, {})[conn_id] = end
+
+    def proxy_ended(self, group: str, conn_id: str) -> None:
+        conns = self.proxied.get(group)
+        if conns is not None:
+            conns.pop(conn_id, None)
+            if not conns:
+                del self.proxied[group]
+
+    async def _count_own_proxied(self, group: str) -> tuple[int, int]:
+        d = self.drains.get(group)
+        return len(self.proxied.get(group, ())), d.proxied_ended if d is not None else 0
+
+    def drain_target(self, name: str, *, rate_per_s: float | None = None,
+                     grace_ms: int | None = None) -> dict[str, Any]:
+        """``POST .../targets/<name>/drain``: no new connection goes to the target's group, and
+        its clients leave at the rate (ValueError if refused: no such target, nothing else
+        ready). Draining a drained group again changes nothing."""
+        group = self._holder.drain(name)
+        pc = self.config.pool
+        if group not in self.drains:
+            drain = Drain(group, rate_per_s or (pc.drain_rate_per_s if pc else 10.0),
+                          (grace_ms if grace_ms is not None else (pc.drain_grace_ms if pc else 0)) / 1000.0)
+            self._start_drain(drain)
+            log.warning("router %s: draining %s: no new connections; its clients leave at %g/s after %gs",
+                        self.name, group, drain.rate_per_s, drain.grace_s)
+        return {"target": group, "draining": True, "drain": self.drains[group].view(),
+                "pool": self._holder.snapshot()}
+
+    def undrain_target(self, name: str) -> dict[str, Any]:
+        """``POST .../targets/<name>/undrain``: the group takes new connections again."""
+        group, was = self._holder.undrain(name)
+        drain = self._stop_drain(group)
+        if was:
+            log.warning("router %s: %s undrained: it takes new connections again", self.name, group)
+        return {"target": group, "was_draining": was, "drain": drain.view() if drain else None,
+                "pool": self._holder.snapshot()}
+
+    def drain_views(self) -> list[dict[str, Any]]:
+        return [d.view() for d in self.drains.values()]
+
+    def pool_member(self, group: str) -> Target | None:
+        """The member of ``group`` to ask about its clients: a ready one, else the first."""
+        members = [st for st in self._holder.members if st.target.group == group and not st.local]
+        for st in members:
+            if st.ready:
+                return st.target
+        return members[0].target if members else None
+
+    def _start_drain(self, drain: Drain) -> None:
+        self.drains[drain.group] = drain
+        if self._nursery is None:
+            return                                   # not running: nothing to move
+        scope = self._drain_scopes[drain.group] = trio.CancelScope()
+
+        async def run() -> None:
+            with scope:
+                async with trio.open_nursery() as nursery:
+                    if self.follower or self.processes == 1:   # a supervisor proxies nothing
+                        nursery.start_soon(run_proxied, self, drain, 1.0 / max(1, self.processes))
+                    if not self.follower:
+                        nursery.start_soon(run_on_broker, self, drain, self.count_proxied)
+
+        self._nursery.start_soon(run)
+
+    def _stop_drain(self, group: str) -> Drain | None:
+        scope = self._drain_scopes.pop(group, None)
+        if scope is not None:
+            scope.cancel()
+        return self.drains.pop(group, None)
+
+    def _follow_drains(self, pushed: dict[str, Any]) -> None:
+        """A follower: the drains its prober runs (``pool_states``), with this process's share."""
+        self._holder.set_draining(pushed)
+        for group in [g for g in self.drains if g not in pushed]:
+            self._stop_drain(group)
+        for group, d in pushed.items():
+            if group not in self.drains:
+                self.processes = max(1, int(d.get("processes", 1)))
+                self._start_drain(Drain(group, float(d["rate_per_s"]), float(d["grace_s"]),
+                                        started_at=float(d.get("started_at", 0.0))))
 
     def _log_pairs(self, pool: Pool) -> None:
         """Log each pair's changes once: failing over (after it was served), served again,

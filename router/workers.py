@@ -407,8 +407,7 @@ class Supervisor:
         text in force (what a restarted worker runs), the acceptors' ports."""
         reset = apply_routers(self.services, old, new, own)
         for name in own["services"]:
-            svc = self.services[name]
-            svc.round_listeners.append(functools.partial(self._push_pool, name))
+            self._adopt(name, self.services[name])
         remove_routers(self.services, self.scopes, old, new)
         self.cfg = self.running.config = new
         self.config_text = text
@@ -446,6 +445,19 @@ class Supervisor:
                 slot.proc.send_signal(signal.SIGTERM)
             except ProcessLookupError:
                 pass
+
+    def _adopt(self, name: str, svc) -> None:
+        """A router of this supervisor: its probe rounds go to the workers, which hold its
+        proxied connections (a drain counts and shares them)."""
+        svc.round_listeners.append(functools.partial(self._push_pool, name))
+        svc.processes = self.count
+        svc.count_proxied = functools.partial(self.count_proxied, name)
+
+    async def count_proxied(self, router: str, group: str) -> tuple[int, int]:
+        """Proxied connections to ``group`` held by every worker, and those its drain ended."""
+        stats = await self.gather_stats()
+        return (sum(st.get("proxied", {}).get(router, {}).get(group, 0) for st in stats),
+                sum(st.get("drained", {}).get(router, {}).get(group, 0) for st in stats))
 
     async def _run_service(self, name: str, svc, task_status=trio.TASK_STATUS_IGNORED) -> None:
         with trio.CancelScope() as scope:
@@ -485,7 +497,7 @@ class Supervisor:
             for name, svc in self.services.items():
                 await system.start(self._run_service, name, svc)  # the first probe round is done
             for name, svc in self.services.items():
-                svc.round_listeners.append(functools.partial(self._push_pool, name))
+                self._adopt(name, svc)
             self.running.management_address = await system.start(serve_management, self.running)
             async with trio.open_nursery() as keepers:
                 for slot in self.slots:

@@ -43,7 +43,7 @@ FORCED = "amqp:connection:forced"
 #: the "condition" of a departure without an AMQP Close: the broker ends the stream
 END_OF_STREAM = "end-of-stream"
 UNMODIFIED = (END_OF_STREAM, FORCED)   # what clients that do not follow redirects may get
-SELECTORS = ("container-id", "user", "all")
+SELECTORS = ("container-id", "user", "id", "all")
 MAX_RATE_PER_SECOND = 100000.0
 MIN_RATE_PER_SECOND = 0.01   # one close every 100 s: slower would outlive any drain
 
@@ -73,7 +73,8 @@ class Target:
 
 @dataclass(frozen=True)
 class Selector:
-    """Which client connections: ``kind`` one of :data:`SELECTORS`; ``value`` for the first two."""
+    """Which client connections: ``kind`` one of :data:`SELECTORS`; ``value`` but for ``all``
+    (``id``: one connection, as ``GET /api/v1/connections`` names it: a router's drain)."""
 
     kind: str
     value: str | None = None
@@ -85,6 +86,8 @@ class Selector:
             return True
         if self.kind == "container-id":
             return c.container_id == self.value
+        if self.kind == "id":
+            return c.conn_id == self.value
         return c.user == self.value
 
 
@@ -182,12 +185,12 @@ def parse_target(text: str, field: str = "redirect") -> Target:
 
 
 def parse_close_request(body) -> CloseRequest:
-    """Check a ``POST /api/v1/connections/close`` body: exactly one selector (``container-id``
-    or ``user``, a non-empty string, or ``all``: true), an optional ``redirect`` ``host:port``,
+    """Check a ``POST /api/v1/connections/close`` body: exactly one selector (``container-id``,
+    ``user`` or ``id``, a non-empty string, or ``all``: true), an optional ``redirect`` ``host:port``,
     an optional ``rate-per-second`` (a number from 0.01 to 100000) and an optional ``unmodified``
     (:data:`UNMODIFIED`). Raises :class:`CloseRequestError`."""
     if not isinstance(body, dict):
-        raise CloseRequestError("body", "expected a JSON object with one of container-id, user, all")
+        raise CloseRequestError("body", "expected a JSON object with one of container-id, user, id, all")
     known = set(SELECTORS) | {"redirect", "rate-per-second", "unmodified"}
     unknown = sorted(set(body) - known)
     if unknown:

@@ -27,7 +27,9 @@ too many hops, a router that stays not ready or rejects the client) the applicat
 the :mod:`router.client.errors` exception that says why, and the connection is closed.
 
 A later disconnection from the broker reconnects through the front door (the router decides
-again), following redirects the same way. This module relies on proton's ``_Connector``
+again), following redirects the same way. A broker that closes the established connection with
+``amqp:connection:redirect`` (a router's drain, a failback, a scale-down: we announced that we
+follow) is followed the same way, as a new journey. This module relies on proton's ``_Connector``
 (``Connection._overrides``: ``address``, ``_connect_sequence``), stable from 0.33 to 0.40.
 """
 
@@ -42,7 +44,8 @@ from proton.reactor import Container
 from proton._reactor import Urls  # the connector's address list (no public name)
 
 from router.client.blocking import with_capability
-from router.client.hops import DEFAULT_REFUSAL_BACKOFF_S, Follow, GiveUp, HopPlan, Retry, is_failed_open
+from router.client.hops import (DEFAULT_REFUSAL_BACKOFF_S, REDIRECT, Follow, GiveUp, HopPlan, Retry,
+                                is_failed_open)
 
 log = logging.getLogger("router.client")
 
@@ -96,6 +99,8 @@ class RedirectFollower:
                 self._give_up(event, decision.error)
                 return
             # not a router answer we know: the application sees the peer's error as it is
+        elif method == "on_connection_remote_close" and self.connection_redirected(event):
+            return      # a broker handed the client over (drain, failback, scale-down): on its way
         elif method.startswith("on_transport_") and (self.between or self.direct is not None):
             if method != "on_transport_closed":
                 return
@@ -118,6 +123,23 @@ class RedirectFollower:
         elif self.between:
             return
         event.dispatch(self.app)
+
+    def connection_redirected(self, event) -> bool:
+        """An established connection closed by its broker with ``amqp:connection:redirect``
+        (we announced ``lodestone:follows-redirect``, so a broker that moves its clients — a
+        router's drain, a failback, a scale-down — redirects this one): follow it as a new
+        journey, the application's links re-attached there. False when the Close is anything
+        else (the application sees it as it is)."""
+        cond = event.connection.remote_condition
+        if cond is None or cond.name != REDIRECT:
+            return False
+        self.plan.restart()
+        decision = self.plan.on_close(cond.name, cond.description, cond.info)
+        if not isinstance(decision, Follow):
+            return False
+        self.between = True
+        self._go(event, decision)
+        return True
 
     def _go(self, event, decision, close: bool = True) -> None:
         conn = event.connection
@@ -198,7 +220,7 @@ def _call(handler, method: str, event) -> None:
 
 def connect(container: Container, url: str, *, handler=None, max_hops: int = 5,
             refusal_backoff_s: tuple[float, ...] = DEFAULT_REFUSAL_BACKOFF_S, lookup=None, key: str | None = None,
-            **kwargs):
+            announce: bool = True, **kwargs):
     """``container.connect(url, **kwargs)`` that follows ``amqp:connection:redirect``.
 
     ``handler``: the application's handler for this connection (default: the container's,
@@ -212,6 +234,10 @@ def connect(container: Container, url: str, *, handler=None, max_hops: int = 5,
     ``lookup`` (a :class:`router.client.lookup.TargetLookup`) with ``key`` (default: the
     ``container_id``): ask the router's management API first and connect straight to the broker
     it names; when the API is down or refuses, use the front door ``url``.
+
+    ``announce=False``: follow redirects without saying so in the Open, as clients that follow
+    them natively do (Qpid JMS): a broker that moves its clients (a router's drain, a failback)
+    then ends this connection instead of redirecting it, and it comes back through ``url``.
 
     Returns the ``Connection`` (``lodestone_hops`` lists the URLs of the last journey once it
     is open; ``lodestone_error`` is set if the helper gave up).
@@ -235,7 +261,7 @@ def connect(container: Container, url: str, *, handler=None, max_hops: int = 5,
         # proton's connector ignores its connect sequence when reconnect is False, so until the
         # broker's Open the connection runs with one try per hop; False again once open
         kwargs["reconnect"] = [0]
-    conn = Container.connect(container, first, handler=follower, **with_capability(kwargs))
+    conn = Container.connect(container, first, handler=follower, **(with_capability(kwargs) if announce else kwargs))
     follower.connection = conn
     return conn
 

@@ -82,6 +82,8 @@ class TargetState:
     probes: int = 0
     #: no automatic failback: why the pool holds this target's group out (None: not held)
     held: str | None = None
+    #: an operator drains this target's group: no new connection goes to it (``Pool.drain``)
+    draining: bool = False
 
     def to_dict(self) -> dict:
         """JSON-friendly view for the management API."""
@@ -89,7 +91,8 @@ class TargetState:
         return {"name": t.name, "node_id": t.node_id, "host": t.host, "port": t.port,
                 "tls": t.tls, "management_url": t.management_url, "local": self.local,
                 "pair": t.pair, "backup": t.backup,
-                "ready": self.ready, "held": self.held, "connection_count": self.connection_count,
+                "ready": self.ready, "held": self.held, "draining": self.draining,
+                "connection_count": self.connection_count,
                 "last_error": self.last_error, "last_probe_at": self.last_probe_at,
                 "probes": self.probes}
 
@@ -117,6 +120,10 @@ class Pool:
         self._went_down: set[str] = set()
         #: a follower (a worker of a multi-worker router) takes ``held`` from its prober
         self.follow_holds = False
+        #: groups an operator drains (``drain``): out of routing while another group is ready;
+        #: if none is, they serve rather than nothing (``drain_fallback``)
+        self.draining: set[str] = set()
+        self.drain_fallback = False
         #: groups down right now (no member ready, at least one probed): what ``note_routed``
         #: checks on the hot path (empty almost always)
         self._down_groups: frozenset[str] = frozenset()
@@ -333,10 +340,15 @@ class Pool:
             self._diverted.add(group)
 
     def group_of(self, name: str) -> str | None:
-        """The group of the member named ``name`` (slot, node id or the group's own name)."""
+        """The group of the member named ``name`` (slot, node id, the group's own name, or the
+        member's ``host:port``: a cluster pool's members are named by node id)."""
         for st in self.members:
             t = st.target
             if name in (t.slot, t.group) or (t.node_id is not None and name == t.node_id):
+                return t.group
+        for st in self.members:
+            t = st.target
+            if name == (f"[{t.host}]:{t.port}" if ":" in t.host else f"{t.host}:{t.port}"):
                 return t.group
         return None
 
@@ -366,6 +378,39 @@ class Pool:
         if was:
             self._changed()
         return group, was
+
+    def drain(self, name: str) -> str:
+        """Take the group of member ``name`` out of routing for new connections (its clients
+        are moved off by the shell, ``router.drain``). Returns the group; ValueError if there is
+        no such member, or no other group is ready to serve."""
+        group = self.group_of(name)
+        if group is None:
+            raise ValueError(f"no target named {name!r} in the pool")
+        if group not in self.draining:
+            if not any(t.group != group and t.group not in self.draining for t in self._ready):
+                raise ValueError(f"{group} cannot be drained: no other target of the pool is ready")
+            self.draining.add(group)
+            self._changed()
+        return group
+
+    def undrain(self, name: str) -> tuple[str, bool]:
+        """Let the group of member ``name`` take new connections again. Returns ``(group,
+        was_draining)``; ValueError if there is no such member."""
+        group = self.group_of(name)
+        if group is None:
+            raise ValueError(f"no target named {name!r} in the pool")
+        was = group in self.draining
+        if was:
+            self.draining.discard(group)
+            self._changed()
+        return group, was
+
+    def set_draining(self, groups) -> None:
+        """A follower takes its prober's drains."""
+        groups = set(groups)
+        if groups != self.draining:
+            self.draining = groups
+            self._changed()
 
     def set_holds(self, held: dict[str, str]) -> None:
         """A follower takes its prober's holds."""
@@ -429,8 +474,18 @@ class Pool:
         if not self.follow_holds and (self.held or not self.allow_failback):
             self._apply_holds(groups)  # (a hold by hand is released as well, if it must be)
         held = self.held
+        draining = self.draining
         for st in self.members:
             st.held = held.get(st.target.group) if held else None
+            st.draining = st.target.group in draining if draining else False
+        if draining:   # out of routing like a held group, unless nothing else is ready
+            held = {**held, **dict.fromkeys(draining, "draining")}
+            others = [g for g, sts in groups.items() if g not in held and any(st.ready for st in sts)]
+            self.drain_fallback = not others
+            if self.drain_fallback:
+                held = self.held
+        else:
+            self.drain_fallback = False
         if not self.allow_failback:
             self._down_groups = frozenset(
                 g for g, sts in groups.items()
@@ -578,6 +633,9 @@ class Pool:
         if not self.allow_failback or self.held:
             snap["allow_failback"] = self.allow_failback
             snap["held"] = dict(self.held)
+        if self.draining:
+            snap["draining"] = sorted(self.draining)
+            snap["drain_fallback"] = self.drain_fallback
         return snap
 
 

@@ -46,6 +46,7 @@ COUNTER_NAMES: dict[str, str] = {
     "proxy_upstream_closed": "proxied connections the broker ended first whose client did not close within "
                              "upstream-close-grace-ms (closed by the router)",
     "proxy_cancelled": "proxied connections cut at the drain deadline or shutdown",
+    "proxy_drained": "proxied connections ended by a drain of their target (also counted by how they ended)",
     "internal_error": "connections closed because of a bug (logged with a traceback)",
     "refused_source_connections": "clients refused (amqp:resource-limit-exceeded): their address "
                                   "had max-connections-per-source connections open",

@@ -3,6 +3,7 @@ the one place that owns its deadlines (see ``router.net.edge`` for the phases)."
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 
@@ -34,6 +35,7 @@ from router.core.decide import Decision, Outcome
 from router.net.edge.errors import EdgeError, UpstreamError, reply_frames
 from router.net.edge.pump import END_COUNTER, run_pump
 from router.net.edge.tls import accept_tls
+from router.drain import end_proxied
 from router.net.edge.upstream import Upstream, timeout_error
 from router.net.stats import COUNTER_NAMES
 from router.routelog import close_line, route_line
@@ -116,6 +118,8 @@ class Acceptor:
                     # assignment (connection_closed) are needed from here on, not the explanation
                     d = c.decision
                     c.decision = Decision(d.outcome, d.target, d.local, None, d.hold)
+                    if d.target is not None:     # a drain of its target can end it (router.drain)
+                        c.service.proxy_started(d.target.group, c.id, functools.partial(end_proxied, c))
                     result = proxy_mod.PumpStats()
                     relay = self._relay(c, key, result)
                     if relay is not None:
@@ -136,6 +140,8 @@ class Acceptor:
         self.edge.stats.active[self.settings.name] -= 1
         if c.decision is not None:
             c.service.connection_closed(c.decision)   # LOAD_FACTOR: a live assignment ends
+            if c.decision.target is not None and c.phase == PH_PROXY:
+                c.service.proxy_ended(c.decision.target.group, c.id)
         if c.refusal is not None:
             self.limiter.release_refusal(key)
         else:
@@ -428,6 +434,8 @@ class Acceptor:
         stats.bytes_up[s.name] += result.bytes_up
         stats.bytes_down[s.name] += result.bytes_down
         self._inc(END_COUNTER[result.reason])
+        if c.drained:
+            self._inc("proxy_drained")
         routelog = self.edge.routelog
         if routelog.path is None:
             return

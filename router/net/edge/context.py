@@ -124,6 +124,7 @@ class ConnState:
     decision_us: int = 0
     leftover: bytes = b""       # broker bytes after its sasl-outcome, for the client
     service: Any = None         # the router it is routed by (a reload may give the acceptor another)
+    drained: bool = False       # ended by a drain (router.drain): counted proxy_drained
 
 
 def reset_on_close(stream) -> None:
