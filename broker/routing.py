@@ -53,8 +53,8 @@ from router.core.keys import ConnectionInfo
 from router.core.membership import PAIR_HOLD_S, host_port, parse_connector
 from router.core.policies.base import Target
 from router.core.pool import FollowContext, Pool
-from router.embed import (OpenReader, RouteLog, RouterConfig, RouterService, TargetConfig, refusal_text,
-                          route_line)
+from router.embed import (OpenReader, RouteLog, RouterConfig, RouterService, TargetConfig, build_router,
+                          refusal_text, route_line)
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.config import AcceptorConfig, BrokerConfig
@@ -270,7 +270,7 @@ class EmbeddedRouting:
                     rc = dataclasses.replace(rc, pool=dataclasses.replace(
                         pc, username=ccfg.user, password=ccfg.password))
             self.configs[name] = rc
-            self.services[name] = RouterService(rc, source=source, local_managed=True)
+            self.services[name] = build_router(rc, source=source, local_managed=True)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run every service (probes, membership, cache persistence) and the routing log."""

@@ -18,13 +18,13 @@ from router.config import (RouterConfig, RoutingLogConfig, TargetConfig, parse_r
 from router.management import RouterResources, openapi_document
 from router.net.edge.route import refusal_text
 from router.routelog import RouteLog, route_line
-from router.service import RouterService
+from router.service import RouterService, build_router
 from router.sniff.amqp import OpenReader
 
 __all__ = [
     "RouterConfig", "RoutingLogConfig", "TargetConfig", "parse_router_table", "parse_routing_log_table",
     "RouterResources", "routers_openapi_paths", "refusal_text", "RouteLog", "route_line",
-    "RouterService", "OpenReader",
+    "RouterService", "build_router", "OpenReader",
 ]
 
 

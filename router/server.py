@@ -21,9 +21,10 @@ supervisor goes away (the channel closes).
 from __future__ import annotations
 
 import logging
+import functools
 import os
 import signal
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -35,7 +36,7 @@ from router.net.listener import ConnectionLimit, listener_port, open_listeners, 
 from router.net.stats import EdgeStats
 from broker.wire.io.tls import client_context, server_context
 from router.routelog import RouteLog, worker_log_path
-from router.service import build_services
+from router.service import build_router, build_services
 from broker.wire.io.users import load_users
 from router.control import Link, stream_from_fd
 from router.net.proxy import SharedPoller
@@ -97,6 +98,17 @@ def acceptor_settings(acc: AcceptorConfig) -> AcceptorSettings:
         limits=acc.limits,
         max_connections=acc.max_connections,
     )
+
+
+def build_acceptor(settings: AcceptorSettings, service, edge: EdgeContext) -> Acceptor:
+    """One acceptor of a router process (at start and for one a reload adds); its settings from
+    ``acceptor_settings``, its router from ``router.service.build_router``."""
+    return Acceptor(settings, service, edge)
+
+
+def build_limit(acc: AcceptorConfig) -> ConnectionLimit:
+    """An acceptor's ``max-connections`` gate (0: none)."""
+    return ConnectionLimit(acc.max_connections or None)
 
 
 def _url(acc: AcceptorConfig, host: str, port: int) -> str:
@@ -209,8 +221,8 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
     acceptors: dict[str, Acceptor] = {}
     limits: dict[str, ConnectionLimit] = {}
     for acc in cfg.acceptors:
-        acceptors[acc.name] = Acceptor(acceptor_settings(acc), services[acc.router], edge)
-        limits[acc.name] = ConnectionLimit(acc.max_connections or None)
+        acceptors[acc.name] = build_acceptor(acceptor_settings(acc), services[acc.router], edge)
+        limits[acc.name] = build_limit(acc)
     running = RunningRouter(cfg, services, acceptors, limits, edge, worker=worker, workers=workers)
     running_box["running"] = running
     primary = link is None
@@ -228,9 +240,8 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
 
     reloader = running.reloader = Reloader(
         running, bound=bound, make_settings=acceptor_settings,
-        make_acceptor=lambda settings, service: Acceptor(settings, service, edge),
-        make_limit=lambda acc: ConnectionLimit(acc.max_connections or None),
-        make_service=lambda rc: build_services(replace(cfg, routers={rc.name: rc}), shared=link)[rc.name],
+        make_acceptor=functools.partial(build_acceptor, edge=edge), make_limit=build_limit,
+        make_service=functools.partial(build_router, shared=link),
         open_bound=bind, serve=None, log_path=log_path, ports=dict(ports or {}))
 
     try:

@@ -1144,11 +1144,20 @@ class RouterService:
                 self.core.pins = table
 
 
+def build_router(rc: RouterConfig, *, rng: random.Random | None = None, shared: Any = None, source: Any = None,
+                 local_managed: bool = False) -> RouterService:
+    """The one way a router is built from its ``[routers.<name>]``: by the single process, each
+    worker (``shared``: its control link), the supervisor of workers, a reload (for the routers a
+    new file adds) and the router inside a broker acceptor (``source``: the broker's own cluster,
+    ``local_managed``: the broker is its local target; ``router.embed``)."""
+    return RouterService(rc, rng=rng, shared=shared, source=source, local_managed=local_managed)
+
+
 def build_services(config: RouterProcessConfig, *, rng: random.Random | None = None,
                    **kwargs: Any) -> dict[str, RouterService]:
-    """One ``RouterService`` per ``[routers.<name>]`` of a loaded router process config."""
+    """One router (``build_router``) per ``[routers.<name>]`` of a loaded router process config."""
     base = rng if rng is not None else random.Random()
-    return {name: RouterService(rc, rng=random.Random(base.getrandbits(64)), **kwargs)
+    return {name: build_router(rc, rng=random.Random(base.getrandbits(64)), **kwargs)
             for name, rc in config.routers.items()}
 
 

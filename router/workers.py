@@ -63,13 +63,12 @@ from router.net.edge import EdgeContext
 from router.net.stats import EdgeStats
 from router.routelog import RouteLog
 from router.server import RunningRouter
-from router.service import build_services
+from router.service import build_router, build_services
 from broker.wire.io.logsetup import print_listening
 from router.management import serve_management
 from router.server import _url
 from router.reload import (ReloadRefused, SupervisorReloader, apply_routers, changed_pins, new_services,
                            reload_on_sighup, remove_routers)
-from dataclasses import replace
 from broker.wire.io.users import load_users
 
 log = logging.getLogger("router.workers")
@@ -388,7 +387,7 @@ class Supervisor:
             ports, held = reserve_ports([a for a in new.acceptors if a.name not in olds])
         except OSError as exc:
             raise ReloadRefused(f"{new.file}: acceptors: cannot reserve a port: {exc.strerror or exc}") from None
-        services = await new_services(old, new, lambda rc: build_services(replace(new, routers={rc.name: rc}))[rc.name])
+        services = await new_services(old, new, build_router)
         for name, svc in services.items():
             await self._system.start(self._run_service, name, svc)
         return {"services": services, "pins": pins, "ports": ports, "placeholders": held}
