@@ -51,6 +51,7 @@ class Forwarder:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.local_ports: list[int] = []
+        self.sockets: list[socket.socket] = []      # closed by close(): none left to the GC
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -59,7 +60,9 @@ class Forwarder:
                 a, _ = self.listener.accept()
             except OSError:
                 return
+            self.sockets.append(a)
             b = socket.create_connection(self.target, source_address=(self.bind_ip, 0))
+            self.sockets.append(b)
             self.local_ports.append(b.getsockname()[1])
             for src, dst in ((a, b), (b, a)):
                 threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
@@ -75,6 +78,8 @@ class Forwarder:
 
     def close(self) -> None:
         self.listener.close()
+        for s in self.sockets:
+            s.close()
 
 
 @pytest.fixture(scope="module")
