@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+import h11
 import trio
 
 from broker.wire.io.http import http_request
@@ -73,7 +74,8 @@ class Drain:
     broker_left: int | None = None  # client connections in the broker's last list, not yet closed
     last_error: str | None = None
     #: ``grace``, ``proxied`` (ending proxied connections), ``broker`` (closing the broker's
-    #: clients), ``drained`` (nothing left; the broker is still watched while the drain lasts)
+    #: clients), ``drained`` (nothing left; the broker is still watched while the drain lasts),
+    #: ``proxied-only`` (no proxied connection left and no management-url to ask the broker)
     phase: str = "grace"
 
     def view(self) -> dict[str, Any]:
@@ -102,17 +104,22 @@ def end_proxied(c) -> None:
 
 async def run_proxied(service: "RouterService", drain: Drain, share: float) -> None:
     """Phase 1 in this process: end its proxied connections to ``drain.group``, one every
-    ``1 / (rate × share)`` s after the grace, until the drain is cancelled."""
+    ``1 / (rate × share)`` s after the grace, until the drain is cancelled; paused while the
+    drained target serves for lack of another (``drain_fallback``)."""
     await trio.sleep(drain.grace_s)
     interval = 1.0 / max(drain.rate_per_s * share, 1e-6)
     while True:
         conns = service.proxied.get(drain.group)
-        if not conns:
+        if not conns or service.pool.drain_fallback:
             await trio.sleep(IDLE_S)
             continue
-        _cid, close = next(iter(conns.items()))
-        conns.pop(_cid, None)        # never picked twice (its release finds it gone)
-        close()
+        cid, end = next(iter(conns.items()))
+        conns.pop(cid, None)         # never picked twice (its release finds it gone)
+        try:
+            end()
+        except Exception:            # noqa: BLE001 - one connection's bug; the drain goes on
+            log.exception("router %s: drain of %s: ending connection %s failed", service.name, drain.group, cid)
+            service.counters["drain_errors"] += 1
         drain.proxied_ended += 1
         service.counters["drain_proxied_ended"] += 1
         await trio.sleep(interval)
@@ -137,53 +144,71 @@ def host_port(target) -> str:
     return f"[{target.host}]:{target.port}" if ":" in target.host else f"{target.host}:{target.port}"
 
 
+#: what a management call can raise (as the health probes see them): the drain retries
+HTTP_ERRORS = (OSError, ValueError, trio.TooSlowError, trio.BrokenResourceError, h11.ProtocolError)
+
+
 async def run_on_broker(service: "RouterService", drain: Drain, count_proxied) -> None:
     """Phase 2, in the process that probes: once no proxied connection to the group is left
-    anywhere (``count_proxied(group)``: ``(left, ended)`` over every process), close the broker's client connections one every
-    ``1/rate`` s, each redirected to its key's new target; list again while the drain lasts."""
+    anywhere (``count_proxied(group)``: ``(left, ended)`` over every process), close the
+    broker's client connections one every ``1/rate`` s, each redirected to its key's new
+    target; list again while the drain lasts. Paused while the drained target serves for lack of
+    another (``drain_fallback``). Nothing here ends the router: a failure is counted, logged
+    and retried."""
     await trio.sleep(drain.grace_s)
-    interval = 1.0 / drain.rate_per_s
     asked: set[str] = set()     # closes the broker accepted: not asked again while they finish
     while True:
-        drain.proxied_left, ended = await count_proxied(drain.group)
-        drain.proxied_ended = max(drain.proxied_ended, ended)
-        if drain.proxied_left:
-            drain.phase = "proxied"
-            await trio.sleep(IDLE_S)
-            continue
-        target = service.pool_member(drain.group)
-        if target is None or not target.management_url:
-            drain.broker_left = None     # nothing to ask: only proxied clients can be moved
-            drain.phase = "drained"
-            await trio.sleep(IDLE_S)
-            continue
         try:
-            conns = await _list(service, target.management_url)
-        except (OSError, ValueError, trio.TooSlowError) as exc:
-            _failed(service, drain, f"listing {target.management_url}: {exc or 'timeout'}")
-            await trio.sleep(RELIST_S)
-            continue
-        asked &= {c["id"] for c in conns}      # those gone are forgotten
-        conns = [c for c in conns if c["id"] not in asked]
-        drain.broker_left = len(conns)
-        drain.phase = "broker" if conns else "drained"
-        for conn in conns:
-            redirect = None
-            key = key_of(service.config.key_type, conn)
-            if key is not None:
-                d = service.route_for_key(key)
-                if d.target is not None and d.target.group != drain.group:
-                    redirect = host_port(d.target)
-            try:
-                await _close(service, target.management_url, conn["id"], redirect)
-                asked.add(conn["id"])
-                drain.broker_closed += 1
-                service.counters["drain_broker_closed"] += 1
-            except (OSError, ValueError, trio.TooSlowError) as exc:
-                _failed(service, drain, f"closing connection {conn['id']} on {target.name}: {exc or 'timeout'}")
-            drain.broker_left = max(0, drain.broker_left - 1)
-            await trio.sleep(interval)
-        await trio.sleep(RELIST_S if not conns else 0)
+            pause = await _broker_round(service, drain, count_proxied, asked)
+        except HTTP_ERRORS as exc:
+            _failed(service, drain, f"{type(exc).__name__}: {exc or 'timeout'}")
+            pause = RELIST_S
+        except Exception as exc:     # noqa: BLE001 - a bug: logged, counted, the drain goes on
+            log.exception("router %s: drain of %s failed", service.name, drain.group)
+            _failed(service, drain, f"internal error: {exc!r}")
+            pause = RELIST_S
+        await trio.sleep(pause)
+
+
+async def _broker_round(service: "RouterService", drain: Drain, count_proxied, asked: set[str]) -> float:
+    """One round of phase 2; returns how long to wait before the next."""
+    drain.proxied_left, ended = await count_proxied(drain.group)
+    drain.proxied_ended = max(drain.proxied_ended, ended)
+    if drain.proxied_left:
+        drain.phase = "proxied"
+        return IDLE_S
+    if service.pool.drain_fallback:
+        return IDLE_S
+    target = service.pool_member(drain.group)
+    if target is None or not target.management_url:
+        drain.broker_left = None     # nothing to ask: only proxied clients can be moved
+        drain.phase = "proxied-only"
+        return IDLE_S
+    listed = await _list(service, target.management_url)
+    asked &= {c["id"] for c in listed}      # those gone are forgotten
+    todo = [c for c in listed if c["id"] not in asked]
+    drain.broker_left = len(listed)         # a close asked for counts until the client is gone
+    drain.phase = "broker" if listed else "drained"
+    interval = 1.0 / drain.rate_per_s
+    for conn in todo:
+        if service.pool.drain_fallback:
+            break
+        redirect = None
+        key = key_of(service.config.key_type, conn)
+        if key is not None:
+            d = service.route_for_key(key)
+            if d.target is not None and d.target.group != drain.group:
+                redirect = host_port(d.target)
+        try:
+            await _close(service, target.management_url, conn["id"], redirect)
+            asked.add(conn["id"])
+            drain.broker_closed += 1
+            service.counters["drain_broker_closed"] += 1
+        except HTTP_ERRORS as exc:
+            _failed(service, drain, f"closing connection {conn['id']} on {target.name}: "
+                                    f"{type(exc).__name__}: {exc or 'timeout'}")
+        await trio.sleep(interval)
+    return RELIST_S if not todo else 0.2
 
 
 def _failed(service: "RouterService", drain: Drain, error: str) -> None:

@@ -126,9 +126,11 @@ def drain_main(argv: list[str]) -> int:
         if now is None:
             print(f"{answer['target']}: no longer draining (undrained meanwhile)")
             return 0
-        if now["phase"] == "drained":
+        if now["phase"] in ("drained", "proxied-only"):
             print(f"{answer['target']}: drained: {now['proxied_ended']} proxied connection(s) ended, "
-                  f"{now['broker_closed']} closed on the broker")
+                  f"{now['broker_closed']} closed on the broker"
+                  + (" (the target has no management-url: clients connected to the broker itself were not "
+                     "moved)" if now["phase"] == "proxied-only" else ""))
             return 0
         if now["left"] != last:
             print(f"{answer['target']}: {now['left']} left")

@@ -39,6 +39,7 @@ returns once every live worker confirmed it (``applied_workers`` / ``failed_work
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import inspect
 import logging
@@ -319,6 +320,13 @@ class RouterResources:
         value = body[field]
         if value is not None and not isinstance(value, str):
             raise HttpError(400, f"{field} must be a string or null")
+        lock = getattr(getattr(self.running, "reloader", None), "lock", None)
+        async with lock if lock is not None else contextlib.nullcontext():   # never inside a reload
+            if self.services.get(name) is not service:
+                raise HttpError(404, f"no router named {name!r} (a reload removed it)")
+            return await self._set_filter(name, service, field, value)
+
+    async def _set_filter(self, name: str, service, field: str, value) -> dict:
         _, setter = self._filter_accessors(service, field)
         try:
             setter(value)

@@ -96,6 +96,11 @@ class Reloader:
         self._lock = trio.Lock()
         self._pending: tuple | None = None       # a worker: a prepared reload awaiting its commit
 
+    @property
+    def lock(self) -> trio.Lock:
+        """Held for a whole reload (a runtime filter change waits for it)."""
+        return self._lock
+
     # -- the entry points ------------------------------------------------------------------------
     async def reload(self, cause: str) -> dict:
         """Read the configuration file again and apply it; ``cause`` for the log (``SIGHUP``,
@@ -135,53 +140,63 @@ class Reloader:
     async def prepare_remote(self, text: str, files: dict, ports: dict, pools: dict) -> dict:
         """``reload_prepare``: plan and prepare the configuration ``text`` the supervisor read
         (``files``: the digests it saw; ``ports``: the port of each acceptor it added; ``pools``:
-        its new routers' first probe results). Nothing changes until ``commit_remote``."""
-        if self._pending is not None:
-            await self.abort_remote()
-        self._check_serving()
-        old: RouterProcessConfig = self.running.config
-        try:
-            new = load_router_config(old.file, text.encode("utf-8"))
-        except ConfigError as exc:
-            raise ReloadRefused(str(exc)) from None
-        digests = file_digests(new)
-        moved = sorted(p for p in set(files) | set(digests) if files.get(p) != digests.get(p))
-        if moved:
-            raise ReloadRefused(f"{', '.join(moved)}: changed while the reload was read; reload again")
-        plan = plan_reload(old, new, old_files=self.digests, new_files=digests)
-        if not plan.ok:
-            raise ReloadRefused(f"{new.file}: {plan.summary()}")
-        self.ports.update(ports)
-        prepared = await self._prepare(old, new, plan)
-        for name, states in pools.items():
-            if name in prepared["services"]:
-                prepared["services"][name].apply_pool_states(states)
-        self._pending = (old, new, plan, prepared, digests)
-        return {"changes": len(plan.changes)}
+        its new routers' first probe results). Nothing changes until ``commit_remote``. The three
+        steps hold the reload lock: an abort that arrives while a slow prepare runs waits for it
+        and then discards what it prepared."""
+        async with self._lock:
+            await self._abort()
+            self._check_serving()
+            old: RouterProcessConfig = self.running.config
+            try:
+                new = load_router_config(old.file, text.encode("utf-8"))
+            except ConfigError as exc:
+                raise ReloadRefused(str(exc)) from None
+            digests = file_digests(new)
+            moved = sorted(p for p in set(files) | set(digests) if files.get(p) != digests.get(p))
+            if moved:
+                raise ReloadRefused(f"{', '.join(moved)}: changed while the reload was read; reload again")
+            plan = plan_reload(old, new, old_files=self.digests, new_files=digests)
+            if not plan.ok:
+                raise ReloadRefused(f"{new.file}: {plan.summary()}")
+            self.ports.update(ports)
+            prepared = await self._prepare(old, new, plan)
+            for name, states in pools.items():
+                if name in prepared["services"]:
+                    prepared["services"][name].apply_pool_states(states)
+            self._pending = (old, new, plan, prepared, digests)
+            return {"changes": len(plan.changes)}
 
     async def commit_remote(self) -> dict:
         """``reload_commit``: apply what ``prepare_remote`` prepared."""
-        if self._pending is None:
-            raise ReloadRefused("no reload prepared")
-        old, new, plan, prepared, digests = self._pending
-        self._pending = None
-        if self.running.config is not old:
-            raise ReloadRefused("the configuration changed since the reload was prepared")
-        reset = await self._commit(old, new, plan, prepared, digests)
-        log.warning("reload (by the supervisor): %s", plan.summary())
-        return {"filters_reset": reset}
+        async with self._lock:
+            if self._pending is None:
+                raise ReloadRefused("no reload prepared")
+            old, new, plan, prepared, digests = self._pending
+            self._pending = None
+            if self.running.config is not old:
+                await self._discard_prepared(prepared)
+                raise ReloadRefused("the configuration changed since the reload was prepared")
+            reset = await self._commit(old, new, plan, prepared, digests)
+            log.warning("reload (by the supervisor): %s", plan.summary())
+            return {"filters_reset": reset}
 
     async def abort_remote(self) -> dict:
-        """``reload_abort``: discard what ``prepare_remote`` prepared."""
+        """``reload_abort``: discard what ``prepare_remote`` prepared (after it finished)."""
+        async with self._lock:
+            await self._abort()
+            return {}
+
+    async def _abort(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
-            prepared = pending[3]
-            await self._discard(prepared["services"], prepared["listeners"])
-            for name in prepared["services"]:
-                scope = self.scopes.pop(f"router:{name}", None)
-                if scope is not None:
-                    scope.cancel()
-        return {}
+            await self._discard_prepared(pending[3])
+
+    async def _discard_prepared(self, prepared: dict) -> None:
+        await self._discard(prepared["services"], prepared["listeners"])
+        for name in prepared["services"]:
+            scope = self.scopes.pop(f"router:{name}", None)
+            if scope is not None:
+                scope.cancel()
 
     # -- before anything changes: what can still fail -----------------------------------------
     async def _prepare(self, old: RouterProcessConfig, new: RouterProcessConfig, plan: ReloadPlan) -> dict:
@@ -301,6 +316,11 @@ class SupervisorReloader:
         self.digests = file_digests(supervisor.cfg)
         self._lock = trio.Lock()
 
+    @property
+    def lock(self) -> trio.Lock:
+        """Held for a whole reload, both phases (a runtime filter change waits for it)."""
+        return self._lock
+
     async def reload(self, cause: str) -> dict:
         """As ``Reloader.reload``, for the whole router: supervisor and workers."""
         async with self._lock:
@@ -330,16 +350,22 @@ class SupervisorReloader:
             raise ReloadRefused(f"{old.file}: not UTF-8") from None
         own = await sup.prepare_reload(old, new, plan)
         slots = sup.ready_workers()
-        failed = await sup.ask_workers(slots, {
-            "op": "reload_prepare", "text": text, "files": digests, "ports": own["ports"],
-            "pools": {name: svc.pool_states() for name, svc in own["services"].items()}},
-            timeout_s=self.STEP_TIMEOUT_S)
-        if failed:
-            await sup.ask_workers(slots, {"op": "reload_abort"}, timeout_s=self.STEP_TIMEOUT_S)
-            await sup.discard_reload(own)
-            raise ReloadRefused("; ".join(f"worker {i}: {err}" for i, err in failed))
-        links = {s.index: s.link for s in slots}     # a restart meanwhile has another link
-        reset = sup.apply_reload(old, new, plan, own, text)
+        applied = False
+        try:
+            failed = await sup.ask_workers(slots, {
+                "op": "reload_prepare", "text": text, "files": digests, "ports": own["ports"],
+                "pools": {name: svc.pool_states() for name, svc in own["services"].items()}},
+                timeout_s=self.STEP_TIMEOUT_S)
+            if failed:
+                raise ReloadRefused("; ".join(f"worker {i}: {err}" for i, err in failed))
+            links = {s.index: s.link for s in slots}     # a restart meanwhile has another link
+            reset = sup.apply_reload(old, new, plan, own, text)
+            applied = True
+        finally:
+            if not applied:      # refused, or a bug: nothing of it stays anywhere
+                with trio.CancelScope(shield=True):
+                    await sup.ask_workers(slots, {"op": "reload_abort"}, timeout_s=self.STEP_TIMEOUT_S)
+                    await sup.discard_reload(own)
         self.digests = digests
         failed = await sup.ask_workers(slots, {"op": "reload_commit"}, timeout_s=self.STEP_TIMEOUT_S)
         for s in slots:

@@ -519,6 +519,9 @@ class RouterService:
                     if t.name in before and before[t.name] != t:
                         self._holder.remove_target(t.name)
                 self._holder.sync_members([t.to_target() for t in pc.targets])
+                for group in self._holder.forget_drains():   # a drained target the file removed
+                    self._stop_drain(group)
+                    log.warning("router %s: %s left the pool: its drain ends", self.name, group)
             if (old.pool is None or (old.pool.check_period_ms, old.pool.username, old.pool.password,
                                      old.pool.targets) != (pc.check_period_ms, pc.username, pc.password, pc.targets)):
                 self._restart_probes()

@@ -290,6 +290,8 @@ class Supervisor:
                     return
                 theirs.close()
                 slot.proc, slot.pid = proc, proc.pid
+                if slot.text != self.config_text:   # a reload applied while it was being started
+                    self.restart_worker(slot.index)
                 rc = await proc.wait()
                 with trio.move_on_after(1.0):
                     await link.closed.wait()  # read what it sent last
@@ -387,10 +389,16 @@ class Supervisor:
             ports, held = reserve_ports([a for a in new.acceptors if a.name not in olds])
         except OSError as exc:
             raise ReloadRefused(f"{new.file}: acceptors: cannot reserve a port: {exc.strerror or exc}") from None
-        services = await new_services(old, new, build_router)
-        for name, svc in services.items():
-            await self._system.start(self._run_service, name, svc)
-        return {"services": services, "pins": pins, "ports": ports, "placeholders": held}
+        own = {"services": {}, "pins": pins, "ports": ports, "placeholders": held}
+        try:
+            own["services"] = services = await new_services(old, new, build_router)
+            for name, svc in services.items():
+                await self._system.start(self._run_service, name, svc)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await self.discard_reload(own)
+            raise
+        return own
 
     async def discard_reload(self, own: dict) -> None:
         for s in own["placeholders"].values():

@@ -382,13 +382,18 @@ class Pool:
     def drain(self, name: str) -> str:
         """Take the group of member ``name`` out of routing for new connections (its clients
         are moved off by the shell, ``router.drain``). Returns the group; ValueError if there is
-        no such member, or no other group is ready to serve."""
+        no such member, or the other ready groups are none or fewer than the quorum. If that
+        happens later, the drained groups serve again (``drain_fallback``)."""
         group = self.group_of(name)
         if group is None:
             raise ValueError(f"no target named {name!r} in the pool")
         if group not in self.draining:
-            if not any(t.group != group and t.group not in self.draining for t in self._ready):
+            others = {t.group for t in self._ready if t.group != group and t.group not in self.draining}
+            if not others:
                 raise ValueError(f"{group} cannot be drained: no other target of the pool is ready")
+            if len(others) < self.quorum_size:
+                raise ValueError(f"{group} cannot be drained: {len(others)} other target(s) ready, below the "
+                                 f"quorum of {self.quorum_size}")
             self.draining.add(group)
             self._changed()
         return group
@@ -404,6 +409,15 @@ class Pool:
             self.draining.discard(group)
             self._changed()
         return group, was
+
+    def forget_drains(self) -> list[str]:
+        """Drop the drains of groups no longer in the pool (a reload removed them); returns them."""
+        groups = {st.target.group for st in self.members}
+        gone = sorted(g for g in self.draining if g not in groups)
+        if gone:
+            self.draining -= set(gone)
+            self._changed()
+        return gone
 
     def set_draining(self, groups) -> None:
         """A follower takes its prober's drains."""
@@ -481,7 +495,7 @@ class Pool:
         if draining:   # out of routing like a held group, unless nothing else is ready
             held = {**held, **dict.fromkeys(draining, "draining")}
             others = [g for g, sts in groups.items() if g not in held and any(st.ready for st in sts)]
-            self.drain_fallback = not others
+            self.drain_fallback = not others or len(others) < self.quorum_size
             if self.drain_fallback:
                 held = self.held
         else:

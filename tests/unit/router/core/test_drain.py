@@ -126,3 +126,23 @@ def test_the_redirect_address_brackets_v6_and_the_view_sums_what_is_left():
     d.proxied_left, d.broker_left = 3, 4
     v = d.view()
     assert (v["left"], v["grace_ms"], v["phase"]) == (7, 500, "grace")
+
+
+def test_a_drain_that_would_break_the_quorum_is_refused_and_one_broken_later_serves_again():
+    pool = Pool([tgt("b1", "N1"), tgt("b2", "N2"), tgt("b3", "N3")], quorum_size=2)
+    for n in ("b1", "b2", "b3"):
+        pool.report_probe(n, True)
+    pool.drain("b1")
+    assert names(pool.targets()) == ["b2", "b3"]
+    with pytest.raises(ValueError, match="below the quorum of 2"):
+        pool.drain("b2")
+    pool.report_probe("b3", False)             # quorum unmet without the drained one: it serves
+    assert pool.drain_fallback and names(pool.targets()) == ["b1", "b2"]
+
+
+def test_the_drain_of_a_target_that_left_the_pool_is_forgotten():
+    pool = three()
+    pool.drain("b3")
+    pool.sync_members([tgt("b1", "N1"), tgt("b2", "N2")])
+    assert pool.forget_drains() == ["b3"]
+    assert not pool.draining and pool.forget_drains() == []
