@@ -69,7 +69,35 @@ def file_digests(cfg: RouterProcessConfig) -> dict[str, str | None]:
     return out
 
 
-class Reloader:
+class ReloadEntry:
+    """What both reloaders share: one lock held for a whole reload (a runtime filter change
+    waits for it) and the entry point ``reload``, which logs the outcome."""
+
+    def __init__(self) -> None:
+        self._lock = trio.Lock()
+
+    @property
+    def lock(self) -> trio.Lock:
+        return self._lock
+
+    async def reload(self, cause: str) -> dict:
+        """Read the configuration file again and apply it; ``cause`` for the log (``SIGHUP``,
+        ``POST /api/v1/reload by admin``). Returns ``{"applied", "summary", "changes",
+        "filters_reset"}``; raises :class:`ReloadRefused` (logged) when nothing was changed."""
+        async with self._lock:
+            try:
+                answer = await self._reload()
+            except ReloadRefused as exc:
+                log.error("reload (%s) refused, the configuration in force stays: %s", cause, exc)
+                raise
+            log.warning("reload (%s): %s", cause, answer["summary"])
+            return answer
+
+    async def _reload(self) -> dict:
+        raise NotImplementedError
+
+
+class Reloader(ReloadEntry):
     """Applies a reloaded configuration to the router ``serve_router`` runs (one process).
 
     ``serve_router`` fills in the nurseries as it opens them and hands over how it builds an
@@ -93,28 +121,10 @@ class Reloader:
         self.accepting: trio.Nursery | None = None   # accept loops run here
         self.scopes: dict[str, trio.CancelScope] = {}     # accept loops and services, to stop one
         self.digests = file_digests(running.config)
-        self._lock = trio.Lock()
+        super().__init__()
         self._pending: tuple | None = None       # a worker: a prepared reload awaiting its commit
 
-    @property
-    def lock(self) -> trio.Lock:
-        """Held for a whole reload (a runtime filter change waits for it)."""
-        return self._lock
-
-    # -- the entry points ------------------------------------------------------------------------
-    async def reload(self, cause: str) -> dict:
-        """Read the configuration file again and apply it; ``cause`` for the log (``SIGHUP``,
-        ``POST /api/v1/reload by admin``). Returns ``{"applied", "summary", "changes"}``; raises
-        :class:`ReloadRefused` (logged) when nothing was changed."""
-        async with self._lock:
-            try:
-                result = await self._reload()
-            except ReloadRefused as exc:
-                log.error("reload (%s) refused, the configuration in force stays: %s", cause, exc)
-                raise
-            log.warning("reload (%s): %s", cause, result["summary"])
-            return result
-
+    # -- the entry point: ReloadEntry.reload -> _reload -------------------------------------------
     async def _reload(self) -> dict:
         old: RouterProcessConfig = self.running.config
         self._check_serving()
@@ -302,7 +312,7 @@ class Reloader:
         self.scopes[key] = scope
 
 
-class SupervisorReloader:
+class SupervisorReloader(ReloadEntry):
     """The supervisor's side of a multi-worker reload (see the module docstring): one file read,
     prepared here and in every worker, then applied everywhere or nowhere. The supervisor
     (``router.workers.Supervisor``) supplies its own steps: ``prepare_reload``,
@@ -314,23 +324,7 @@ class SupervisorReloader:
     def __init__(self, supervisor: Any) -> None:
         self.sup = supervisor
         self.digests = file_digests(supervisor.cfg)
-        self._lock = trio.Lock()
-
-    @property
-    def lock(self) -> trio.Lock:
-        """Held for a whole reload, both phases (a runtime filter change waits for it)."""
-        return self._lock
-
-    async def reload(self, cause: str) -> dict:
-        """As ``Reloader.reload``, for the whole router: supervisor and workers."""
-        async with self._lock:
-            try:
-                answer = await self._reload()
-            except ReloadRefused as exc:
-                log.error("reload (%s) refused, the configuration in force stays: %s", cause, exc)
-                raise
-            log.warning("reload (%s): %s", cause, answer["summary"])
-            return answer
+        super().__init__()
 
     async def _reload(self) -> dict:
         sup = self.sup
