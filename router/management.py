@@ -492,6 +492,7 @@ class ManagementApi(RouterResources):
             for rep in await r.supervisor.gather_stats():
                 for f in rep.get("io", {}).get("failing", []):
                     failing.append({**f, "worker": rep["worker"]})
+            failing += r.supervisor.failing_workers()   # a worker that cannot start on its files
         status = "draining" if r.draining else ("degraded" if failing else "ok")
         return {"status": status, "router": self.cfg.name, "degraded": failing}, \
             503 if r.draining else 200

@@ -33,7 +33,10 @@ accepts no client connections) and N **workers** (``python -m router worker ...`
    appended to; it gets the current state first); its open connections are lost, the others keep
    serving. More than ``MAX_RESTARTS`` restarts of one worker within ``RESTART_WINDOW_S`` (a crash
    loop), or a worker that fails before the router was first ready (bad config, port in use),
-   stops the router with exit status 1 (2 for a config error).
+   stops the router with exit status 1 (2 for a config error). A worker restarted later that
+   cannot start because a file its configuration names does not load (status 2: a certificate,
+   key, users or pins file broken on disk since) is retried after 2 s, doubled up to 60 s, while
+   the others serve; ``/health`` says ``degraded`` (component ``worker``) meanwhile.
 6. SIGHUP or ``POST /api/v1/reload``: the supervisor reloads every process in two phases
    (``router.reload.SupervisorReloader``: prepared everywhere, then applied everywhere, or
    refused whole); a worker always runs the configuration text in force, sent first on its
@@ -79,6 +82,8 @@ RESTART_DELAY_S = 0.3
 KILL_GRACE_S = 10.0
 FILTER_ACK_TIMEOUT_S = 5.0
 STATS_TIMEOUT_S = 2.0
+CONFIG_RETRY_S = 2.0        # a worker that cannot start on its files: first retry, doubled each time
+CONFIG_RETRY_MAX_S = 60.0
 
 
 def reserve_ports(acceptors) -> tuple[dict[str, int], dict[str, socket.socket]]:
@@ -119,6 +124,8 @@ class WorkerSlot:
         self.restarts = 0
         self.restart_times: collections.deque[float] = collections.deque()
         self.text: str | None = None     # the configuration text this process was started with
+        self.config_failures = 0         # starts in a row that failed on a file (exit status 2)
+        self.failure: str | None = None  # why it is not serving, while it cannot start
 
     def info(self) -> dict:
         return {"worker": self.index, "pid": self.pid, "ready": self.ready, "restarts": self.restarts}
@@ -155,6 +162,10 @@ class Supervisor:
     def worker_info(self) -> list[dict]:
         """``[{worker, pid, ready, restarts}]`` for the management API."""
         return [s.info() for s in self.slots]
+
+    def failing_workers(self) -> list[dict]:
+        """``/health``'s ``degraded`` entries for the workers that cannot start."""
+        return [{"component": "worker", "worker": s.index, "error": s.failure} for s in self.slots if s.failure]
 
     def _live(self) -> list[WorkerSlot]:
         return [s for s in self.slots if s.link is not None and not s.link.closed.is_set()]
@@ -243,6 +254,7 @@ class Supervisor:
             return {}
         if op == "ready":
             slot.ready = True
+            slot.config_failures, slot.failure = 0, None
             slot.pid = msg.get("pid", slot.pid)
             log.info("worker %d (pid %s) ready", slot.index, slot.pid)
             if all(s.ready for s in self.slots):
@@ -296,10 +308,25 @@ class Supervisor:
                 with trio.move_on_after(1.0):
                     await link.closed.wait()  # read what it sent last
                 nursery.cancel_scope.cancel()
-            slot.ready = False
+            was_ready, slot.ready = slot.ready, False
             slot.proc = None
             if self.stopping:
                 return
+            if rc == 2 and not was_ready and self.serving:
+                # its files on disk (certificate, key, users, pins) do not load: it said which. The
+                # others serve; retrying at once would only fail again, and stopping the router
+                # for it would end every connection of the others
+                slot.config_failures += 1
+                delay = min(CONFIG_RETRY_MAX_S, CONFIG_RETRY_S * 2 ** (slot.config_failures - 1))
+                slot.failure = (f"cannot start: a file its configuration names does not load (its own line "
+                                f"in the log says which); trying again in {delay:g}s")
+                slot.restarts += 1
+                print(f"lodestone-router: worker {slot.index} (pid {slot.pid}) {slot.failure}; the other workers "
+                      "serve", file=sys.stderr, flush=True)
+                await trio.sleep(delay)
+                if self.stopping:
+                    return
+                continue
             how = f"signal {-rc}" if rc < 0 else f"status {rc}"
             if not self.serving:
                 self._fatal(f"worker {slot.index} (pid {slot.pid}) exited with {how} while starting",

@@ -296,3 +296,42 @@ def _workers(router) -> list[dict]:
     status, body = router.get("/api/v1/router")
     assert status == 200, body
     return sorted(body["processes"], key=lambda w: w["worker"])
+
+
+def test_a_worker_that_cannot_start_on_a_broken_certificate_waits_while_the_other_serves(tmp_path):
+    """Two workers; the certificate is broken on disk (no reload), then a worker is SIGKILLed:
+    its restart cannot load the certificate. The router does not stop (it would have after five
+    quick failed starts): the other worker serves every new connection, /health says which
+    worker is down and why, and once the file is fixed the worker comes back by itself."""
+    users = write_users_file(tmp_path / "users.toml", USERS)
+    broker = BrokerProcess(tmp_path / "b1", write_config(tmp_path / "b1", name="b1", users_file=users)).start()
+    ca = trustme.CA()
+    pem = tmp_path / "router.pem"
+    ca.issue_cert("localhost", "127.0.0.1").private_key_and_cert_chain_pem.write_to_path(str(pem))
+    good = pem.read_bytes()
+    router = start_router(tmp_path / "router", _config(users, {"b1": broker}, names=["b1"], pem=pem, workers=2),
+                          expect=3, auth=("admin", "admin"))
+    try:
+        wait_for(lambda: all(t["ready"] for t in _router(router)["pool"]["targets"]), 20, what="b1 ready")
+        pem.write_text("not a certificate\n")
+        victim = _workers(router)[1]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: "worker 1" in router.stderr_text() and "cannot start" in router.stderr_text(), 20,
+                 what="worker 1 cannot start")
+        wait_for(lambda: sum("worker 1 (pid" in ln and "cannot start" in ln
+                             for ln in router.stderr_text().splitlines()) >= 2, 30,
+                 what="worker 1 tried again, after a back-off")
+        assert router.proc.poll() is None                  # the router did not stop
+        status, health = router.get("/health")
+        assert status == 200 and health["status"] == "degraded", health
+        assert [(d["component"], d["worker"]) for d in health["degraded"]] == [("worker", 1)], health
+        for i in range(10):                               # worker 0 takes every connection
+            h = Held(router, 2000 + i)
+            h.round_trip()
+            h.conn.close()
+        pem.write_bytes(good)
+        wait_for(lambda: _workers(router)[1]["ready"], 40, what="worker 1 back once the file is fixed")
+        wait_for(lambda: router.get("/health")[1]["status"] == "ok", 10, what="health ok again")
+    finally:
+        router.terminate()
+        broker.kill()
