@@ -104,10 +104,11 @@ def main(argv: list[str] | None = None) -> int:
             cfg = _load(args.config, text.encode("utf-8"))
         else:
             try:   # read once: a supervisor hands its workers exactly the text it checked
-                text = args.config.read_bytes().decode("utf-8")
-            except (OSError, UnicodeDecodeError):
-                text = None   # _load names the problem
-            cfg = _load(args.config, None if text is None else text.encode("utf-8"))
+                data = args.config.read_bytes()
+            except OSError:
+                data = None   # _load names the problem
+            cfg = _load(args.config, data)
+            text = data.decode("utf-8")    # it loaded: UTF-8
         if args.command == "run" and args.workers is not None and args.workers < 0:
             raise ConfigError("<command line>", "--workers", f"{args.workers} must be >= 0")
         if args.command != "check":

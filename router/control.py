@@ -189,22 +189,27 @@ class Link:
         try:
             reply = self.handler(msg)
         except Exception as exc:  # noqa: BLE001 - the peer gets the error text; we keep serving
-            if not isinstance(exc, (ValueError, KeyError)):
-                log.exception("%s: handling %r failed", self.name, msg.get("op"))
-            reply = {"error": f"{type(exc).__name__}: {exc}"}
+            reply = self._failed(msg.get("op"), exc)
         if inspect.iscoroutine(reply):
             self._nursery.start_soon(self._answer_later, rid, msg.get("op"), reply)
             return
-        if rid is not None and not self.closed.is_set():
-            self.send({**(reply or {}), "re": rid})
+        self._answer(rid, reply)
 
     async def _answer_later(self, rid, op, coro) -> None:
         try:
             reply = await coro
-        except Exception as exc:  # noqa: BLE001 - as _dispatch: the peer gets the error text
-            if not isinstance(exc, (ValueError, KeyError)):
-                log.exception("%s: handling %r failed", self.name, op)
-            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        except Exception as exc:  # noqa: BLE001 - as _dispatch
+            reply = self._failed(op, exc)
+        self._answer(rid, reply)
+
+    def _failed(self, op, exc: Exception) -> dict:
+        """The error answer (a ValueError or KeyError is the peer's mistake; anything else is
+        logged with its traceback)."""
+        if not isinstance(exc, (ValueError, KeyError)):
+            log.exception("%s: handling %r failed", self.name, op)
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+    def _answer(self, rid, reply) -> None:
         if rid is not None and not self.closed.is_set():
             self.send({**(reply or {}), "re": rid})
 

@@ -35,18 +35,16 @@ from __future__ import annotations
 import json
 import logging
 import socket
-import ssl
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 import h11
 import trio
 
-from broker.wire.io.http import http_request
+from broker.wire.io.http import call_json_url
 from router.core.keys import KeyType
-from router.health import basic_auth
+from router.core.membership import host_port
 
 if TYPE_CHECKING:
     from router.service import RouterService
@@ -80,8 +78,8 @@ class Drain:
 
     def view(self) -> dict[str, Any]:
         left = self.proxied_left + (self.broker_left or 0)
-        return {"target": self.group, "phase": self.phase, "rate_per_s": self.rate_per_s, "grace_ms": round(self.grace_s * 1000),
-                "started_at": self.started_at, "left": left, "proxied_left": self.proxied_left,
+        return {"target": self.group, "phase": self.phase, "rate_per_s": self.rate_per_s,
+                "grace_ms": round(self.grace_s * 1000), "started_at": self.started_at, "left": left, "proxied_left": self.proxied_left,
                 "on_broker_left": self.broker_left, "proxied_ended": self.proxied_ended,
                 "broker_closed": self.broker_closed, "last_error": self.last_error}
 
@@ -140,10 +138,6 @@ def key_of(key_type: KeyType, conn: dict) -> str | None:
     return None
 
 
-def host_port(target) -> str:
-    return f"[{target.host}]:{target.port}" if ":" in target.host else f"{target.host}:{target.port}"
-
-
 #: what a management call can raise (as the health probes see them): the drain retries
 HTTP_ERRORS = (OSError, ValueError, trio.TooSlowError, trio.BrokenResourceError, h11.ProtocolError)
 
@@ -198,7 +192,7 @@ async def _broker_round(service: "RouterService", drain: Drain, count_proxied, a
         if key is not None:
             d = service.route_for_key(key)
             if d.target is not None and d.target.group != drain.group:
-                redirect = host_port(d.target)
+                redirect = host_port(d.target.host, d.target.port)
         try:
             await _close(service, target.management_url, conn["id"], redirect)
             asked.add(conn["id"])
@@ -219,17 +213,10 @@ def _failed(service: "RouterService", drain: Drain, error: str) -> None:
 
 
 async def _call(service: "RouterService", url: str, method: str, path: str, body: bytes = b"") -> Any:
-    parts = urlsplit(url)
-    https = parts.scheme == "https"
     pc = service.config.pool
-    headers = [("Host", parts.netloc), ("Connection", "close"), ("Accept", "application/json"),
-               *basic_auth(pc.username if pc else None, pc.password if pc else None)]
-    if body:
-        headers.append(("Content-Type", "application/json"))
-    status, answer = await http_request(parts.hostname or "localhost", parts.port or (443 if https else 80), method,
-                                        path, headers=headers, body=body, timeout_s=HTTP_TIMEOUT_S,
-                                        ssl_context=ssl.create_default_context() if https else None,
-                                        max_body_bytes=16 << 20)
+    auth = (pc.username, pc.password or "") if pc is not None and pc.username is not None else None
+    status, answer = await call_json_url(url.rstrip("/") + path, method, body=body, auth=auth,
+                                         timeout_s=HTTP_TIMEOUT_S, max_body_bytes=16 << 20)
     if status // 100 != 2:
         raise ValueError(f"{method} {path}: HTTP {status}: {answer[:200].decode('utf-8', 'replace')}")
     return json.loads(answer) if answer else None

@@ -157,17 +157,10 @@ class Reloader(ReloadEntry):
             await self._abort()
             self._check_serving()
             old: RouterProcessConfig = self.running.config
-            try:
-                new = load_router_config(old.file, text.encode("utf-8"))
-            except ConfigError as exc:
-                raise ReloadRefused(str(exc)) from None
-            digests = file_digests(new)
+            new, plan, digests = read_and_plan(old, self.digests, text.encode("utf-8"))
             moved = sorted(p for p in set(files) | set(digests) if files.get(p) != digests.get(p))
             if moved:
                 raise ReloadRefused(f"{', '.join(moved)}: changed while the reload was read; reload again")
-            plan = plan_reload(old, new, old_files=self.digests, new_files=digests)
-            if not plan.ok:
-                raise ReloadRefused(f"{new.file}: {plan.summary()}")
             self.ports.update(ports)
             prepared = await self._prepare(old, new, plan)
             for name, states in pools.items():
@@ -184,7 +177,7 @@ class Reloader(ReloadEntry):
             old, new, plan, prepared, digests = self._pending
             self._pending = None
             if self.running.config is not old:
-                await self._discard_prepared(prepared)
+                await self._discard(prepared["services"], prepared["listeners"])
                 raise ReloadRefused("the configuration changed since the reload was prepared")
             reset = await self._commit(old, new, plan, prepared, digests)
             log.warning("reload (by the supervisor): %s", plan.summary())
@@ -199,14 +192,7 @@ class Reloader(ReloadEntry):
     async def _abort(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
-            await self._discard_prepared(pending[3])
-
-    async def _discard_prepared(self, prepared: dict) -> None:
-        await self._discard(prepared["services"], prepared["listeners"])
-        for name in prepared["services"]:
-            scope = self.scopes.pop(f"router:{name}", None)
-            if scope is not None:
-                scope.cancel()
+            await self._discard(pending[3]["services"], pending[3]["listeners"])
 
     # -- before anything changes: what can still fail -----------------------------------------
     async def _prepare(self, old: RouterProcessConfig, new: RouterProcessConfig, plan: ReloadPlan) -> dict:
@@ -238,13 +224,12 @@ class Reloader(ReloadEntry):
             await self._start_service(name, svc)
         return {"settings": settings, "services": services, "listeners": listeners, "pins": pins}
 
-    @staticmethod
-    async def _discard(services: dict, listeners: dict) -> None:
+    async def _discard(self, services: dict, listeners: dict) -> None:
+        """Undo a prepare: close its listeners, stop its routers (started or not)."""
         for ls in listeners.values():
             for listener in ls:
                 await listener.aclose()
-        for svc in services.values():
-            await svc.aclose()
+        await stop_services(services, self.scopes)
 
     # -- all at once (no checkpoint in between) ----------------------------------------------
     def _apply(self, old: RouterProcessConfig, new: RouterProcessConfig, plan: ReloadPlan,
@@ -288,28 +273,12 @@ class Reloader(ReloadEntry):
 
     # -- tasks -------------------------------------------------------------------------------------
     def _start_accepting(self, name: str, acceptor, listeners) -> None:
-        limit = self.running.limits[name]
-
-        async def accept() -> None:
-            with trio.CancelScope() as scope:
-                self.scopes[f"acceptor:{name}"] = scope
-                await self.serve(acceptor, listeners, limit)
-
-        self.accepting.start_soon(accept)
+        self.accepting.start_soon(run_watched, self.scopes, f"acceptor:{name}", self.serve, acceptor, listeners,
+                                  self.running.limits[name])
 
     async def _start_service(self, name: str, svc) -> None:
         """Start a new router and wait for its first probe round (as at start)."""
-        async def run(task_status=trio.TASK_STATUS_IGNORED) -> None:
-            with trio.CancelScope() as scope:
-                self.scopes[f"router:{name}"] = scope
-                await svc.run(task_status=task_status)
-
-        await self.system.start(run)
-
-    def watch(self, key: str, scope: trio.CancelScope) -> None:
-        """``serve_router``'s own accept loops and services (``acceptor:<name>``,
-        ``router:<name>``), so a reload can stop one."""
-        self.scopes[key] = scope
+        await self.system.start(run_watched, self.scopes, f"router:{name}", svc.run)
 
 
 class SupervisorReloader(ReloadEntry):
@@ -338,10 +307,7 @@ class SupervisorReloader(ReloadEntry):
         except OSError as exc:
             raise ReloadRefused(str(ConfigError(old.file, "", f"cannot read: {exc.strerror}"))) from None
         new, plan, digests = read_and_plan(old, self.digests, data)
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError:   # read_and_plan refused it already; for the type checker
-            raise ReloadRefused(f"{old.file}: not UTF-8") from None
+        text = data.decode("utf-8")     # it loaded: UTF-8
         own = await sup.prepare_reload(old, new, plan)
         slots = sup.ready_workers()
         applied = False
@@ -362,17 +328,30 @@ class SupervisorReloader(ReloadEntry):
                     await sup.discard_reload(own)
         self.digests = digests
         failed = await sup.ask_workers(slots, {"op": "reload_commit"}, timeout_s=self.STEP_TIMEOUT_S)
+        restarted = [index for index, _ in failed]
         for s in slots:
-            if s.index not in dict(failed) and s.link is links[s.index]:
+            if s.index not in restarted and s.link is links[s.index]:
                 s.text = text                           # this process now runs the new text
         for index, err in failed:   # a bug, or it died: it must not serve the old configuration
             log.error("worker %d did not apply the reload (%s); restarting it on the new configuration",
                       index, err)
             sup.restart_worker(index)
         sup.after_reload()
-        return result(plan, reset, workers={"applied": sorted(s.index for s in slots
-                                                              if s.index not in dict(failed)),
-                                            "restarted": sorted(i for i, _ in failed)})
+        return result(plan, reset, workers={"applied": sorted(s.index for s in slots if s.index not in restarted),
+                                            "restarted": restarted})
+
+
+async def run_watched(scopes: dict, key: str, fn, *args, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Run ``fn(*args)`` — or, without ``args``, a service's ``fn(task_status=…)``, started once
+    its first probe round is done — in a cancel scope kept as ``scopes[key]`` (``router:<name>``,
+    ``acceptor:<name>``), so a reload can stop that one router or accept loop."""
+    with trio.CancelScope() as scope:
+        scopes[key] = scope
+        if args:
+            task_status.started()
+            await fn(*args)
+        else:
+            await fn(task_status=task_status)
 
 
 async def new_services(old: RouterProcessConfig, new: RouterProcessConfig, make_service: Callable) -> dict:
@@ -421,6 +400,16 @@ def apply_routers(services: dict, old: RouterProcessConfig, new: RouterProcessCo
                 reset.append(name)          # set at runtime (PUT): the file's value again
             svc.reconfigure(rc, pins=prepared["pins"].get(name))
     return reset
+
+
+async def stop_services(services: dict, scopes: dict) -> None:
+    """Stop routers started for a reload that did not apply: their tasks (``scopes``), then
+    their resources."""
+    for name, svc in services.items():
+        scope = scopes.pop(f"router:{name}", None)
+        if scope is not None:
+            scope.cancel()
+        await svc.aclose()
 
 
 def remove_routers(services: dict, scopes: dict, old: RouterProcessConfig, new: RouterProcessConfig) -> None:

@@ -41,7 +41,7 @@ from broker.wire.io.users import load_users
 from router.control import Link, stream_from_fd
 from router.net.proxy import SharedPoller
 from router.management import io_status, serve_management
-from router.reload import Reloader, ReloadRefused, reload_on_sighup
+from router.reload import Reloader, ReloadRefused, reload_on_sighup, run_watched
 
 log = logging.getLogger("router.server")
 
@@ -255,7 +255,7 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
             else:   # a worker: its supervisor answers a SIGHUP sent to the whole group
                 system.start_soon(_ignore_sighup)
             for name, service in services.items():
-                await system.start(_watched, reloader, f"router:{name}", service.run)
+                await system.start(run_watched, reloader.scopes, f"router:{name}", service.run)
             await system.start(routelog.run)
             if any(acc.mode != "redirect" for acc in cfg.acceptors):
 
@@ -289,7 +289,7 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
                     async with trio.open_nursery() as accepting:
                         for acc in cfg.acceptors:
                             a = acceptors[acc.name]
-                            accepting.start_soon(_watched, reloader, f"acceptor:{acc.name}", _serve_acceptor,
+                            accepting.start_soon(run_watched, reloader.scopes, f"acceptor:{acc.name}", _serve_acceptor,
                                                  a, bound[acc.name], handlers, limits[acc.name], edge)
                         accepting.start_soon(_wait_for_signal, accepting.cancel_scope)
                         reloader.accepting = accepting
@@ -335,18 +335,6 @@ async def _ignore_sighup() -> None:
     with trio.open_signal_receiver(signal.SIGHUP) as hups:
         async for _ in hups:
             pass
-
-
-async def _watched(reloader, key: str, fn, *args, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Run ``fn`` in a cancel scope a reload can cancel (a removed router or acceptor)."""
-    with trio.CancelScope() as scope:
-        if reloader is not None:
-            reloader.watch(key, scope)
-        if args:
-            task_status.started()
-            await fn(*args)
-        else:
-            await fn(task_status=task_status)
 
 
 async def _serve_acceptor(acceptor: Acceptor, listeners, handlers: trio.Nursery, limit: ConnectionLimit,

@@ -71,7 +71,7 @@ from broker.wire.io.logsetup import print_listening
 from router.management import serve_management
 from router.server import _url
 from router.reload import (ReloadRefused, SupervisorReloader, apply_routers, changed_pins, new_services,
-                           reload_on_sighup, remove_routers)
+                           reload_on_sighup, remove_routers, run_watched, stop_services)
 from broker.wire.io.users import load_users
 
 log = logging.getLogger("router.workers")
@@ -202,27 +202,12 @@ class Supervisor:
     async def _confirm_all(self, msg: dict) -> dict:
         """Send ``msg`` to every live worker and wait for each to confirm (or fail):
         ``{"applied_workers": [...], "failed_workers": [{worker, error}]}``."""
-
-        applied: list[int] = []
-        failed: list[dict] = []
-
-        async def ask(slot: WorkerSlot) -> None:
-            try:
-                await slot.link.request(msg, timeout_s=FILTER_ACK_TIMEOUT_S)
-                applied.append(slot.index)
-            except ChannelClosed:
-                # it died meanwhile: its restart gets the new state first
-                failed.append({"worker": slot.index, "error": "worker exited (a restart applies it)"})
-            except RemoteFailure as exc:
-                failed.append({"worker": slot.index, "error": str(exc)})
-            except trio.TooSlowError:
-                failed.append({"worker": slot.index,
-                               "error": f"no confirmation within {FILTER_ACK_TIMEOUT_S:g}s"})
-
-        async with trio.open_nursery() as nursery:
-            for slot in self._live():
-                nursery.start_soon(ask, slot)
-        return {"applied_workers": sorted(applied), "failed_workers": sorted(failed, key=lambda f: f["worker"])}
+        slots = self._live()
+        failed = await self.ask_workers(slots, msg, timeout_s=FILTER_ACK_TIMEOUT_S,
+                                        exited="worker exited (a restart applies it)", late="no confirmation")
+        bad = {index for index, _ in failed}
+        return {"applied_workers": sorted(s.index for s in slots if s.index not in bad),
+                "failed_workers": [{"worker": index, "error": error} for index, error in failed]}
 
     # -- control channel: supervisor side --------------------------------------------------------
     def _state_message(self) -> dict:
@@ -386,20 +371,22 @@ class Supervisor:
     def ready_workers(self) -> list[WorkerSlot]:
         return [s for s in self._live() if s.ready]
 
-    async def ask_workers(self, slots: list[WorkerSlot], msg: dict, *, timeout_s: float) -> list[tuple[int, str]]:
-        """Send ``msg`` to each of ``slots`` (as it was when asked) and wait for every answer;
-        returns ``[(worker, error)]`` for those that failed, died or did not answer in time."""
+    async def ask_workers(self, slots: list[WorkerSlot], msg: dict, *, timeout_s: float,
+                          exited: str = "worker exited", late: str = "no answer") -> list[tuple[int, str]]:
+        """Send ``msg`` to each of ``slots`` (on its link as it was when asked) and wait for every
+        answer; returns ``[(worker, error)]``, sorted, for those that failed, died (``exited``)
+        or did not answer in time (``late`` within ``timeout_s``)."""
         failed: list[tuple[int, str]] = []
 
         async def ask(slot: WorkerSlot, link) -> None:
             try:
                 await link.request(msg, timeout_s=timeout_s)
             except ChannelClosed:
-                failed.append((slot.index, "worker exited"))
+                failed.append((slot.index, exited))    # (a restart gets the state in force first)
             except RemoteFailure as exc:
                 failed.append((slot.index, str(exc)))
             except trio.TooSlowError:
-                failed.append((slot.index, f"no answer within {timeout_s:g}s"))
+                failed.append((slot.index, f"{late} within {timeout_s:g}s"))
 
         async with trio.open_nursery() as nursery:
             for slot in slots:
@@ -420,7 +407,7 @@ class Supervisor:
         try:
             own["services"] = services = await new_services(old, new, build_router)
             for name, svc in services.items():
-                await self._system.start(self._run_service, name, svc)
+                await self._system.start(run_watched, self.scopes, f"router:{name}", svc.run)
         except BaseException:
             with trio.CancelScope(shield=True):
                 await self.discard_reload(own)
@@ -430,11 +417,7 @@ class Supervisor:
     async def discard_reload(self, own: dict) -> None:
         for s in own["placeholders"].values():
             s.close()
-        for name, svc in own["services"].items():
-            scope = self.scopes.pop(f"router:{name}", None)
-            if scope is not None:
-                scope.cancel()
-            await svc.aclose()
+        await stop_services(own["services"], self.scopes)
 
     def apply_reload(self, old, new, plan, own: dict, text: str) -> list[str]:
         """The supervisor's side of a reload, all at once: its routers, the configuration and
@@ -493,11 +476,6 @@ class Supervisor:
         return (sum(st.get("proxied", {}).get(router, {}).get(group, 0) for st in stats),
                 sum(st.get("drained", {}).get(router, {}).get(group, 0) for st in stats))
 
-    async def _run_service(self, name: str, svc, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        with trio.CancelScope() as scope:
-            self.scopes[f"router:{name}"] = scope
-            await svc.run(task_status=task_status)
-
     # -- main ------------------------------------------------------------------------------------
     async def run(self) -> int:
         """Run until signalled (exit status 0) or a fatal worker failure (1, or 2)."""
@@ -529,7 +507,7 @@ class Supervisor:
             system.start_soon(self._signals, signals)
             system.start_soon(reload_on_sighup, self.running.reloader)
             for name, svc in self.services.items():
-                await system.start(self._run_service, name, svc)  # the first probe round is done
+                await system.start(run_watched, self.scopes, f"router:{name}", svc.run)  # first probe round done
             for name, svc in self.services.items():
                 self._adopt(name, svc)
             self.running.management_address = await system.start(serve_management, self.running)

@@ -66,6 +66,7 @@ from typing import Callable, Iterable, Protocol
 
 from router.errors import MembershipSourceError
 
+from .membership import host_port
 from .policies.base import Target
 
 
@@ -348,7 +349,7 @@ class Pool:
                 return t.group
         for st in self.members:
             t = st.target
-            if name == (f"[{t.host}]:{t.port}" if ":" in t.host else f"{t.host}:{t.port}"):
+            if name == host_port(t.host, t.port):
                 return t.group
         return None
 

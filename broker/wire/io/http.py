@@ -262,13 +262,22 @@ async def http_get(host: str, port: int, path: str, *, auth: tuple[str, str] | N
 
     ``ssl_context`` makes it HTTPS (server name = ``host``); ``headers`` are added to the request.
     """
+    return await http_call(host, port, "GET", path, auth=auth, timeout_s=timeout_s, ssl_context=ssl_context,
+                           headers=headers, max_body_bytes=max_body_bytes)
+
+
+async def http_call(host: str, port: int, method: str, path: str, *, body: bytes = b"",
+                    auth: tuple[str, str] | None = None, timeout_s: float = 5.0,
+                    ssl_context: ssl.SSLContext | None = None, headers: list[tuple[str, str]] = (),
+                    max_body_bytes: int | None = None) -> tuple[int, bytes]:
+    """``http_get`` for any method, with an optional ``body``."""
     netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     hdrs = [("Host", netloc), ("Connection", "close")]
     if auth is not None:
         token = base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
         hdrs.append(("Authorization", f"Basic {token}"))
     hdrs += list(headers)
-    return await http_request(host, port, "GET", path, headers=hdrs, timeout_s=timeout_s,
+    return await http_request(host, port, method, path, headers=hdrs, body=body, timeout_s=timeout_s,
                               ssl_context=ssl_context, max_body_bytes=max_body_bytes)
 
 
@@ -277,13 +286,23 @@ async def get_json_url(url: str, *, headers: list[tuple[str, str]] = (), auth: t
                        max_body_bytes: int | None = None) -> tuple[int, bytes]:
     """GET ``url`` asking for JSON (the router's health probes and cluster reads, the HA vote);
     returns (status, body). https URLs use ``ssl_context`` or the system trust store."""
+    return await call_json_url(url, "GET", headers=headers, auth=auth, timeout_s=timeout_s,
+                               ssl_context=ssl_context, max_body_bytes=max_body_bytes)
+
+
+async def call_json_url(url: str, method: str, *, body: bytes = b"", headers: list[tuple[str, str]] = (),
+                        auth: tuple[str, str] | None = None, timeout_s: float = 2.0,
+                        ssl_context: ssl.SSLContext | None = None,
+                        max_body_bytes: int | None = None) -> tuple[int, bytes]:
+    """``get_json_url`` for any method; a ``body`` is sent as JSON (the router's drain)."""
     parts = urlsplit(url)
     https = parts.scheme == "https"
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     ctx = (ssl_context or ssl.create_default_context()) if https else None
-    return await http_get(parts.hostname or "localhost", parts.port or (443 if https else 80), target,
-                          auth=auth, timeout_s=timeout_s, ssl_context=ctx,
-                          headers=[("Accept", "application/json"), *headers], max_body_bytes=max_body_bytes)
+    hdrs = [("Accept", "application/json"), *([("Content-Type", "application/json")] if body else []), *headers]
+    return await http_call(parts.hostname or "localhost", parts.port or (443 if https else 80), method, target,
+                           body=body, auth=auth, timeout_s=timeout_s, ssl_context=ctx, headers=hdrs,
+                           max_body_bytes=max_body_bytes)
 
 
 async def http_request(host: str, port: int, method: str, path: str, *, headers: list[tuple[str, str]],

@@ -9,6 +9,7 @@ import collections
 import types
 
 import trio
+import trio.testing
 
 from router.config import load_router_config
 from router.core.keys import KeyType
@@ -99,9 +100,9 @@ async def test_an_abort_during_a_slow_prepare_undoes_it_once_it_finishes(tmp_pat
             answers.append(await reloader.abort_remote())
 
         nursery.start_soon(prepare)
-        await trio.sleep(0.05)
+        await trio.testing.wait_all_tasks_blocked()     # the prepare waits in its bind
         nursery.start_soon(abort)             # the supervisor gave up and aborts
-        await trio.sleep(0.05)
+        await trio.testing.wait_all_tasks_blocked()     # the abort waits for the prepare
         go.set()
     assert answers == [{"changes": 1}, {}]    # the abort waited for the prepare...
     assert reloader._pending is None          # ...and undid it: nothing left to commit

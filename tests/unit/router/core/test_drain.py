@@ -11,7 +11,8 @@ from router.core.cache import StickyCache
 from router.core.decide import Outcome, Router
 from router.core.keys import ConnectionInfo, KeyResolver, KeyType
 from router.core.pool import Pool
-from router.drain import Drain, host_port, key_of
+from router.core.membership import host_port
+from router.drain import Drain, key_of
 from router.policies import Target, create_policy
 
 
@@ -120,8 +121,8 @@ def test_the_key_of_a_broker_connection_comes_from_its_listing(key_type, conn, w
 
 
 def test_the_redirect_address_brackets_v6_and_the_view_sums_what_is_left():
-    assert host_port(tgt("b1")) == "127.0.0.1:5049"
-    assert host_port(tgt("b1", host="::1")) == "[::1]:5049"
+    assert host_port(tgt("b1").host, tgt("b1").port) == "127.0.0.1:5049"
+    assert host_port("::1", 5049) == "[::1]:5049"
     d = Drain("b2", 5.0, 0.5)
     d.proxied_left, d.broker_left = 3, 4
     v = d.view()
