@@ -4,7 +4,8 @@
 # redis-server, when missing), Java (Debian's default-jre-headless, when missing) for the Spark job's tests, iproute2,
 # Node.js and npm (Debian's nodejs and npm, when missing) and rhea (+ minimist) for the Node client tests
 # (`npm ci` in clients/node, from its package-lock.json; see etc/bootstrap.sh), and RabbitMQ (Debian's
-# rabbitmq-server, when missing; its service is not started: the tests run their own node on loopback).
+# rabbitmq-server, when missing; its service is not started: the tests run their own node on loopback), and
+# Debian's chromium and chromium-driver (when missing) for the dashboard's browser test.
 # Extra arguments go to pytest (e.g. `bash etc/run-tests.sh tests/unit -x`).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -15,6 +16,8 @@ command -v npm >/dev/null 2>&1 || need+=(npm)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)   # network namespaces for the multicast discovery tests
 command -v java >/dev/null 2>&1 || need+=(default-jre-headless)   # PySpark's JVM (Debian 12: OpenJDK 17) for tests/spark
 [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || need+=(rabbitmq-server)   # a third-party AMQP 1.0 peer (tests/rabbitproc.py)
+[ -x /usr/bin/chromium ] || need+=(chromium)                  # the dashboard in a real browser (selenium)
+[ -x /usr/bin/chromedriver ] || need+=(chromium-driver)
 if [ ${#need[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ]; then
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null

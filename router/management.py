@@ -18,6 +18,8 @@ POST     /api/v1/routers/{r}/targets/{t}/readmit         let a held target take 
 POST     /api/v1/routers/{r}/targets/{t}/drain           move a target's clients elsewhere (router.drain)
 POST     /api/v1/routers/{r}/targets/{t}/undrain         let a drained target take new connections
 GET      /api/v1/counters                                edge counters (total and per acceptor) + routers'
+GET      /                                               the dashboard (router.dashboard), HTML
+GET      /api/v1/dashboard                               what the dashboard draws: pools, rates, decisions, brokers
 GET      /metrics                                        Prometheus text format
 GET      /openapi.json                                   this API as OpenAPI 3.0
 =======  ==============================================  ==============================================
@@ -44,7 +46,8 @@ import hmac
 import inspect
 import logging
 import re
-from urllib.parse import unquote
+import time
+from urllib.parse import unquote, urlsplit
 from typing import Any
 
 import trio
@@ -55,6 +58,8 @@ from dataclasses import dataclass, field
 from broker.wire.io.http import HttpError, Metric, Request, Response, json_response, metrics_response, require_basic_auth, serve_http
 from router.core.cache import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE
 from router.core.decide import Decision, Outcome
+from router.dashboard import STATIC, ClusterView, recent_decisions, static_response
+from router.net.edge.context import RECENT_DECISIONS
 from router.errors import FilterError
 from router.fdlimit import fd_limit, open_fd_count
 from router.net.stats import COUNTER_NAMES, EdgeStats
@@ -100,7 +105,7 @@ async def serve_management(running, *, task_status=trio.TASK_STATUS_IGNORED) -> 
 
 
 _READ_ONLY = frozenset({"/health", "/openapi.json", "/metrics", "/api/v1/router", "/api/v1/routers",
-                        "/api/v1/counters"})
+                        "/api/v1/counters", "/api/v1/dashboard", *STATIC})
 
 
 @dataclass
@@ -118,6 +123,8 @@ class Aggregate:
     fd_limit: int | None = None
     processes: list[dict] | None = field(default=None)
     logins: dict[str, int] = field(default_factory=dict)   # broker.wire.io.login.LoginGate counters
+    #: router → group → connections proxied to it now (every process)
+    proxied: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 def aggregate_workers(reports: list[dict], services: dict) -> Aggregate:
@@ -130,8 +137,11 @@ def aggregate_workers(reports: list[dict], services: dict) -> Aggregate:
     fds = 0
     per_worker = []
     logins: Counter = Counter()
+    proxied: dict[str, Counter] = {}
     for rep in reports:
         logins.update(rep.get("logins", {}))
+        for name, groups in rep.get("proxied", {}).items():
+            proxied.setdefault(name, Counter()).update(groups)
         mine = EdgeStats()
         for a, n, v in rep["counters"]:
             stats.counters[(a, n)] += v
@@ -151,7 +161,8 @@ def aggregate_workers(reports: list[dict], services: dict) -> Aggregate:
                            "routing_log": {"lines_written": rep["routing_log"][0],
                                            "lines_dropped": rep["routing_log"][1]}})
     return Aggregate(stats, {n: dict(c) for n, c in routers.items()}, written, dropped, per_worker,
-                     log_write_errors=errors, failing=failing, open_fds=fds, logins=dict(logins))
+                     log_write_errors=errors, failing=failing, open_fds=fds, logins=dict(logins),
+                     proxied={n: dict(c) for n, c in proxied.items()})
 
 
 class RouterResources:
@@ -348,6 +359,7 @@ class ManagementApi(RouterResources):
 
     def __init__(self, running):
         self.running = running
+        self.cluster = ClusterView()
 
     @property
     def cfg(self):
@@ -415,6 +427,13 @@ class ManagementApi(RouterResources):
         if path == "/openapi.json":
             return json_response(openapi_document())
         await self._authorize(request)
+        if request.method not in ("GET", "HEAD"):
+            _same_origin(request)
+        page = static_response(path)
+        if page is not None:
+            return page
+        if path == "/api/v1/dashboard":
+            return json_response(await self.dashboard())
         if path == "/metrics":
             return metrics_response(self.metrics(await self.aggregate()))
         if path == "/api/v1/router":
@@ -452,7 +471,9 @@ class ManagementApi(RouterResources):
                              log_write_errors=r.edge.routelog.write_errors,
                              failing=own["failing"], open_fds=own["open_fds"],
                              fd_limit=own["fd_limit"],
-                             logins=dict(r.edge.login_gate.counters) if r.edge.login_gate else {})
+                             logins=dict(r.edge.login_gate.counters) if r.edge.login_gate else {},
+                             proxied={name: {g: len(c) for g, c in getattr(svc, "proxied", {}).items()}
+                                      for name, svc in r.services.items()})
         agg = aggregate_workers(await r.supervisor.gather_stats(), r.services)
         if r.edge.login_gate is not None:   # the supervisor's own (management) logins
             for k, v in r.edge.login_gate.counters.items():
@@ -462,6 +483,27 @@ class ManagementApi(RouterResources):
         agg.fd_limit = own["fd_limit"]
         agg.open_fds = (agg.open_fds or 0) + (own["open_fds"] or 0)
         return agg
+
+    async def dashboard(self) -> dict:
+        """``GET /api/v1/dashboard``: what the page at ``/`` draws (``router.dashboard``)."""
+        r = self.running
+        agg = await self.aggregate()
+        failing = list(agg.failing)
+        if r.supervisor is not None:
+            failing += r.supervisor.failing_workers()
+            decisions = await r.supervisor.gather_recent()
+        else:
+            decisions = recent_decisions(r)
+        routers = []
+        for name in list(self.services):
+            view = self.router_view(name)
+            view["counters"] = agg.routers.get(name, {})
+            view["proxied"] = agg.proxied.get(name, {})
+            routers.append(view)
+        return {"time": round(time.time(), 3), "name": self.cfg.name,
+                "status": "draining" if r.draining else ("degraded" if failing else "ok"), "degraded": failing,
+                "summary": self.summary(agg), "edge": agg.stats.totals(), "routers": routers,
+                "decisions": decisions[-RECENT_DECISIONS:], "cluster": await self.cluster.read(self.services)}
 
     def summary(self, agg: Aggregate | None = None) -> dict:
         r = self.running
@@ -580,6 +622,21 @@ class ManagementApi(RouterResources):
                             for name, c in agg.routers.items()
                             if getattr(r.services.get(name), "remote_tier", None) == "redis"))]
         return ms
+
+
+def _same_origin(request: Request) -> None:
+    """A browser's request that changes something must come from a page of this API (the
+    dashboard): with HTTP Basic, a browser would otherwise send its cached credentials with a
+    form another site posts here. Clients that are not browsers send neither header."""
+    site = request.headers.get("sec-fetch-site")
+    if site is not None and site not in ("same-origin", "none"):
+        raise HttpError(403, f"cross-site request refused (Sec-Fetch-Site: {site[:40]})")
+    origin = request.headers.get("origin")
+    if origin is None:
+        return
+    host = request.headers.get("host")
+    if host is None or urlsplit(origin).netloc.lower() != host.lower():
+        raise HttpError(403, f"cross-origin request refused: Origin {origin[:100]!r} is not this API ({host!r})")
 
 
 def _share(done: int, skipped: int) -> float:
@@ -744,6 +801,19 @@ def openapi_document() -> dict:
                         {"name": "after", "in": "query", "required": False,
                          "description": "return keys greater than this (the previous page's next)",
                          "schema": {"type": "string"}}])},
+            "/": {"get": {"summary": "The dashboard: an HTML page that polls /api/v1/dashboard", "responses": {
+                "200": {"description": "HTML", "content": {"text/html": {}}},
+                "401": {"description": "credentials required"}}}},
+            "/api/v1/dashboard": {"get": op(
+                "What the dashboard draws: status, edge counters, routers with their pools and proxied "
+                "connections, the last routing decisions with their explanation, and the brokers as "
+                "their management APIs describe themselves", {"type": "object", "properties": {
+                    "time": {"type": "number"}, "name": {"type": "string"}, "status": {"type": "string"},
+                    "degraded": {"type": "array", "items": {"type": "object"}},
+                    "summary": {"type": "object"}, "edge": {"type": "object"},
+                    "routers": {"type": "array", "items": {"type": "object"}},
+                    "decisions": {"type": "array", "items": {"type": "object"}},
+                    "cluster": {"type": "array", "items": {"type": "object"}}}})},
             "/api/v1/counters": {"get": op("Edge counters (" + ", ".join(COUNTER_NAMES) + ") in total and per "
                                            "acceptor, and each router's counters")},
         },

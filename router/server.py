@@ -40,6 +40,7 @@ from router.service import build_router, build_services
 from broker.wire.io.users import load_users
 from router.control import Link, stream_from_fd
 from router.net.proxy import SharedPoller
+from router.dashboard import recent_decisions
 from router.management import io_status, serve_management
 from router.reload import Reloader, ReloadRefused, reload_on_sighup, run_watched
 
@@ -174,11 +175,11 @@ def _control_handler(running_box: dict, services: dict, state_applied: trio.Even
             if running is None or running.reloader is None:
                 raise ValueError("not started yet")
             return _reload_step(running.reloader, msg)
-        if op == "stats":
+        if op in ("stats", "recent"):
             running = running_box.get("running")
             if running is None:
                 raise ValueError("not started yet")
-            return worker_stats(running)
+            return worker_stats(running) if op == "stats" else {"decisions": recent_decisions(running)}
         raise ValueError(f"unknown control message {op!r}")
 
     return handle

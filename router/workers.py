@@ -172,20 +172,29 @@ class Supervisor:
 
     async def gather_stats(self) -> list[dict]:
         """Every ready worker's ``stats`` (``router.server.worker_stats``), by worker index."""
+        return sorted(await self._ask_ready("stats", "its counters"), key=lambda st: st["worker"])
 
+    async def gather_recent(self) -> list[dict]:
+        """Every ready worker's last routing decisions (``router.dashboard``), oldest first."""
+        answers = await self._ask_ready("recent", "its decisions")
+        return sorted((d for a in answers for d in a["decisions"]), key=lambda d: d["time"])
+
+    async def _ask_ready(self, op: str, what: str) -> list[dict]:
+        """Ask every ready worker ``{"op": op}`` at once; a worker that fails or misses
+        STATS_TIMEOUT_S is logged and left out."""
         out: list[dict] = []
 
         async def ask(slot: WorkerSlot) -> None:
             try:
-                out.append(await slot.link.request({"op": "stats"}, timeout_s=STATS_TIMEOUT_S))
+                out.append(await slot.link.request({"op": op}, timeout_s=STATS_TIMEOUT_S))
             except (ChannelClosed, RemoteFailure, trio.TooSlowError) as exc:
-                log.warning("worker %d did not report its counters: %s", slot.index, exc or "timeout")
+                log.warning("worker %d did not report %s: %s", slot.index, what, exc or "timeout")
 
         async with trio.open_nursery() as nursery:
             for slot in self._live():
                 if slot.ready:
                     nursery.start_soon(ask, slot)
-        return sorted(out, key=lambda st: st["worker"])
+        return out
 
     async def broadcast_filter(self, router: str, field: str, value) -> dict:
         """Send a filter (already applied and validated here) to every live worker and wait for

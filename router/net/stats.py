@@ -29,6 +29,8 @@ COUNTER_NAMES: dict[str, str] = {
     "route_ok": "routing decisions with a target",
     "route_refused_unavailable": "routing decisions refused: not ready (no quorum / no target)",
     "route_refused_use_another": "routing decisions refused: rejected here (no policy/pool)",
+    "cache_hit": "routing decisions answered by the sticky cache (any tier)",
+    "cache_miss": "routing decisions the sticky cache could not answer (no entry, or its target not ready)",
     "redirected": "clients sent an amqp:connection:redirect",
     "refused": "clients sent amqp:connection:forced (after a refusing decision)",
     "proxied": "clients whose handshake was replayed to a broker",

@@ -72,6 +72,12 @@ class Acceptor:
     def _inc(self, name: str, n: int = 1) -> None:
         self._counters[self._keys[name]] += n
 
+    def _count_decision(self, decision) -> None:
+        self._counters[self._keys[route_mod.ROUTE_COUNTER[decision.outcome]]] += 1
+        cached = route_mod.CACHE_COUNTER.get(decision.explanation.cache)
+        if cached is not None:
+            self._counters[self._keys[cached]] += 1
+
     def _new_conn(self, host: str, port: int, now: float) -> ConnState:
         c = ConnState(self.edge.next_connection_id(), f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
                       host, port, now)
@@ -283,7 +289,7 @@ class Acceptor:
             c.phase = PH_ROUTE
             scope.deadline = _INF
             decision = await route_mod.decide(c.service, s, c)
-            self._inc(route_mod.ROUTE_COUNTER[decision.outcome])
+            self._count_decision(decision)
             action = route_mod.action_for(s, decision, detected)
             if action is route_mod.REDIRECT:
                 self._log_decision(c, "redirected")
@@ -355,7 +361,7 @@ class Acceptor:
         self._inc("upstream_retried")
         self._log_decision(c, "upstream_retried")
         c.decision, c.decision_us = decision, decision_us
-        self._inc(route_mod.ROUTE_COUNTER[decision.outcome])
+        self._count_decision(decision)
         log.info("%s: %s; the client goes to %s instead", self.settings.name, err.description,
                  decision.target.name)
 
@@ -422,10 +428,13 @@ class Acceptor:
     # -- routing log (schema: router.routelog, docs/router.md) ---------------------------------
     def _log_decision(self, c: ConnState, action: str) -> None:
         routelog = self.edge.routelog
+        s = self.settings
+        now = self.edge.clock()
+        self.edge.recent.append((now, s.router, s.name, s.mode, c.id, c.host, c.user, c.container_id,
+                                 c.decision, c.decision_us, action))   # the dashboard's last decisions
         if routelog.path is None:
             return
-        s = self.settings
-        routelog.write_line(route_line(self.edge.clock(), self.edge.worker, s.router, s.name, s.mode, c,
+        routelog.write_line(route_line(now, self.edge.worker, s.router, s.name, s.mode, c,
                                        c.decision, c.decision_us, action, routelog.max_field_chars))
 
     def _proxy_closed(self, c: ConnState, result) -> None:

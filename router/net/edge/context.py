@@ -3,6 +3,7 @@ context, the per-connection record, and closing streams."""
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import socket
@@ -72,6 +73,10 @@ class AcceptorSettings:
     max_connections: int = 0                    # the acceptor's limit (enforced by the listener)
 
 
+#: how many decisions each process keeps for the dashboard's "last decisions"
+RECENT_DECISIONS = 50
+
+
 @dataclass
 class EdgeContext:
     """Process-wide pieces every acceptor shares."""
@@ -83,6 +88,10 @@ class EdgeContext:
     login_gate: Any = None                      # broker.wire.io.login.LoginGate over the authenticator
     clock: Callable[[], float] = time.time
     _ids: Any = field(default_factory=lambda: itertools.count(1))
+    #: the last routing decisions of this process, newest last (``router.dashboard``): tuples
+    #: ``(wall, router, acceptor, mode, connection id, client host, user, container id, Decision,
+    #: decision_us, action)``
+    recent: Any = field(default_factory=lambda: collections.deque(maxlen=RECENT_DECISIONS))
     _prefix: str = field(default_factory=lambda: os.urandom(4).hex())
 
     def __post_init__(self) -> None:

@@ -24,6 +24,8 @@ from router.sniff.amqp import Detected
 
 ROUTE_COUNTER = {Outcome.OK: "route_ok", Outcome.REFUSED_UNAVAILABLE: "route_refused_unavailable",
                  Outcome.REFUSED_USE_ANOTHER: "route_refused_use_another"}
+#: a decision's ``explanation.cache`` → its counter (``off`` and ``skipped`` count nothing)
+CACHE_COUNTER = {"hit": "cache_hit", "miss": "cache_miss", "stale": "cache_miss"}
 
 REDIRECT, PROXY = "redirect", "proxy"
 
