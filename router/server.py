@@ -274,39 +274,41 @@ async def serve_router(cfg: RouterProcessConfig, *, worker: int = 0, workers: in
                     for listener in ls:
                         await listener.aclose()
                 raise
-            if print_lines and primary:
-                for acc in cfg.acceptors:
-                    print_listening(acc.name, _url(acc, acc.host, running.ports[acc.name]))
-                if running.management_address is not None:
-                    host, port = running.management_address
-                    print_listening("management", f"http://{host}:{port}")
-            log.info("router %s worker %d/%d serving %d acceptor(s)", cfg.name, worker, workers, len(bound))
-            if link is not None:
-                link.send({"op": "ready", "pid": os.getpid(), "ports": running.ports})
-            task_status.started(running)
+            # SIGTERM/SIGINT are caught from before the listening lines: whoever reads them may stop us
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as stop_signals:
+                if print_lines and primary:
+                    for acc in cfg.acceptors:
+                        print_listening(acc.name, _url(acc, acc.host, running.ports[acc.name]))
+                    if running.management_address is not None:
+                        host, port = running.management_address
+                        print_listening("management", f"http://{host}:{port}")
+                log.info("router %s worker %d/%d serving %d acceptor(s)", cfg.name, worker, workers, len(bound))
+                if link is not None:
+                    link.send({"op": "ready", "pid": os.getpid(), "ports": running.ports})
+                task_status.started(running)
 
-            with trio.CancelScope() as handlers_scope:
-                async with trio.open_nursery() as handlers:
-                    async with trio.open_nursery() as accepting:
-                        for acc in cfg.acceptors:
-                            a = acceptors[acc.name]
-                            accepting.start_soon(run_watched, reloader.scopes, f"acceptor:{acc.name}", _serve_acceptor,
-                                                 a, bound[acc.name], handlers, limits[acc.name], edge)
-                        accepting.start_soon(_wait_for_signal, accepting.cancel_scope)
-                        reloader.accepting = accepting
-                        reloader.serve = lambda a, ls, limit: _serve_acceptor(a, ls, handlers, limit, edge)
-                        if link is not None:
-                            accepting.start_soon(_wait_for_supervisor_exit, link, accepting.cancel_scope)
-                    # accepting is over (signal): stop listening, then drain
-                    running.draining = True
-                    for ls in bound.values():
-                        for listener in ls:
-                            await trio.aclose_forcefully(listener)
-                    active = sum(edge.stats.active.values())
-                    log.info("draining: %d connection(s) open, up to %.1fs", active, drain_timeout_s)
-                    handlers_scope.deadline = trio.current_time() + drain_timeout_s
-            if handlers_scope.cancelled_caught:
-                log.info("drain deadline reached; remaining connections were closed")
+                with trio.CancelScope() as handlers_scope:
+                    async with trio.open_nursery() as handlers:
+                        async with trio.open_nursery() as accepting:
+                            for acc in cfg.acceptors:
+                                a = acceptors[acc.name]
+                                accepting.start_soon(run_watched, reloader.scopes, f"acceptor:{acc.name}", _serve_acceptor,
+                                                     a, bound[acc.name], handlers, limits[acc.name], edge)
+                            accepting.start_soon(_wait_for_signal, stop_signals, accepting.cancel_scope)
+                            reloader.accepting = accepting
+                            reloader.serve = lambda a, ls, limit: _serve_acceptor(a, ls, handlers, limit, edge)
+                            if link is not None:
+                                accepting.start_soon(_wait_for_supervisor_exit, link, accepting.cancel_scope)
+                        # accepting is over (signal): stop listening, then drain
+                        running.draining = True
+                        for ls in bound.values():
+                            for listener in ls:
+                                await trio.aclose_forcefully(listener)
+                        active = sum(edge.stats.active.values())
+                        log.info("draining: %d connection(s) open, up to %.1fs", active, drain_timeout_s)
+                        handlers_scope.deadline = trio.current_time() + drain_timeout_s
+                if handlers_scope.cancelled_caught:
+                    log.info("drain deadline reached; remaining connections were closed")
             system.cancel_scope.cancel()
     finally:
         for ls in bound.values():  # already closed when draining; not when cancelled
@@ -347,12 +349,11 @@ async def _serve_acceptor(acceptor: Acceptor, listeners, handlers: trio.Nursery,
                           refuse=acceptor.refuse_over_limit)
 
 
-async def _wait_for_signal(accept_scope: trio.CancelScope) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for signum in signals:
-            log.info("received %s: no new connections; draining", signal.Signals(signum).name)
-            accept_scope.cancel()
-            return
+async def _wait_for_signal(signals, accept_scope: trio.CancelScope) -> None:
+    async for signum in signals:
+        log.info("received %s: no new connections; draining", signal.Signals(signum).name)
+        accept_scope.cancel()
+        return
 
 
 async def _wait_for_state(link, state_applied: trio.Event) -> None:
