@@ -12,11 +12,12 @@ Ports come from the ``listening <acceptor name> <url>`` / ``listening management
 from __future__ import annotations
 
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.serverproc import ServerProcessMixin, http_json, toml_value
+from tests.serverproc import REPO, ServerProcessMixin, http_json, toml_value
 
 
 @dataclass(eq=False)
@@ -83,3 +84,9 @@ def start_router(workdir: Path, toml_text: str, *, expect: int, auth: tuple[str,
 
 
 toml_str = toml_value  # the name the router tests use
+
+
+def run_dry_run(*args: str) -> subprocess.CompletedProcess:
+    """``python -m router dry-run ARGS`` from the repository's root; its output, not checked."""
+    return subprocess.run([sys.executable, "-m", "router", "dry-run", *args], capture_output=True,
+                          text=True, timeout=60, cwd=REPO)

@@ -8,7 +8,8 @@ Keys are *filtered* keys (the routing log's ``key_filtered``); the policy's
 Only key-deterministic policies (CONSISTENT_HASH without LOAD_FACTOR, FIRST_ELEMENT,
 CONSISTENT_HASH_MODULO) give a prediction that holds for live traffic; for the others the report
 is computed the same way but flagged ``deterministic = False``. The sticky cache is ignored: a
-dry run answers "where would a new connection for this key go".
+dry run answers "where would a new connection for this key go". Replaying a routing log's
+decisions against a whole candidate config (filters, pins, cache hits, quorum): ``router.core.replay``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 from .policies.base import NULL_KEY, Target
 from .policies.registry import create_policy
@@ -108,6 +109,21 @@ def keys_from_key_list(text: str) -> list[str]:
     return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
 
 
+def json_objects(lines: Iterable[str]) -> Iterator[dict | None]:
+    """Each non-blank line of a JSON Lines file as its object, or None for a line that is not a
+    JSON object (the caller counts or skips it)."""
+    for line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            yield None
+            continue
+        yield rec if isinstance(rec, dict) else None
+
+
 def keys_from_routing_log(lines: Iterable[str]) -> list[str]:
     """Distinct filtered keys of a routing log (JSON Lines), in first-seen order.
 
@@ -119,15 +135,8 @@ def keys_from_routing_log(lines: Iterable[str]) -> list[str]:
     not JSON objects are skipped.
     """
     out: dict[str, None] = {}
-    for line in lines:
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(rec, dict):
+    for rec in json_objects(lines):
+        if rec is None:
             continue
         if isinstance(rec.get("reason"), str) and rec["reason"].startswith("key too long"):
             continue  # refused before routing (max-key-length): its key_filtered is "NULL"

@@ -13,7 +13,7 @@ from proton import ConnectionException
 from proton.utils import BlockingConnection
 
 from tests.brokerproc import start_broker
-from tests.routerproc import start_router
+from tests.routerproc import run_dry_run as _dry_run, start_router
 from tests.serverproc import REPO
 from tests.waiting import wait_for
 
@@ -59,9 +59,6 @@ def routed(tmp_path):
             b.kill()
 
 
-def _dry_run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "router", "dry-run", *args], capture_output=True,
-                          text=True, timeout=60, cwd=REPO)
 
 
 def test_dry_run_reads_the_real_routing_log_and_live_node_ids(routed):

@@ -12,6 +12,7 @@ class FirstElementPolicy(Policy):
 
     name = "FIRST_ELEMENT"
     follows_pool_order = True
+    key_deterministic = True  # the target depends only on the ready targets (dry runs, replay)
 
     def select_target(self, targets: Sequence[Target], key: str) -> Target | None:
         return targets[0] if targets else None

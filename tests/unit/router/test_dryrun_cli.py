@@ -63,3 +63,17 @@ def test_a_cluster_pool_needs_its_members(tmp_path, capsys):
     assert dry_run_main([ROUTER_TOML, "--keys", str(_keys(tmp_path, 5)), "--remove", "broker-1"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "routers.main.pool: source 'cluster'" in err and "--router-url" in err
+
+
+def test_replay_reads_every_routing_log_flag_and_needs_one(tmp_path, capsys):
+    """--candidate (decision replay): repeated --routing-log flags all count; --keys is refused."""
+    logs = []
+    for i in range(2):
+        p = tmp_path / f"routing-w{i}.log"
+        p.write_text(json.dumps({"event": "route", "router": "main", "outcome": "REFUSED_UNAVAILABLE"}) + "\n")
+        logs += ["--routing-log", str(p)]
+    assert dry_run_main([ROUTER_TOML, *logs, "--candidate", ROUTER_TOML, "--json", *IDS]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["decisions"] == 2 and report["refused_in_log"] == {"REFUSED_UNAVAILABLE": 2}
+    assert dry_run_main([ROUTER_TOML, "--keys", str(_keys(tmp_path, 1)), "--candidate", ROUTER_TOML, *IDS]) == 2
+    assert "give --routing-log" in capsys.readouterr().err
