@@ -157,6 +157,8 @@ class RouterService:
         self._holder.follow_holds = self.follower
         if self.follower:
             self._holder.on_diverted = self._report_diverted
+        #: target slot → ready, as last logged (``_log_readiness``)
+        self._ready_seen: dict[str, bool] = {}
         #: no automatic failback: the holds last logged and written (``_on_pool_change``)
         self._held_seen: dict[str, str] = {}
         self._readmitting: set[str] = set()
@@ -586,6 +588,8 @@ class RouterService:
     def _on_pool_change(self, pool: Pool) -> None:
         ev, self._pool_changed = self._pool_changed, trio.Event()
         ev.set()
+        if not self.follower:
+            self._log_readiness(pool)
         if pool.pair_count and not self.follower:
             self._log_pairs(pool)
         if pool.held != self._held_seen and not self.follower:
@@ -755,6 +759,26 @@ class RouterService:
                 self.processes = max(1, int(d.get("processes", 1)))
                 self._start_drain(Drain(group, float(d["rate_per_s"]), float(d["grace_s"]),
                                         started_at=float(d.get("started_at", 0.0))))
+
+    def _log_readiness(self, pool: Pool) -> None:
+        """Log each target that goes down (with why) or comes back, once per change; a target
+        that has never been ready is not "down" (it is starting), and pair members are logged
+        per pair (``_log_pairs``: a passive backup is not ready by design)."""
+        for st in pool.all_states():
+            t = st.target
+            if t.pair is not None or st.local:
+                continue
+            before = self._ready_seen.get(t.slot)
+            self._ready_seen[t.slot] = st.ready
+            if before is None or before == st.ready:
+                if before is None and st.ready:
+                    log.info("router %s: target %s is ready (node id %s)", self.name, t.slot, t.node_id)
+                continue
+            if st.ready:
+                log.warning("router %s: target %s is ready again (node id %s)", self.name, t.slot, t.node_id)
+            else:
+                log.warning("router %s: target %s is not ready: %s; new connections go to the others",
+                            self.name, t.slot, st.last_error)
 
     def _log_pairs(self, pool: Pool) -> None:
         """Log each pair's changes once: failing over (after it was served), served again,

@@ -21,7 +21,7 @@ from proton import Message
 from proton.utils import BlockingConnection
 
 from tests.brokerproc import USERS_FILE
-from tests.clusterproc import start_cluster, wait_mesh
+from tests.clusterproc import restart_same_port, start_cluster, wait_mesh
 from tests.haproc import start_pair
 from tests.paths import REPO
 from tests.routerproc import start_router, toml_str
@@ -274,6 +274,15 @@ def test_dashboard_api_answers_for_the_whole_router_and_refuses_cross_site_posts
         assert post(f"/api/v1/routers/main/targets/{nodes[0].workdir.name}/undrain", {}) == 200
         status, page = router.get("/")
         assert status == 200 and "<title>Lodestone router</title>" in page
+        # a target that goes down and comes back is logged once each way, with why
+        gone = nodes[1]
+        name = gone.workdir.name
+        gone.kill()
+        wait_for(lambda: f"target {name} is not ready: " in router.stderr_text(), 10, what="the not-ready line")
+        assert router.get("/api/v1/dashboard")[1]["routers"][0]["pool"]["ready"] == 1
+        restart_same_port(gone)
+        wait_for(lambda: f"target {name} is ready again" in router.stderr_text(), 20, what="the ready-again line")
+        assert router.stderr_text().count(f"target {name} is not ready: ") == 1
     finally:
         if router is not None:
             router.terminate()
