@@ -338,6 +338,8 @@ class AmqpEngine:
         self.opened = False
         self.closed = False  # transport finished (both directions)
         self.error: Condition | None = None
+        #: the condition of the peer's Close (a client engine), apart from errors found here
+        self.remote_error: Condition | None = None
         self._wrote_any = False  # proton's protocol header has gone out (it is the first output)
         self._fail_open: tuple[str, str] | None = None  # see fail_before_open()
 
@@ -610,7 +612,7 @@ class AmqpEngine:
             self._open(ev.connection)
         elif t is _E_CONN_REMOTE_CLOSE:
             if self.client and self.error is None:
-                self.error = ev.connection.remote_condition
+                self.error = self.remote_error = ev.connection.remote_condition
             self._cleanup_links()
             ev.connection.close()
         elif t is _E_TRANSPORT_ERROR:

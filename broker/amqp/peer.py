@@ -132,10 +132,13 @@ class PeerLoginRefused:
 
 @dataclass(frozen=True)
 class PeerDisconnected:
-    """An open connection ended (``condition`` None: the socket just went)."""
+    """An open connection ended (``condition`` None: the socket just went; ``remote``: the
+    condition is the one the peer closed with, not an error found on this side such as an
+    idle timeout)."""
 
     condition: str | None
     description: str | None
+    remote: bool = False
 
 
 @dataclass(frozen=True)
@@ -525,7 +528,7 @@ class PeerConnection:
         if opened:
             log.info("peer connection closed", extra={"fields": {
                 "peer": self.name, "condition": cond, "description": desc}})
-            self._emit(PeerDisconnected(cond, desc))
+            self._emit(PeerDisconnected(cond, desc, err is not None and err is engine.remote_error))
         else:
             if cond is not None:
                 self.host.count("peer_protocol_error")

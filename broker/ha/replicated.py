@@ -34,7 +34,7 @@ from broker.amqp.peer import PeerConnected, PeerConnection, PeerDisconnected, Re
 from broker.core.departures import Target, target_from_connector
 from broker.ha.colocated import ColocatedHost, request_backups
 from broker.ha.protocol import ACKS_ADDRESS, FAILBACK, HELLO, RECORDS_ADDRESS, SYNCED, Hello, encode
-from broker.ha.replication import ReplicationSink, ReplicationSource
+from broker.ha.replication import DROPPED, ReplicationSink, ReplicationSource
 from broker.ha.status import HaStatus
 from broker.ha.vote import ask_backup_vote, ask_primary_vote, vote_with_retries
 from broker.lifecycle import SHUTDOWN_GRACE_S, ScaleDown
@@ -327,6 +327,15 @@ class Replicated(Role):
                 if stop.is_set():
                     return False
                 cond = ended.get("condition")
+                if cond == DROPPED and ended.get("remote"):
+                    # the primary itself closed the link: it is alive and goes on alone (this
+                    # backup was too slow or too far behind). Voting would take its node id
+                    # while it serves: in a lone pair nobody else would say no.
+                    log.warning("ha: %s dropped this backup (%s); not a failure of the primary: "
+                                "syncing again", url, ended.get("description"))
+                    status.change("looking-for-primary", f"dropped by {url}: {ended.get('description')}",
+                                  active=False)
+                    continue
                 if not lost_in_sync:
                     if cond is not None:
                         log.info("ha: %s did not take this backup: %s %s", url, cond, ended.get("description"))
@@ -362,7 +371,7 @@ class Replicated(Role):
 
         def on_event(ev) -> None:
             if isinstance(ev, PeerDisconnected):
-                ended["condition"], ended["description"] = ev.condition, ev.description
+                ended["condition"], ended["description"], ended["remote"] = ev.condition, ev.description, ev.remote
 
         peer = PeerConnection(host, url, credentials=(ccfg.user, ccfg.password),
                               retry=RetrySettings(initial_connect_attempts=1, reconnect_attempts=0),

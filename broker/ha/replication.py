@@ -65,6 +65,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("lodestone.broker.ha")
 
+#: the condition a primary closes a backup's link with when it drops that backup and goes on
+#: alone (too slow, too far behind, or it has one): the backup knows its primary is alive
+DROPPED = "amqp:resource-limit-exceeded"
+
 __all__ = ["ReplicationSource", "ReplicationSink", "MAX_TAP_BYTES"]
 
 MAX_TAP_BYTES = 256 * 1024 * 1024   # records tapped and not yet sent: beyond, the backup is dropped
@@ -246,7 +250,7 @@ class _Session:
         if self.closed or not self.started:
             return
         if self.tapped_bytes > MAX_TAP_BYTES:
-            self.close("amqp:resource-limit-exceeded", f"the backup fell {self.tapped_bytes} bytes behind")
+            self.close(DROPPED, f"the backup fell {self.tapped_bytes} bytes behind")
             return
         out = self.out
         if not self.snap_done:
@@ -385,7 +389,7 @@ class ReplicationSource:
             return ("amqp:precondition-failed", f"this primary's group-name is {want!r}, not {hello.group!r}")
         cur = self.session
         if cur is not None and not cur.closed:
-            return ("amqp:resource-limit-exceeded", f"this primary already has a backup ({cur.hello.name})")
+            return (DROPPED, f"this primary already has a backup ({cur.hello.name})")
         self.session = session
         self.state = "syncing"
         self.backup_name = hello.name
@@ -544,11 +548,11 @@ class ReplicationSource:
         if s is None:
             return
         if self.held and time.monotonic() - self.held[0][2] > timeout_s:
-            s.close("amqp:resource-limit-exceeded", f"the backup did not confirm within {timeout_s:g} s")
+            s.close(DROPPED, f"the backup did not confirm within {timeout_s:g} s")
             return
         limit = self.cfg.initial_replication_sync_timeout_ms / 1000.0
         if self.state == "syncing" and s.started and time.monotonic() - s.started_mono > limit:
-            s.close("amqp:resource-limit-exceeded", f"the initial sync did not complete within {limit:g} s")
+            s.close(DROPPED, f"the initial sync did not complete within {limit:g} s")
 
     def backups(self) -> tuple[tuple[str, str, bool], ...]:
         """The backup connected to this primary as ``(connector, management URL, in sync)``

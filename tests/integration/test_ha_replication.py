@@ -371,3 +371,29 @@ def test_the_backup_knows_the_logins_its_primary_verified(tmp_path, members):
     after = _logins(backup)
     assert after["login_verifications"] == before["login_verifications"]
     assert after["login_ok_cached"] == before["login_ok_cached"] + 2   # app, and this scrape's admin
+
+
+def test_a_backup_the_primary_drops_as_slow_syncs_again_instead_of_taking_over(tmp_path, members):
+    """The primary drops a backup that did not confirm within call-timeout-ms (it goes on alone,
+    alive): the backup must not read that as its primary's death. In a lone pair its vote needs
+    no other primary, so a vote here would make both members active at once."""
+    primary = start_replica(tmp_path, "primary", "primary", config={"cluster": {"call-timeout-ms": 1000}})
+    members.append(primary)
+    wait_active(primary)
+    backup = start_replica(tmp_path, "backup", "backup", static=[primary.amqp_url], ha=FAST_VOTES,
+                           config={"cluster": {"call-timeout-ms": 1000}})
+    members.append(backup)
+    wait_phase(backup, "in-sync")
+    backup.proc.send_signal(19)    # SIGSTOP: it confirms nothing while sends go on
+    try:
+        send(primary, "orders", ["sent-while-the-backup-sleeps"])   # answered once the backup is dropped
+        wait_for(lambda: "serving alone" in primary.stderr_text(), 15, what="the primary drops its backup")
+    finally:
+        backup.proc.send_signal(18)    # SIGCONT
+    wait_for(lambda: "dropped this backup" in backup.stderr_text(), 15, what="the backup sees it was dropped")
+    view = wait_phase(backup, "in-sync", 30)   # it syncs again from the live primary
+    assert view["active"] is False and broker_info(backup)["active"] is False
+    assert ha_view(primary)["active"] is True
+    assert "vote to take over node" not in backup.stderr_text(), backup.stderr_text()[-2000:]
+    send(primary, "orders", ["after"])
+    assert receive_all(primary, "orders") == ["sent-while-the-backup-sleeps", "after"]
