@@ -15,12 +15,20 @@ failing, back to 1 s once a restarted broker has stayed up for 60 s — and prin
 ``broker-N is back (pid P)`` once it listens again. ``--no-restart`` leaves it down (restart it
 by hand with ``lodestone-broker run etc/broker-N.toml``). If the router exits, everything is
 stopped and the exit status is non-zero.
+
+The children's stderr goes to their logs, so the console would otherwise never see why a child
+did not start or what it warned about: the banner ends with the configuration warnings the
+children logged while starting (sample credentials, the router's open-files budget), each once
+with the processes that logged it, and a child that does not start is reported with the error
+lines of its log since this start (``data directory … is locked by process N`` when another
+deployment runs on the same folder) and those warnings.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -51,10 +59,15 @@ class Child:
     restart_at: float | None = None   # monotonic time of the next restart, while it is down
     announced: bool = True            # "is back" printed for the current process
     listeners: int = 2                # listening lines that say it is up (a passive backup: 1)
+    log_offset: int = 0               # size of the log when the current process started
 
     def start(self, env: dict[str, str]) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.listening = {}
+        try:
+            self.log_offset = self.log_path.stat().st_size
+        except OSError:
+            self.log_offset = 0
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=log, env=env,
                                          start_new_session=True, preexec_fn=_die_with_parent)
@@ -83,6 +96,15 @@ class Child:
                 return True
             time.sleep(0.05)
         return False
+
+    def log_lines(self) -> list[str]:
+        """What the current process wrote to its log (its stderr) so far."""
+        try:
+            with self.log_path.open("rb") as f:
+                f.seek(self.log_offset)
+                return f.read().decode("utf-8", "replace").splitlines()
+        except OSError:
+            return []
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -157,6 +179,78 @@ def cluster_discovery_args(etc: Path, n: int, mode: str) -> tuple[list[str], str
         return static, (f"cluster {c0.name}: multicast discovery does not work on this machine ({why}); "
                         "the brokers use static connectors instead")
     return [], f"cluster {c0.name}: discovery over {where} (discovery group {dg.name!r})"
+
+
+#: a log line of broker.logsetup / router.logsetup: time, level, logger, message
+_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\S+ (DEBUG|INFO|WARNING|ERROR|CRITICAL) (\S+) (.*)$")
+#: the loggers whose start-up warnings are about the configuration (sample credentials, the
+#: cluster's sample password, the router's open-files budget); others (HA and peer progress) are not
+_CONFIG_WARNING_LOGGERS = ("lodestone.broker", "router.main", "router.server")
+
+
+def failure_reason(lines: list[str], n: int = 4) -> list[str]:
+    """The last ``n`` lines of a child's log that say why it stopped: lines that are not log
+    records (``lodestone-broker: data directory … is locked by process N``, a traceback) and
+    ERROR/CRITICAL records; the last ``n`` lines when there is no such line."""
+    reasons = [ln for ln in lines if ln.strip() and (not (m := _LOG_LINE.match(ln))
+                                                     or m.group(1) in ("ERROR", "CRITICAL"))]
+    return (reasons or [ln for ln in lines if ln.strip()])[-n:]
+
+
+def start_warnings(logs: dict[str, list[str]]) -> list[tuple[str, list[str]]]:
+    """The configuration warnings in the children's logs (name → lines), each message once with
+    the children that logged it, in the order first seen."""
+    seen: dict[str, list[str]] = {}
+    for name, lines in logs.items():
+        for ln in lines:
+            m = _LOG_LINE.match(ln)
+            if m and m.group(1) == "WARNING" and m.group(2) in _CONFIG_WARNING_LOGGERS:
+                message = m.group(3).removeprefix("security: ")  # the broker's prefix; the router has none
+                who = seen.setdefault(message, [])
+                if name not in who:
+                    who.append(name)
+    return list(seen.items())
+
+
+def _lock_holder(lines: list[str]) -> str | None:
+    """``pid N (its command line)`` of the process a ``… is locked by process N`` line names."""
+    for ln in lines:
+        m = re.search(r"locked by process (\d+)", ln)
+        if m:
+            try:
+                cmd = Path(f"/proc/{m.group(1)}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+            except OSError:
+                cmd = ""
+            return f"pid {m.group(1)}" + (f": {cmd}" if cmd else "")
+    return None
+
+
+def print_start_warnings(children: list[Child], indent: str = "  ", file=None) -> None:
+    file = file or sys.stdout
+    warnings = start_warnings({c.name: c.log_lines() for c in children if c.proc is not None})
+    if not warnings:
+        return
+    print(f"{indent}warnings while starting (from the logs):", file=file)
+    for message, who in warnings:
+        print(f"{indent}  {message}  [{', '.join(who)}]", file=file)
+    file.flush()
+
+
+def report_not_started(child: Child, children: list[Child]) -> None:
+    """Why ``child`` did not start, on stderr: its exit status, the reason lines of its log,
+    who holds a locked data directory, and the warnings logged so far."""
+    lines = child.log_lines()
+    code = child.proc.poll() if child.proc is not None else None
+    how = f" (exited with {describe_exit(code)})" if code is not None else " (no listening line in time)"
+    print(f"lodestone-local: {child.name} did not start{how}; see {child.log_path}:", file=sys.stderr)
+    for ln in failure_reason(lines):
+        print(f"  {ln}", file=sys.stderr)
+    holder = _lock_holder(lines)
+    if holder is not None:
+        print(f"  another deployment (or broker) runs on this data directory ({holder}): stop it first, "
+              f"or run this one on a copy of etc/ with other ports and data directories", file=sys.stderr)
+    print_start_warnings(children, file=sys.stderr)
+    sys.stderr.flush()
 
 
 RESTART_BACKOFF_S = (1.0, 30.0)   # first delay, cap (doubling while restarts keep failing)
@@ -238,11 +332,11 @@ def main(argv: list[str] | None = None) -> int:
         b.start(env)
     for b in brokers:
         if not b.wait_listening(b.listeners, args.start_timeout):
-            print(f"lodestone-local: {b.name} did not start; see {b.log_path}", file=sys.stderr)
+            report_not_started(b, brokers)
             return shutdown(1)
     router.start(env)
     if not router.wait_listening(len(_ROUTER_PORTS) + 1, args.start_timeout):
-        print(f"lodestone-local: the router did not start; see {router.log_path}", file=sys.stderr)
+        report_not_started(router, brokers + [router])
         return shutdown(1)
 
     print("Lodestone local deployment is up.")
@@ -263,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"           router.client.connect_following_redirects (see {CLIENT_HELP})")
     print("  a broker that exits is restarted" + (" - disabled (--no-restart)" if args.no_restart else
                                                   " after a back-off (1 s, doubling to 30 s)"))
+    print_start_warnings(brokers + [router])
     print("Ctrl-C stops everything.", flush=True)
 
     while not stopping.is_set():

@@ -276,6 +276,16 @@ def brokers(routes_df: DataFrame, activity_df: DataFrame) -> DataFrame:
             .distinct())
 
 
+def node_names(parsed: DataFrame) -> DataFrame:
+    """Per (node id, node name) of the good activity lines: when that name first served the node id
+    (``first_ws``), its records and bytes. An HA pair serves one node id under two names (broker-1,
+    then broker-1-backup after a failover, broker-1 again after failback)."""
+    return (parsed.where((F.col("kind") == "activity") & F.col("reason").isNull() & F.col("node").isNotNull())
+            .groupBy("node_id", "node")
+            .agg(F.min("ws").alias("first_ws"), F.count(F.lit(1)).alias("records"),
+                 F.sum("bytes").alias("bytes")))
+
+
 def routers_seen(routes_df: DataFrame) -> DataFrame:
     """(router, key_type) pairs in the decisions, with their counts."""
     return routes_df.groupBy("router", "key_type").agg(F.count(F.lit(1)).alias("decisions"))

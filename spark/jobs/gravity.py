@@ -315,8 +315,7 @@ def _run(spark, opts: Options, prog: Progress, parsed, T, report) -> dict[str, A
         nbytes = {r["node"]: r["bytes"] for r in T.broker_bytes(act).collect()}
         brokers = sorted({r["node"] for r in T.brokers(routes_df, act).collect() if r["node"] is not None}
                          | set(opts.extra_brokers))
-        names = {r["node_id"]: r["node"] for r in parsed.where((F.col("kind") == "activity") & F.col("reason").isNull())
-                 .select("node_id", "node").distinct().collect() if r["node"]}
+        names, served_by = report.node_names([r.asDict() for r in T.node_names(parsed).collect()])
         usage_df.unpersist()
     finally:
         routes_df.unpersist()
@@ -328,6 +327,7 @@ def _run(spark, opts: Options, prog: Progress, parsed, T, report) -> dict[str, A
     placement = recommend(brokers, keys, opts.max_skew)
     summary = _summary(opts, counts, router, key_type, brokers, names, key_rows, placement, homes, addr_nodes,
                        matrix, conns, nbytes)
+    summary["broker_served_by"] = {b: served_by[b] for b in brokers if b in served_by}
     prog.step(f"writing {opts.out}")
     report.write_outputs(opts.out, summary, placement)
     summary["elapsed_s"] = round(prog.elapsed(), 3)
@@ -447,6 +447,7 @@ def _summary(opts: Options, counts, router, key_type, brokers, names, key_rows, 
         "since": opts.since.isoformat() + "Z" if opts.since else None,
         "until": opts.until.isoformat() + "Z" if opts.until else None,
         "keys": len(key_rows),
+        "keys_scored": len(scores),
         "brokers": brokers,
         "broker_names": {b: names.get(b) for b in brokers},
         "cross_broker_bytes": cross,

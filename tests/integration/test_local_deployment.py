@@ -194,3 +194,29 @@ def test_static_connectors_when_asked_and_said_so(tmp_path):
     finally:
         for _ in gen:
             pass
+
+
+def test_a_second_deployment_on_the_same_folder_says_why_it_did_not_start(local_deployment):
+    """``bash etc/run-local.sh`` started again while the first runs: broker-1's data directory is
+    locked by the first deployment's broker-1. The console (not only the log) names the lock and
+    the process holding it, and shows the warnings the children logged (the sample credentials);
+    the first deployment keeps running. The first one's banner shows the same warnings, once
+    each with the processes that logged them, and no open-files warning (etc/router.toml fits)."""
+    proc, banner, tmp_path, ports = local_deployment
+    b1_pid = int(re.search(r"broker-1 .* pid (\d+)", banner).group(1))
+    assert "warnings while starting (from the logs):" in banner, banner
+    assert re.search(r"users.toml: user 'app' has sample credentials; accepted from loopback only  "
+                     r"\[broker-1, broker-2, broker-3, broker-1-backup, router\]", banner), banner
+    assert "file descriptors" not in banner and "max-connections needs" not in banner, banner
+    second = subprocess.run([sys.executable, "-m", "router.local", "--etc", str(tmp_path / "etc"),
+                             "--logs", str(tmp_path / "logs")], capture_output=True, text=True,
+                            cwd=tmp_path, timeout=120)
+    console = second.stdout + second.stderr
+    assert second.returncode == 1, console
+    assert "lodestone-local: broker-1 did not start (exited with status 1); see" in second.stderr, console
+    assert re.search(rf"data directory \S*broker-1 is locked by process {b1_pid}\b", second.stderr), console
+    assert f"another deployment (or broker) runs on this data directory (pid {b1_pid}: " in second.stderr, console
+    assert "has sample credentials; accepted from loopback only" in second.stderr, console
+    # the reason is this start's: the first deployment's lines in the same log are not repeated
+    assert "listening" not in second.stderr, console
+    assert proc.poll() is None   # the first deployment is untouched

@@ -4,6 +4,7 @@ reports which broker exited and how, the router marks it not ready, and the brok
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -109,10 +110,33 @@ def test_a_killed_broker_is_reported_and_restarted(local_deployment):
     assert proc.poll() is None
 
 
+def _key_to(router: str, node_id: str, prefix: str) -> str:
+    """A key the router's CONSISTENT_HASH sends to ``node_id``."""
+    from urllib.parse import quote
+
+    for i in range(500):
+        key = f"{prefix}-{i}"
+        status, body = http_json(f"{router}/api/v1/routers/main/target?key={quote(key)}", auth=("admin", "admin"))
+        if status == 200 and body["target"]["node_id"] == node_id:
+            return key
+    raise AssertionError(f"no key of {prefix} goes to {node_id}")
+
+
+def _records(path) -> list[dict]:
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+
+
+@pytest.mark.spark
 def test_broker_1_fails_over_to_its_backup_and_back(local_deployment):
     """broker-1 has a replicated backup (etc/broker-1-backup.toml): kill -9 broker-1, the backup
     takes over its node id with every acknowledged message and the router sends broker-1's keys
-    there; lodestone-local restarts broker-1, which takes its node id back (failback)."""
+    there; lodestone-local restarts broker-1, which takes its node id back (failback).
+
+    Then the data-gravity job runs on the deployment's real logs (var/: the routing log, every
+    broker's activity log, the backup's included): broker-1's node id, served by both names, is
+    labelled broker-1 and says the backup served part; a key that moved no bytes shows ``n/a``,
+    never ``None``; the histogram and the text count the same keys; the bytes-moved plot's colour
+    bar label lies inside the saved image."""
     from proton import Message
     from proton.utils import BlockingConnection
 
@@ -143,6 +167,18 @@ def test_broker_1_fails_over_to_its_backup_and_back(local_deployment):
         status, body = http_json(router + "/api/v1/routers/main/pool", auth=auth)
         return any(t["node_id"] == node_id and t["ready"] and t["port"] == ports[15675] for t in body["targets"])
     wait_for(routed_to_backup, 60, interval_s=0.1)  # the router's cluster pool follows the node id to the backup
+    # through the router while the backup serves: a producer of a key that goes to broker-1's node
+    # id (the backup writes its activity under its own name), and a key that moves no bytes
+    proxy = f"amqp://127.0.0.1:{ports[5673]}"  # the router's proxy acceptor
+    producer_key, consumer_key = _key_to(router, node_id, "grav-p"), _key_to(router, node_id, "grav-c")
+    conn = BlockingConnection(proxy, container_id=producer_key, user="app", password="app", allowed_mechs="PLAIN",
+                              allow_insecure_mechs=True, timeout=20)
+    snd = conn.create_sender("grav.q")
+    for i in range(10):
+        snd.send(Message(body="x" * 500, durable=True))
+    conn.close()
+    BlockingConnection(proxy, container_id="grav-idle", user="app", password="app", allowed_mechs="PLAIN",
+                       allow_insecure_mechs=True, timeout=20).close()
     # lodestone-local restarts broker-1: it finds its node id served by the backup and fails back
     wait_for(lambda: "broker-1 is back" in "".join(out), 90, interval_s=0.1, what="broker-1 restarted")
     wait_for(lambda: ha(b1_mgmt), 60, interval_s=0.1, until=lambda v: v["active"] is True,
@@ -158,3 +194,62 @@ def test_broker_1_fails_over_to_its_backup_and_back(local_deployment):
         rcv.accept()
     conn.close()
     assert got == [f"m{i}" for i in range(50)]
+    conn = BlockingConnection(proxy, container_id=consumer_key, user="app", password="app", allowed_mechs="PLAIN",
+                              allow_insecure_mechs=True, timeout=20)
+    rcv = conn.create_receiver("grav.q", credit=10)
+    for _ in range(10):
+        assert rcv.receive(timeout=20).body == "x" * 500
+        rcv.accept()
+    conn.close()
+
+    # the job reads what is on disk: the backup's produce record (written at the connection's
+    # close, before it stood down), broker-1's consume record, the routing log's close lines
+    var = tmp_path / "var"
+
+    def on_disk():
+        routing = [r for p in sorted((var / "router").glob("routing.log*")) for r in _records(p)]
+        closed = {r["container_id"] for r in routing if r["event"] == "close"}
+        backup = _records(var / "broker-1-backup" / "activity.jsonl")
+        primary = _records(var / "broker-1" / "activity.jsonl")
+        return {"routing log closes": sorted({producer_key, consumer_key, "grav-idle"} - closed),
+                "backup's produce": any(r["container_id"] == producer_key and r["direction"] == "produce"
+                                        for r in backup),
+                "broker-1's consume": any(r["container_id"] == consumer_key and r["direction"] == "consume"
+                                          for r in primary)}
+    wait_for(on_disk, 30, interval_s=0.2, ignore=(OSError, ValueError), what="the logs on disk",
+             until=lambda v: not v["routing log closes"] and v["backup's produce"] and v["broker-1's consume"])
+    out_dir = tmp_path / "gravity"
+    t0 = time.monotonic()
+    job = subprocess.run([sys.executable, "-m", "spark.jobs.gravity", str(var), "--out", str(out_dir), "--quiet",
+                          "--master", "local[2]", "--driver-memory", "1g", "--shuffle-partitions", "2"],
+                         capture_output=True, text=True, cwd=REPO, timeout=240)
+    assert job.returncode == 0, job.stdout + job.stderr
+    print(f"lodestone-gravity on the deployment's logs: {time.monotonic() - t0:.1f} s")
+    s = json.loads((out_dir / "summary.json").read_text())
+    html = (out_dir / "report.html").read_text()
+    # (a) the node is broker-1, as the user knows it; the backup's part is said, not its name as the label
+    assert s["broker_names"][node_id] == "broker-1", s["broker_names"]
+    assert [x["name"] for x in s["broker_served_by"][node_id]] == ["broker-1", "broker-1-backup"]
+    assert f"broker-1 ({node_id[:8]}; also served by broker-1-backup: " in html
+    assert "broker-1-backup (" not in html
+    # (b) a key without bytes has no score, shown as n/a
+    rows = {r["key"]: r for r in s["per_key"]}
+    assert rows["grav-idle"]["gravity_score"] is None and rows[producer_key]["gravity_score"] is not None
+    assert "None" not in html
+    # (c) the histogram and the text count the same keys, and say how many have a score
+    scored = sum(1 for r in s["per_key"] if r["gravity_score"] is not None)
+    assert s["keys"] == len(rows) == s["plots"]["gravity"]["keys"] and s["keys_scored"] == scored
+    assert s["plots"]["gravity"]["keys_plotted"] == scored < s["keys"]
+    assert s["plots"]["gravity"]["title"] == \
+        f"Gravity scores of {s['keys']} keys: {scored} plotted, {s['keys'] - scored} without bytes (n/a)"
+    assert f"{s['keys']} ({scored} with a gravity score, {s['keys'] - scored} without bytes: n/a)" in html
+    # (d) the colour bar's label box lies inside the saved image, and something is drawn there
+    import matplotlib.image
+
+    png = matplotlib.image.imread(out_dir / "bytes_moved.png")
+    m = s["plots"]["matrix"]
+    h, w = png.shape[:2]
+    assert m["size_px"] == [w, h] and m["colorbar_label"] == "bytes"
+    x0, y0, x1, y1 = m["colorbar_label_px"]
+    assert 0 <= x0 < x1 <= w and 0 <= y0 < y1 <= h, (m, w, h)
+    assert png[int(y0):int(y1) + 1, int(x0):int(x1) + 1, :3].min() < 0.5   # the label's dark pixels

@@ -416,3 +416,40 @@ async def test_every_cache_miss_reads_a_healthy_redis_under_load(tmp_path, users
         assert router.terminate() == 0 and alive, router.stderr_text()
         server.kill()
     assert "Traceback" not in router.stderr_text()
+
+
+def test_the_shipped_router_toml_starts_without_an_fd_warning(tmp_path):
+    """etc/router.toml as shipped (its ports swapped for free ones), started with the usual soft
+    open-files limit of 1024 under this machine's hard limit: the router raises the soft limit to
+    the hard one and its acceptors' max-connections fit, so it logs no descriptor warning (it
+    used to at every start: three acceptors at the default 10,000 need about 50,000)."""
+    import re
+
+    from router.config import load_router_config
+    from router.fdlimit import needed_descriptors
+    from tests.integration.test_local_deployment import FIXED_PORTS, REPO
+    from tests.serverproc import free_ports
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    need = needed_descriptors(load_router_config(REPO / "etc" / "router.toml").acceptors)
+    assert need is not None and need <= 4096   # fits the smallest hard limit in common use
+    if hard != resource.RLIM_INFINITY and hard < need:
+        pytest.skip(f"this machine's hard open-files limit ({hard}) is below the {need} etc/router.toml needs")
+    soft = min(1024, hard)
+    text = (REPO / "etc" / "router.toml").read_text()
+    for old, new in zip(FIXED_PORTS, free_ports(len(FIXED_PORTS))):
+        text = re.sub(rf"(?<![0-9]){old}(?![0-9])", str(new), text)
+    workdir = tmp_path / "etc"
+    workdir.mkdir()
+    (workdir / "users.toml").write_text((REPO / "etc" / "users.toml").read_text())
+    router = start_router(workdir, text, expect=4,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard)))
+    try:
+        err = router.stderr_text()
+        raised = hard if hard != resource.RLIM_INFINITY else None
+        m = re.search(r"open-files limit: (\d+) \(was (\d+), hard limit (\d+)\)", err)
+        assert m, err
+        assert int(m.group(2)) == soft and (raised is None or int(m.group(1)) == raised), m.group(0)
+        assert "file descriptors" not in err and "max-connections needs" not in err, err
+    finally:
+        router.terminate()
