@@ -100,7 +100,7 @@ class NodeProcess:
         the role ends before it ever served)."""
 
         self._task_status = task_status
-        with (trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) if self.signals
+        with (trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) if self.signals
               else contextlib.nullcontext(None)) as signals:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -116,6 +116,10 @@ class NodeProcess:
 
     async def _stop_on_signal(self, signals, role: Role) -> None:
         async for sig in signals:
+            if sig == signal.SIGHUP:   # not a stop: a service manager's "reload" must not end a broker
+                log.warning("signal SIGHUP ignored: a broker does not reload its configuration; "
+                            "restart it to apply a change")
+                continue
             log.info("signal %s: shutting down", signal.Signals(sig).name)
             self.stop(role)
             return

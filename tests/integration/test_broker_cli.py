@@ -69,3 +69,21 @@ def test_bad_users_file_is_a_config_error(tmp_path):
 def test_hash_password():
     p = run("hash-password", "--stdin", stdin="s3cret\n")
     assert p.returncode == 0 and p.stdout.startswith("scrypt$")
+
+
+def test_sighup_is_logged_and_ignored_not_a_stop(tmp_path):
+    """A service manager's "reload" (SIGHUP) must not end a broker (the default action would,
+    silently, with a status systemd counts as clean)."""
+    import signal
+
+    from tests.brokerproc import BrokerProcess, write_config
+    from tests.waiting import wait_for
+
+    b = BrokerProcess(tmp_path / "b", write_config(tmp_path / "b", name="b")).start()
+    try:
+        b.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "signal SIGHUP ignored" in b.stderr_text(), 10, what="the SIGHUP line")
+        assert b.proc.poll() is None
+        assert b.management_get("/api/v1/broker")[0] == 200
+    finally:
+        assert b.terminate() == 0
