@@ -30,6 +30,7 @@ import contextlib
 import logging
 import signal
 from typing import TYPE_CHECKING, Sequence
+from urllib.parse import urlsplit
 
 import trio
 
@@ -308,6 +309,25 @@ async def _in_scope(scope: trio.CancelScope, fn, *args, task_status=trio.TASK_ST
         await fn(*args, task_status=task_status)
 
 
+_ANY_ADDRESS = {"0.0.0.0", "::"}
+
+
+def reachable_management_url(mgmt_url: str, connector: str) -> str:
+    """The management URL to tell other nodes and routers: a management API bound to every
+    address (``0.0.0.0``, ``::``) is reached at the host of the node's connector, the address
+    the others already use for this node."""
+    parts = urlsplit(mgmt_url)
+    if parts.hostname not in _ANY_ADDRESS:
+        return mgmt_url
+    host = urlsplit(connector).hostname
+    if not host or host in _ANY_ADDRESS:
+        log.warning("the management API listens on every address and the connector %s names none: "
+                    "other nodes and routers are told %s, which they cannot reach; set [cluster] "
+                    "connector to this node's address", connector, mgmt_url)
+        return mgmt_url
+    return f"{parts.scheme}://{f'[{host}]' if ':' in host else host}:{parts.port}"
+
+
 async def _run_broadcast(node: Node, bg, amqp_urls: list[str], mgmt_url: str) -> None:
     """A broadcast group (Artemis ``broadcast-group``): announce this node over UDP multicast,
     with its HA backups (``ClusterNode.own_backups``) as they are at each period."""
@@ -321,6 +341,7 @@ async def _run_broadcast(node: Node, bg, amqp_urls: list[str], mgmt_url: str) ->
         connectors = tuple(amqp_urls[:1])
     name = ccfg.name if ccfg is not None else node.cfg.name
     key = ccfg.key if ccfg is not None else None
+    mgmt_url = reachable_management_url(mgmt_url, connectors[0]) if connectors else mgmt_url
     node.broadcast_counters[bg.name] = counters = {}
     log.info("broadcast group starting", extra={"fields": {"group": bg.name, "address": bg.group_address,
                                                             "port": bg.group_port, "connectors": list(connectors)}})
@@ -350,7 +371,7 @@ async def _run_cluster(node: Node, ccfg, amqp_urls: list[str], mgmt_url: str, *,
                     "it are accepted from loopback addresses only; set [cluster] password",
                     "a published sample" if ccfg.password_set else "not set (the default)",
                     extra={"fields": {"cluster": ccfg.name, "user": ccfg.user}})
-    cluster = ClusterNode(node, ccfg, connector=connector, management_url=mgmt_url)
+    cluster = ClusterNode(node, ccfg, connector=connector, management_url=reachable_management_url(mgmt_url, connector))
     node.set_cluster(cluster)
     log.info("cluster starting", extra={"fields": {"cluster": ccfg.name, "connector": connector,
                                                     "static_connectors": list(ccfg.static_connectors),

@@ -262,6 +262,7 @@ class RouterResources:
             "policy": (rc.policy.name if rc is not None and rc.policy is not None else None),
             "policy_properties": dict(rc.policy.properties) if rc is not None and rc.policy is not None else {},
             "degraded": bool(getattr(service, "degraded", False)),
+            "degraded_reason": getattr(service, "degraded_reason", None),
             # bounded load (CONSISTENT_HASH + LOAD_FACTOR): live assignments per target slot
             "live_assignments": getattr(service, "live_assignments", None),
         }
@@ -577,9 +578,9 @@ class ManagementApi(RouterResources):
                      "Routing-log writes/rotations that failed (ENOSPC, EMFILE, EIO...; retried)",
                      (({}, agg.log_write_errors),)),
               Metric("lodestone_router_degraded", "gauge",
-                     "1 per I/O component currently failing (routing_log, cache_file); 0 = healthy",
+                     "1 per I/O component currently failing (routing_log, cache_file, redis); 0 = healthy",
                      tuple(({"component": c}, int(any(f["component"] == c for f in agg.failing)))
-                           for c in ("routing_log", "cache_file"))),
+                           for c in ("routing_log", "cache_file", "redis"))),
               Metric("lodestone_router_open_fds", "gauge", "Open file descriptors (summed over the router's processes)",
                      (({}, agg.open_fds or 0),)),
               Metric("lodestone_router_fd_limit", "gauge", "RLIMIT_NOFILE soft limit (per process)",
@@ -726,7 +727,7 @@ def openapi_document() -> dict:
         "security": [{"basic": []}],
         "paths": {
             "/health": {"get": op("Liveness: status ok | degraded (200; degraded lists the failing I/O "
-                                  "components: routing_log, cache_file) | draining (503)", {
+                                  "components: routing_log, cache_file, redis) | draining (503)", {
                                       "type": "object", "properties": {
                                           "status": {"type": "string", "enum": ["ok", "degraded", "draining"]},
                                           "router": {"type": "string"},

@@ -964,6 +964,7 @@ class RouterService:
                         self.name, tier, exc)
         self.degraded = True
         self.degraded_reason = str(exc)
+        self.io_errors[tier] = f"{tier} cache tier unavailable (deciding from the local tier): {exc}"
         self._last_redis_try = trio.current_time()
 
     async def _decide_with_remote(self, rk: ResolvedKey, hold: bool = True) -> Decision:
@@ -1097,6 +1098,7 @@ class RouterService:
                 log.warning("router %s: %s cache tier is back", self.name, self._remote.name)
                 self.degraded = False
                 self.degraded_reason = None
+                self.io_errors.pop(self._remote.name, None)
             if not (self._pending_puts or self._pending_touch or self._pending_del):
                 continue
             puts = [(k, ident, old) for k, (ident, old) in self._pending_puts.items()]

@@ -75,12 +75,14 @@ def test_killing_redis_mid_run_fails_no_decision(tmp_path, targets, redis_server
         assert res == {"ok": 300, "failed": 0}
         st = a.wait_status(lambda s: s["degraded"])
         assert st["counters"]["redis_errors"] >= 1
+        assert "redis cache tier unavailable" in st["io_errors"]["redis"]   # /health lists it (component redis)
         for k, node in before.items():  # stickiness kept by the local tier
             got = a.route(k)
             assert got["outcome"] == "OK" and got["node_id"] == node
         # Redis comes back (empty): the router leaves degraded mode and writes what queued up
         redis_server.start()
-        a.wait_status(lambda s: not s["degraded"], timeout=15)
+        st = a.wait_status(lambda s: not s["degraded"], timeout=15)
+        assert "redis" not in st["io_errors"]
         r = redis.Redis(port=redis_server.port, decode_responses=True)
         wait_for(lambda: r.get("lodestone:r:during-299") is not None, 10, what="the queued writes flushed")
         r.close()

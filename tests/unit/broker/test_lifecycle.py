@@ -218,3 +218,15 @@ def test_a_connection_that_never_ends_does_not_hold_the_stop(tmp_path, capsys):
             await silent.aclose()
     trio.run(main)
     assert took["s"] < 5.0, took   # the grace, not the handshake deadline
+
+
+@pytest.mark.parametrize("mgmt,connector,told", [
+    ("http://0.0.0.0:8161", "amqp://10.0.0.5:5672", "http://10.0.0.5:8161"),
+    ("http://[::]:8161", "amqps://[fd00::5]:5671", "http://[fd00::5]:8161"),
+    ("http://127.0.0.1:8161", "amqp://10.0.0.5:5672", "http://127.0.0.1:8161"),   # bound to one address: as is
+    ("http://0.0.0.0:8161", "amqp://0.0.0.0:5672", "http://0.0.0.0:8161"),        # nothing better to say (warned)
+], ids=["any-v4", "any-v6", "one-address", "no-better"])
+def test_a_management_api_on_every_address_is_announced_at_the_connectors_host(mgmt, connector, told):
+    from broker.lifecycle import reachable_management_url
+
+    assert reachable_management_url(mgmt, connector) == told
