@@ -86,6 +86,24 @@ CONFIG_RETRY_S = 2.0        # a worker that cannot start on its files: first ret
 CONFIG_RETRY_MAX_S = 60.0
 
 
+def _check_not_listened(acc) -> None:
+    """Refuse a fixed port another process listens on, as a router with one worker does: the
+    workers bind with SO_REUSEPORT, which would otherwise share the port with that process
+    (another router, say) and the kernel would split the clients between the two. A bind with
+    SO_REUSEADDR alone fails only on a listening socket (not on old connections in TIME_WAIT)."""
+    for family, type_, proto, _c, sockaddr in socket.getaddrinfo(acc.host, acc.port, type=socket.SOCK_STREAM,
+                                                                 flags=socket.AI_PASSIVE):
+        with socket.socket(family, type_, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                raise OSError(exc.errno, f"acceptors.{acc.name}: cannot listen on {acc.host}:{acc.port}: "
+                                         f"{exc.strerror}") from None
+
+
 def reserve_ports(acceptors) -> tuple[dict[str, int], dict[str, socket.socket]]:
     """Pick the port for each acceptor (``name -> port``); for port 0, bind a placeholder with
     SO_REUSEPORT and return it (``name -> socket``) so the caller keeps it while workers bind
@@ -95,6 +113,7 @@ def reserve_ports(acceptors) -> tuple[dict[str, int], dict[str, socket.socket]]:
     try:
         for acc in acceptors:
             if acc.port != 0:
+                _check_not_listened(acc)
                 ports[acc.name] = acc.port
                 continue
             infos = socket.getaddrinfo(acc.host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)

@@ -238,3 +238,30 @@ def test_a_killed_worker_is_restarted_with_the_current_state_and_serving_continu
         assert all(ln["key_filtered"] == "survivor" for ln in new_lines), new_lines
     finally:
         assert r.terminate() == 0, r.stderr_text()
+
+
+def test_a_second_router_with_workers_on_the_same_port_is_refused_as_with_one(tmp_path, brokers):
+    """Workers share their port with SO_REUSEPORT; a second router on the same host and port must
+    not join that group (the kernel would split clients between two routers that share nothing):
+    it exits 1 naming the listener, as a one-worker router does."""
+    import socket
+    import subprocess
+    import sys
+
+    from tests.serverproc import REPO
+
+    first = start_router(tmp_path / "first", _toml(tmp_path / "first", brokers), expect=2, auth=AUTH)
+    try:
+        port = first.port("redir")
+        text = _toml(tmp_path / "second", brokers).replace('name = "redir"\nport = 0', f'name = "redir"\nport = {port}')
+        assert f"port = {port}" in text
+        cfg = tmp_path / "second.toml"
+        cfg.write_text(text)
+        done = subprocess.run([sys.executable, "-m", "router", "run", str(cfg)], cwd=REPO, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 1, done.stderr[-2000:]
+        assert f"acceptors.redir: cannot listen on 127.0.0.1:{port}: Address already in use" in done.stderr
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass                              # the first router still listens
+    finally:
+        first.terminate()
