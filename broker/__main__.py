@@ -21,7 +21,7 @@ import trio
 
 from broker.config import ConfigError, apply_overrides, check_anonymous, load_config
 from broker.process import run_node
-from broker.store.errors import DataDirError, JournalCorrupt
+from broker.store.errors import DataDirError, JournalCorrupt, JournalFailed
 from broker.wire.io.logsetup import setup_logging
 from broker.wire.io.trioutil import single_leaf
 from broker.wire.io.users import hash_password, load_users
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(leaf, ConfigError):  # e.g. the users file
             print(f"lodestone-broker: {leaf}", file=sys.stderr)
             return 2
-        if isinstance(leaf, (DataDirError, JournalCorrupt, OSError)):  # lock held, port in use
+        if isinstance(leaf, (DataDirError, JournalCorrupt, JournalFailed, OSError)):  # lock held, port in use, disk full
             # the listener's message names what and where; "[Errno 98] " adds nothing to it
             text = leaf.strerror if isinstance(leaf, OSError) and leaf.errno and leaf.filename is None \
                 and leaf.strerror and "cannot listen on" in leaf.strerror else str(leaf)

@@ -92,7 +92,10 @@ def ha_view(node: "Node") -> dict:
 def broker_info(node: "Node") -> dict:
     return {"node_id": node.node_id or None, "name": node.cfg.name, "active": node.active,
             "version": _version(), "connection_count": node.connection_count,
-            "uptime_s": round(time.monotonic() - node.started_mono, 3)}
+            "uptime_s": round(time.monotonic() - node.started_mono, 3),
+            # a journal that failed a write (disk full) refuses every durable send until a restart:
+            # routers take the node out of their pools (router.health)
+            "journal_error": getattr(node.journal, "failure", None)}
 
 
 def _version() -> str:
@@ -351,6 +354,10 @@ def make_handler(node: "Node"):
         path = request.path.rstrip("/") or "/"
         method = request.method
         if method == "GET" and path == "/health":
+            failure = getattr(node.journal, "failure", None) if node.active else None
+            if failure is not None:
+                return json_response({"status": "failed", "active": True, "node_id": node.node_id,
+                                      "error": failure}, 503)
             if node.active:
                 return json_response({"status": "ok", "active": True, "node_id": node.node_id})
             status = node.role.status if node.role is not None else None

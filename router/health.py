@@ -144,6 +144,9 @@ async def probe_target(target: Target, *, username: str | None = None,
     count = count if isinstance(count, int) and not isinstance(count, bool) else None
     if info.get("active") is not True:
         return ProbeResult(False, node_id, count, error=f"GET {url}: broker not active")
+    if info.get("journal_error"):   # it cannot store a durable send until it is restarted
+        return ProbeResult(False, node_id, count, error=f"GET {url}: the broker's journal failed: "
+                                                       f"{str(info['journal_error'])[:300]}")
     return ProbeResult(True, node_id, count)
 
 

@@ -15,7 +15,6 @@ and a real open-files limit.
 from __future__ import annotations
 
 import json
-import os
 import resource
 import socket
 import subprocess
@@ -31,6 +30,7 @@ from broker.wire.frames import (AMQP_HEADER, FRAME_AMQP, FRAME_SASL, SASL_HEADER
                                 encode_frame)
 from routing_cache_helpers import TargetSockets
 from router.cache_embedded import EmbeddedCacheStore
+from tests.integration.conftest import fill_disk
 from tests.brokerproc import start_broker, write_users_file
 from tests.routerproc import start_router, toml_str
 from tests.waiting import wait_for
@@ -196,46 +196,6 @@ async def test_sixty_thousand_character_keys_cost_bounded_memory_and_disk(tmp_pa
 
 
 # -- 2. a full disk -----------------------------------------------------------------------------
-@pytest.fixture
-def mount_tmpfs(tmp_path):
-    """``mount_tmpfs(name, size)`` mounts a tmpfs of that size under tmp_path (unmounted at the
-    end); skips the test when mounting is not possible here."""
-    mounted: list[Path] = []
-
-    def mount(name: str, size: str) -> Path:
-        mnt = tmp_path / name
-        mnt.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {r.stderr.strip()}")
-        mounted.append(mnt)
-        return mnt
-
-    try:
-        yield mount
-    finally:
-        for mnt in mounted:
-            subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
-def _fill(path: Path) -> None:
-    """Write until the filesystem is full."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        while True:
-            os.write(fd, b"\0" * 4096)
-    except OSError:
-        pass
-    try:
-        while True:
-            os.write(fd, b"\0")
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 async def test_full_disk_degrades_the_routing_log_and_cache_file_never_the_router(tmp_path, users, targets,
                                                                                   mount_tmpfs):
     log_fs = mount_tmpfs("logfs", "64k")
@@ -251,7 +211,7 @@ async def test_full_disk_degrades_the_routing_log_and_cache_file_never_the_route
         wait_for(lambda: len(log_path.read_text().splitlines()) == 10 if log_path.exists() else False, 10)
         assert router.get("/health")[1]["status"] == "ok"
 
-        _fill(log_fs / "filler")  # the disks are full
+        fill_disk(log_fs / "filler")  # the disks are full
         answers = await many(port, [f"during-{i}" for i in range(60)])
         assert all(b"amqp:connection:redirect" in a for a in answers)  # still serving
         seen: dict[str, str] = {}

@@ -145,6 +145,12 @@ class Journal(SegmentFiles, Recovery, Compaction, Replication):
         self.report.orphan_records += self._state.apply(rec, size)
         self._last_seq = rec.seq
 
+    @property
+    def failure(self) -> str | None:
+        """Why the journal refuses every write since a failed write or fsync (ENOSPC, EIO), else
+        None: the node cannot store anything until it is restarted."""
+        return None if self._failed is None else f"journal {self.directory}: {self._failed}"
+
     # -- appends --------------------------------------------------------------------------------
     def _check_usable(self) -> None:
         if self._closed:
