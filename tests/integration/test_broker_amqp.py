@@ -286,7 +286,8 @@ def test_management_api_and_activity_log(broker):
     status, info = broker.management_get("/api/v1/broker")
     assert status == 200 and info["node_id"] == broker.node_id and info["active"] is True
     assert info["connection_count"] >= 1 and set(info) == {
-        "node_id", "name", "active", "version", "connection_count", "uptime_s"}
+        "node_id", "name", "active", "version", "connection_count", "uptime_s", "journal_error"}
+    assert info["journal_error"] is None   # a healthy journal
     conns = broker.management_get("/api/v1/connections")[1]
     me = next(x for x in conns if x["container_id"] == "mgmt-client")
     assert me["user"] == "app" and me["source"].startswith("127.0.0.1:") and me["opened_at"]
