@@ -533,7 +533,8 @@ def openapi_document() -> dict:
     s_str, s_int, s_bool = {"type": "string"}, {"type": "integer"}, {"type": "boolean"}
     broker = {"type": "object", "properties": {
         "node_id": s_str, "name": s_str, "active": s_bool, "version": s_str,
-        "connection_count": s_int, "uptime_s": {"type": "number"}}}
+        "connection_count": s_int, "uptime_s": {"type": "number"},
+        "journal_error": {"type": "string", "nullable": True}}}
     address = {"type": "object", "properties": {
         "name": s_str, "routing_types": {"type": "array", "items": {"enum": ["anycast", "multicast"]}},
         "queues": {"type": "array", "items": s_str}, "duplicate_ids": s_int, "duplicates_dropped": s_int}}
