@@ -161,3 +161,21 @@ def toml_value(v: Any) -> str:
 def _kill_leftovers() -> None:
     for p in list(_LIVE):
         p.kill()
+
+
+def read_banner(proc, timeout_s: float = 90.0) -> str:
+    """``lodestone-local``'s start-up output up to its last line (``Ctrl-C …``); fails with what
+    it printed if that line does not come within ``timeout_s`` (or the process ends first)."""
+    import time
+
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("Ctrl-C"):
+            break
+    assert lines and lines[-1].startswith("Ctrl-C"), "".join(lines)
+    return "".join(lines)

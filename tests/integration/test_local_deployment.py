@@ -5,7 +5,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ from proton import Message
 from proton.utils import BlockingConnection
 
 from router.client import connect_following_redirects
-from tests.serverproc import free_ports
+from tests.serverproc import free_ports, read_banner
 from tests.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,17 +40,8 @@ def start_local(tmp_path, *extra_args: str):
         (etc / f.name).write_text(text)
     proc = subprocess.Popen([sys.executable, "-m", "router.local", "--etc", str(etc), "--logs", str(tmp_path / "logs"),
                              *extra_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
-    lines = []
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if line.startswith("Ctrl-C"):
-            break
-    assert lines and lines[-1].startswith("Ctrl-C"), "".join(lines)
-    yield proc, "".join(lines), tmp_path, mapping
+    banner = read_banner(proc, 90)
+    yield proc, banner, tmp_path, mapping
     try:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from tests.integration.test_local_deployment import FIXED_PORTS, REPO
-from tests.serverproc import free_ports
+from tests.serverproc import free_ports, read_banner
 from tests.serverproc import http_json
 from tests.waiting import wait_for
 
@@ -41,17 +41,8 @@ def local_deployment(tmp_path):
         (etc / f.name).write_text(text)
     proc = subprocess.Popen([sys.executable, "-m", "router.local", "--etc", str(etc), "--logs", str(tmp_path / "logs")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
-    lines = []
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if line.startswith("Ctrl-C"):
-            break
-    assert lines and lines[-1].startswith("Ctrl-C"), "".join(lines)
-    yield proc, "".join(lines), tmp_path, mapping
+    banner = read_banner(proc, 90)
+    yield proc, banner, tmp_path, mapping
     try:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)

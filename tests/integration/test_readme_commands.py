@@ -17,13 +17,13 @@ import re
 import signal
 import socket
 import subprocess
-import time
 
 import pytest
 from proton import Message
 from proton.utils import BlockingConnection
 
 from tests.paths import REPO
+from tests.serverproc import read_banner
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -87,17 +87,8 @@ def test_every_readme_command_runs_as_written():
     _clean()
     deployment = subprocess.Popen(["bash", "-c", main_job], cwd=REPO, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    lines: list[str] = []
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = deployment.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.startswith("Ctrl-C"):
-                break
-        assert lines and lines[-1].startswith("Ctrl-C"), "".join(lines)
+        read_banner(deployment, 120)
         # traffic: a few clients through the front door, so the logs the commands read have lines
         for i in range(6):
             conn = BlockingConnection("amqp://127.0.0.1:5672", timeout=20, container_id=f"readme-{i}",
