@@ -211,7 +211,7 @@ class Replicated(Role):
                 # management API when it serves
                 await proc.open_management()
             while not self.stopping.is_set():
-                failback = False
+                why = "took over the node id" if self.is_backup else "primary started"
                 if self.is_backup:
                     if not await self._follow_primaries(proc, datadir, host):
                         break
@@ -221,9 +221,11 @@ class Replicated(Role):
                     if url is not None:
                         log.warning("ha: node %s is served at %s: failing back (copy its journal, then ask "
                                     "for the node id back)", datadir.node_id, url)
-                        failback = True
-                        if not await self._follow_primaries(proc, datadir, host, candidates=[url], failback=True):
+                        how = await self._follow_primaries(proc, datadir, host, candidates=[url], failback=True)
+                        if not how:
                             break
+                        why = ("the node id was handed back" if how == "handover" else
+                               "won the vote: the node serving its id went away")
                 if self.is_backup and ha.scale_down:
                     # Artemis's backup scale-down: move the node id's messages to another live
                     # node instead of serving them, then stop
@@ -232,7 +234,7 @@ class Replicated(Role):
                     await proc.serve(self, datadir, scale_down=ScaleDown(cfg))
                     status.change("stopping", "scaled down", active=False)
                     break
-                reason = await self._activate(proc, datadir, failback)
+                reason = await self._activate(proc, datadir, why)
                 if reason == "deactivate" and self._handing_over:
                     status.failbacks += 1
                     status.change("stopping", "handed the node id back to its primary", active=False)
@@ -247,7 +249,7 @@ class Replicated(Role):
             datadir.close()
         return self.exit_code
 
-    async def _activate(self, proc, datadir, failback: bool) -> str:
+    async def _activate(self, proc, datadir, why: str) -> str:
         """Serve the node id; the reason it stopped serving (``"deactivate"``: isolated, or
         handing the node id back)."""
         status = self.status
@@ -256,8 +258,7 @@ class Replicated(Role):
         status.activations += 1
         if self.is_backup:
             status.failovers += 1
-        status.change("active", "took over the node id" if self.is_backup else
-                      ("the node id was handed back" if failback else "primary started"), active=True)
+        status.change("active", why, active=True)
         try:
             return await proc.serve(self, datadir, deactivate=self._deactivate)
         finally:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import os
 import shutil
+import signal
 import time
 import urllib.request
 from pathlib import Path
@@ -21,7 +22,7 @@ from proton import Message
 from proton.utils import BlockingConnection
 
 from tests.brokerproc import USERS_FILE
-from tests.clusterproc import restart_same_port, start_cluster, wait_mesh
+from tests.clusterproc import start_cluster, wait_mesh
 from tests.haproc import start_pair
 from tests.paths import REPO
 from tests.routerproc import start_router, toml_str
@@ -277,10 +278,12 @@ def test_dashboard_api_answers_for_the_whole_router_and_refuses_cross_site_posts
         # a target that goes down and comes back is logged once each way, with why
         gone = nodes[1]
         name = gone.workdir.name
-        gone.kill()
-        wait_for(lambda: f"target {name} is not ready: " in router.stderr_text(), 10, what="the not-ready line")
-        assert router.get("/api/v1/dashboard")[1]["routers"][0]["pool"]["ready"] == 1
-        restart_same_port(gone)
+        gone.proc.send_signal(signal.SIGSTOP)      # its probe times out: down, then back on SIGCONT
+        try:
+            wait_for(lambda: f"target {name} is not ready: " in router.stderr_text(), 15, what="the not-ready line")
+            assert router.get("/api/v1/dashboard")[1]["routers"][0]["pool"]["ready"] == 1
+        finally:
+            gone.proc.send_signal(signal.SIGCONT)
         wait_for(lambda: f"target {name} is ready again" in router.stderr_text(), 20, what="the ready-again line")
         assert router.stderr_text().count(f"target {name} is not ready: ") == 1
     finally:

@@ -245,9 +245,9 @@ def test_runtime_filters_and_pins_follow_the_file_at_a_reload(tmp_path):
 
 
 def test_workers_refuse_a_reload_whole_and_a_restarted_worker_runs_the_configuration_in_force(tmp_path):
-    """Two workers: an acceptor added on a port another process holds cannot be bound by the
-    workers (the supervisor binds nothing itself), so the reload is refused whole after their
-    prepare step; the file on disk is then left invalid, a worker is SIGKILLed, and its restart
+    """Two workers: an acceptor added on a port another process listens on is refused by the
+    supervisor; one with a certificate only the workers load is refused whole after their
+    prepare step, naming each worker; the file on disk is then left invalid, a worker is SIGKILLed, and its restart
     runs the text in force (it would exit on the file's), serving on every acceptor."""
     users = write_users_file(tmp_path / "users.toml", USERS)
     broker = BrokerProcess(tmp_path / "b1", write_config(tmp_path / "b1", name="b1", users_file=users)).start()
@@ -262,13 +262,24 @@ def test_workers_refuse_a_reload_whole_and_a_restarted_worker_runs_the_configura
     try:
         wait_for(lambda: all(t["ready"] for t in _router(router)["pool"]["targets"]), 20, what="b1 ready")
         before = _router(router)
+        # a port another process listens on: the supervisor refuses before any worker prepares
         router.config_path.write_text(text.replace('key-filter = "^app-"', 'key-filter = "^svc-"') + "\n".join([
             "[[acceptors]]", 'name = "extra"', 'host = "127.0.0.1"', f"port = {taken.getsockname()[1]}",
             'router = "main"', 'mode = "redirect"']) + "\n")
         status, body = _reload(router)
         assert status == 409, body
-        assert "worker 0" in body["error"] and "worker 1" in body["error"], body
         assert "acceptors.extra" in body["error"] and "cannot listen" in body["error"], body
+        assert _router(router) == before
+        # a certificate only the workers load (the supervisor accepts no client): each worker's
+        # prepare fails, and the reload is refused whole, naming both
+        bad = tmp_path / "bad.pem"
+        bad.write_text("not a certificate\n")
+        router.config_path.write_text(text.replace('key-filter = "^app-"', 'key-filter = "^svc-"') + "\n".join([
+            "[[acceptors]]", 'name = "extra"', 'host = "127.0.0.1"', "port = 0", 'router = "main"',
+            'mode = "redirect"', f"tls-cert = {toml_str(str(bad))}", f"tls-key = {toml_str(str(bad))}"]) + "\n")
+        status, body = _reload(router)
+        assert status == 409, body
+        assert "worker 0" in body["error"] and "worker 1" in body["error"], body
         assert _router(router) == before                  # the key filter did not change either
         status, info = router.get("/api/v1/router")
         assert status == 200 and [a["name"] for a in info["acceptors"]] == ["proxy", "tls"], info
