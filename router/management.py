@@ -489,12 +489,8 @@ class ManagementApi(RouterResources):
         """``GET /api/v1/dashboard``: what the page at ``/`` draws (``router.dashboard``)."""
         r = self.running
         agg = await self.aggregate()
-        failing = list(agg.failing)
-        if r.supervisor is not None:
-            failing += r.supervisor.failing_workers()
-            decisions = await r.supervisor.gather_recent()
-        else:
-            decisions = recent_decisions(r)
+        status, failing = self._status(agg)
+        decisions = await r.supervisor.gather_recent() if r.supervisor is not None else recent_decisions(r)
         routers = []
         for name in list(self.services):
             view = self.router_view(name)
@@ -502,7 +498,7 @@ class ManagementApi(RouterResources):
             view["proxied"] = agg.proxied.get(name, {})
             routers.append(view)
         return {"time": round(time.time(), 3), "name": self.cfg.name,
-                "status": "draining" if r.draining else ("degraded" if failing else "ok"), "degraded": failing,
+                "status": status, "degraded": failing,
                 "summary": self.summary(agg), "edge": agg.stats.totals(), "routers": routers,
                 "decisions": decisions[-RECENT_DECISIONS:], "cluster": await self.cluster.read(self.services)}
 
@@ -527,18 +523,20 @@ class ManagementApi(RouterResources):
 
     async def health(self) -> tuple[dict, int]:
         """``/health``: ``ok``, ``degraded`` (still serving, 200: some I/O component — routing
-        log, cache file — is failing and being retried; ``degraded`` lists them) or
+        log, cache file, Redis — is failing and being retried; ``degraded`` lists them) or
         ``draining`` (503)."""
-        r = self.running
-        failing = list(io_status(r)["failing"])
-        if r.supervisor is not None:
-            for rep in await r.supervisor.gather_stats():
-                for f in rep.get("io", {}).get("failing", []):
-                    failing.append({**f, "worker": rep["worker"]})
-            failing += r.supervisor.failing_workers()   # a worker that cannot start on its files
-        status = "draining" if r.draining else ("degraded" if failing else "ok")
+        status, failing = self._status(await self.aggregate())
         return {"status": status, "router": self.cfg.name, "degraded": failing}, \
-            503 if r.draining else 200
+            503 if self.running.draining else 200
+
+    def _status(self, agg: Aggregate) -> tuple[str, list[dict]]:
+        """The process's status and its failing components: every process's I/O failures (the
+        supervisor's, then each worker's) and a worker that cannot start on its files."""
+        r = self.running
+        failing = list(agg.failing)
+        if r.supervisor is not None:
+            failing += r.supervisor.failing_workers()
+        return ("draining" if r.draining else "degraded" if failing else "ok"), failing
 
     def counters(self, agg: Aggregate) -> dict:
         r = self.running
