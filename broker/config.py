@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Mapping
 from broker.connections.settings import AddressFilter, BrokerConnectionConfig, LinkElement, MirrorConfig, parse_uri
 from broker.cluster.settings import (HA_POLICIES, LOAD_BALANCING_MODES, BroadcastGroupConfig, ClusterConfig,
                                      DiscoveryGroupConfig, HaConfig, parse_connector)
-from broker.cluster.settings import HA_ROLES, ColocatedConfig
+from broker.cluster.settings import HA_ROLES, MANAGER_TYPES, ColocatedConfig, ManagerConfig
 from broker.core.filters import SelectorError, compile_queue_filter
 from broker.core.addresses import ANYCAST, MULTICAST, AddressSettings, SettingsResolver, WildcardSettings
 from broker.core.duplicates import DEFAULT_ID_CACHE_SIZE, DEFAULT_MAX_IDS
@@ -426,6 +427,27 @@ def _ha(t: Table, cluster: ClusterConfig | None) -> HaConfig:
             backup_port_offset=ct.int("backup-port-offset", d_c.backup_port_offset, min=1, max=65535),
             excludes=tuple(ct.str_list("excludes", [])))
         ct.done()
+    manager = _manager(t.table("manager")) if t.has("manager") else None
+    coordination_id = t.str("coordination-id", None)
+    if coordination_id is not None:
+        if manager is None:
+            raise t.error("coordination-id", f"{coordination_id!r}: a coordination id names the lock in "
+                          "[ha.manager]'s coordination service (no [ha.manager] table)")
+        if not _COORDINATION_ID.match(coordination_id):
+            raise t.error("coordination-id", f"{coordination_id!r}: 1 to 64 letters, digits, '.', '_' or '-'")
+    if manager is not None:
+        if policy != "replication":
+            raise t.error("manager", "a coordination service decides between replication members "
+                          "(policy = 'replication')")
+        for key, why in (("vote-on-replication-failure", "a primary under [ha.manager] always stops when it "
+                          "loses the coordination service's lock, as if it were true"),
+                         ("quorum-vote-wait-s", "the coordination service's session decides how long "
+                          "(session-ms)"),
+                         ("quorum-size", "the coordination service is the quorum")):
+            if t.has(key):
+                raise t.error(key, f"has no meaning under [ha.manager]: {why}")
+        if t.has("colocated"):
+            raise t.error("colocated", "colocated backups are not supported under [ha.manager]")
     if policy != "replication":
         for key in _REPLICATION_KEYS:
             if t.has(key):
@@ -484,7 +506,35 @@ def _ha(t: Table, cluster: ClusterConfig | None) -> HaConfig:
                     vote_on_replication_failure=vote_fail, quorum_size=quorum, vote_retries=vote_retries,
                     vote_retry_wait_ms=vote_wait, quorum_vote_wait_s=vote_total,
                     max_saved_replicated_journals_size=saved, backup_fsync=backup_fsync, colocated=colocated,
-                    scale_down=scale_down, scale_down_group_name=sd_group, scale_down_connectors=connectors)
+                    scale_down=scale_down, scale_down_group_name=sd_group, scale_down_connectors=connectors,
+                    manager=manager, coordination_id=coordination_id)
+
+
+_COORDINATION_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+def _manager(t: Table) -> ManagerConfig:
+    """``[ha.manager]`` (Artemis ``<manager>`` with the Curator provider's properties)."""
+    d = ManagerConfig()
+    kind = t.choice("type", MANAGER_TYPES, d.type)
+    connect = t.str("connect-string", None)
+    if connect is None:
+        raise t.error("connect-string", "is required: the ZooKeeper servers, 'host:port,host:port'")
+    for part in connect.split(","):
+        host, sep, port = part.strip().rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise t.error("connect-string", f"{connect!r}: {part.strip()!r} is not host:port")
+    namespace = t.str("namespace", None)
+    if namespace is not None and not re.match(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$", namespace.strip("/")):
+        raise t.error("namespace", f"{namespace!r}: path segments of letters, digits, '.', '_' or '-'")
+    m = ManagerConfig(type=kind, connect_string=connect, namespace=namespace,
+                      session_ms=t.int("session-ms", d.session_ms, min=1),
+                      session_percent=t.int("session-percent", d.session_percent, min=1, max=99),
+                      connection_ms=t.int("connection-ms", d.connection_ms, min=1),
+                      retries=t.int("retries", d.retries, min=0),
+                      retries_ms=t.int("retries-ms", d.retries_ms, min=1))
+    t.done()
+    return m
 
 
 def load_config(file: str | Path) -> BrokerConfig:

@@ -178,6 +178,21 @@ def metrics(node: "Node", exporter: "MetricsExporter | None" = None) -> list[Met
             Metric("lodestone_broker_ha_votes_total", "counter", "quorum votes this member asked for, by outcome",
                    tuple(({"outcome": k}, v) for k, v in sorted(ha.votes.items()))),
         ]
+        mgr = getattr(node.role, "manager", None)
+        if mgr is not None:   # [ha.manager] (broker.ha.quorum)
+            c = mgr.counters
+            out += [
+                Metric("lodestone_broker_ha_lock_events_total", "counter",
+                       "the coordination lock: taken, released, lost (session expired or lease run out)",
+                       (({"event": "acquired"}, c["lock_acquired"]), ({"event": "released"}, c["lock_released"]),
+                        ({"event": "lost"}, c["lock_lost"]))),
+                Metric("lodestone_broker_ha_coordination_connected", "gauge",
+                       "1 while the ZooKeeper session is connected", (({}, 1 if mgr.state == "connected" else 0),)),
+                Metric("lodestone_broker_ha_coordination_sessions_lost_total", "counter",
+                       "ZooKeeper sessions that expired", (({}, c["session_lost"]),)),
+                Metric("lodestone_broker_ha_lock_held", "gauge", "1 while this member holds the coordination lock",
+                       (({}, 1 if mgr.holding else 0),)),
+            ]
         repl = node.replication
         if repl is not None:
             lag = repl.describe()["lag_records"]

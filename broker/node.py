@@ -208,6 +208,10 @@ class Node:
         self.opened_at: dict[str, float] = {}
         self.window_start: dict[str, float] = {}
         self.sync_waiters: dict["AmqpEngine", list] = {}
+        #: ``fence()`` says why this node must acknowledge nothing now (None: it may): a member
+        #: of a pair coordinated by ZooKeeper past its lease (broker.ha.quorum); checked before
+        #: any send or commit is answered
+        self.fence: Callable[[], str | None] | None = None
         #: what waits for records to be durable without answering a client (a mirror's batches
         #: of events are sent only then): answered as sends are, after fsync and the backup
         self.write_gates: dict = {}
@@ -580,7 +584,14 @@ class Node:
                 continue
             self._answer(synced, waiters)
 
+    def set_fence(self, fence: "Callable[[], str | None] | None") -> None:
+        """Install ``fence`` (see the attribute): the role of a pair coordinated by ZooKeeper."""
+        self.fence = fence
+
     def _answer(self, synced: int, waiters: dict) -> None:
+        fence = self.fence
+        if fence is not None and fence() is not None:
+            return   # never answered: the role stops serving (the producers see the connection end)
         repl = self.replication
         if repl is not None and repl.gating:
             repl.hold(synced, waiters)   # answered once the backup holds them too

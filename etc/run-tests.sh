@@ -5,7 +5,9 @@
 # Node.js and npm (Debian's nodejs and npm, when missing) and rhea (+ minimist) for the Node client tests
 # (`npm ci` in clients/node, from its package-lock.json; see etc/bootstrap.sh), and RabbitMQ (Debian's
 # rabbitmq-server, when missing; its service is not started: the tests run their own node on loopback), and
-# Debian's chromium and chromium-driver (when missing) for the dashboard's browser test.
+# Debian's chromium and chromium-driver (when missing) for the dashboard's browser test, and Debian's zookeeper
+# (when missing; its service is not started: the tests run their own servers on loopback) for the HA pairs
+# coordinated by ZooKeeper.
 # Extra arguments go to pytest (e.g. `bash etc/run-tests.sh tests/unit -x`).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -18,6 +20,7 @@ command -v java >/dev/null 2>&1 || need+=(default-jre-headless)   # PySpark's JV
 [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || need+=(rabbitmq-server)   # a third-party AMQP 1.0 peer (tests/rabbitproc.py)
 [ -x /usr/bin/chromium ] || need+=(chromium)                  # the dashboard in a real browser (selenium)
 [ -x /usr/bin/chromedriver ] || need+=(chromium-driver)
+[ -f /usr/share/java/zookeeper.jar ] || need+=(zookeeper)      # [ha.manager] (tests/zkproc.py)
 if [ ${#need[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ]; then
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null

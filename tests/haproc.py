@@ -118,6 +118,27 @@ def send(member, address: str, bodies) -> None:
         conn.close()
 
 
+def acknowledges(member, timeout_s: float = 1.0) -> bool:
+    """Does ``member`` acknowledge a durable send right now (a new connection, address "probe")?"""
+    from proton import Message
+    from proton.utils import BlockingConnection
+
+    try:
+        conn = BlockingConnection(member.amqp_url, **{**CLIENT, "timeout": timeout_s})
+    except Exception:
+        return False
+    try:
+        conn.create_sender("probe").send(Message(body="probe", durable=True))
+        return True
+    except Exception:
+        return False
+    finally:
+        try:
+            conn.close()
+        except Exception:
+            pass
+
+
 def receive_all(member, address: str, *, quiet_s: float = 1.0) -> list:
     """Receive and accept until nothing arrives for ``quiet_s``; the bodies, in order."""
     from proton.utils import BlockingConnection

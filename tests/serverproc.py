@@ -154,6 +154,8 @@ def toml_value(v: Any) -> str:
         return json.dumps(str(v))
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):   # an inline table: [ha] manager = { type = "zookeeper", ... }
+        return "{ " + ", ".join(f"{json.dumps(k)} = {toml_value(x)}" for k, x in v.items()) + " }"
     raise TypeError(f"cannot write {v!r} as TOML")
 
 

@@ -1317,6 +1317,12 @@ class AmqpEngine:
         return (address, durable, priority, expires, key), None
 
     def _publish(self, pl: ProducerLink, d, data: bytes) -> None:
+        fence = getattr(self.host, "fence", None)
+        if fence is not None and fence() is not None:
+            # an HA member that lost its coordination lock (broker.ha.quorum): it acknowledges
+            # nothing more; the connection ends as if the broker had stopped
+            self.drop()
+            return
         send, err = self.prepare_send(pl, data)
         if err is not None:
             self._reject(d, *err)

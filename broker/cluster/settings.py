@@ -179,6 +179,25 @@ class ColocatedConfig:
     excludes: tuple[str, ...] = ()
 
 
+MANAGER_TYPES = ("zookeeper",)
+
+
+@dataclass(frozen=True)
+class ManagerConfig:
+    """``[ha.manager]`` (Artemis ``<manager>``, the Apache Curator provider's properties): the
+    coordination service that decides which member of a replicated pair serves
+    (``broker.ha.quorum``)."""
+
+    type: str = "zookeeper"
+    connect_string: str = ""
+    namespace: str | None = None
+    session_ms: int = 18000
+    session_percent: int = 33
+    connection_ms: int = 8000
+    retries: int = 1
+    retries_ms: int = 1000
+
+
 @dataclass(frozen=True)
 class HaConfig:
     """``[ha]`` (Artemis ``<ha-policy>``, Artemis 2.x role names; docs/ha.md): ``live-only``
@@ -203,6 +222,8 @@ class HaConfig:
     max_saved_replicated_journals_size: int = 2
     backup_fsync: bool = True            # the backup fsyncs a batch before confirming it
     colocated: ColocatedConfig | None = None   # [ha.colocated]
+    manager: ManagerConfig | None = None       # [ha.manager]: a coordination service instead of the vote
+    coordination_id: str | None = None         # the lock's name (default: the pair's node id)
     scale_down: bool = False
     scale_down_group_name: str | None = None
     scale_down_connectors: tuple[str, ...] = ()

@@ -61,6 +61,9 @@ class Start:
     node_id: str
     through_seq: int          # the snapshot that follows covers every seq up to this one
     name: str = ""
+    #: the primary's activation sequence ([ha.manager], broker.ha.quorum); a backup in sync
+    #: holds the same one. None: the primary runs without a coordination service
+    activation_sequence: int | None = None
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,8 @@ def encode(kind: int, payload: Any) -> bytes:
     """One transfer body. ``payload``: a :class:`Start`/:class:`Hello`/:class:`Topology`, a list
     of record bytes (SNAPSHOT, RECORDS) or a seq (SNAPSHOT_END, SYNCED)."""
     if kind == START:
-        return _json(kind, {"node_id": payload.node_id, "through_seq": payload.through_seq, "name": payload.name})
+        return _json(kind, {"node_id": payload.node_id, "through_seq": payload.through_seq, "name": payload.name,
+                            "activation_sequence": payload.activation_sequence})
     if kind == HELLO:
         return _json(kind, {"group": payload.group, "name": payload.name, "connector": payload.connector,
                             "management_url": payload.management_url, "logins": payload.logins})
@@ -181,8 +185,10 @@ def decode(body: bytes) -> tuple[int, Any]:
         if not isinstance(obj, dict):
             raise ProtocolError("payload must be a JSON object")
         if kind == START:
+            seq = obj.get("activation_sequence")
             return kind, Start(_str(obj, "node_id", limit=64), _int(obj, "through_seq"),
-                               _str(obj, "name", optional=True) or "")
+                               _str(obj, "name", optional=True) or "",
+                               None if seq is None else _int(obj, "activation_sequence"))
         if kind == HELLO:
             return kind, Hello(_str(obj, "group", optional=True), _str(obj, "name"),
                                _str(obj, "connector", optional=True), _str(obj, "management_url", optional=True),

@@ -18,6 +18,13 @@ the backup **votes** (``broker.ha.vote``: the other primaries it learned from th
 topology, over their management APIs); if the vote is won it activates — on its own copy of the
 journal, with the primary's node id — and serves (and may take a backup of its own); if lost it
 looks for the primary again, as Artemis's backup restarts as a backup.
+
+**Under** ``[ha.manager]`` (``broker.ha.quorum``) the coordination service decides instead of
+the vote: a primary serves only once it holds the pair's lock with a current activation
+sequence (it waits otherwise, phase ``waiting-for-lock``); a backup that lost its in-sync
+primary tries the lock ``1 + vote-retries`` times; a primary that loses its in-sync backup moves
+the sequence on before answering alone; the node refuses to acknowledge anything past the
+lock's lease (``Node.fence``) and the process exits with ISOLATED_EXIT.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ from broker.core.departures import Target, target_from_connector
 from broker.ha.colocated import ColocatedHost, request_backups
 from broker.ha.protocol import ACKS_ADDRESS, FAILBACK, HELLO, RECORDS_ADDRESS, SYNCED, Hello, encode
 from broker.ha.replication import DROPPED, ReplicationSink, ReplicationSource
+from broker.ha.quorum import (CoordinationUnavailable, SequenceError, ZooKeeperManager, claim_next,
+                               read_local_sequence, try_activate, write_local_sequence)
 from broker.ha.status import HaStatus
 from broker.ha.vote import ask_backup_vote, ask_primary_vote, vote_with_retries
 from broker.lifecycle import SHUTDOWN_GRACE_S, ScaleDown
@@ -178,11 +187,28 @@ class Replicated(Role):
         self._deactivate: trio.Event | None = None   # per activation: isolated, or handing over
         self._handing_over = False
         self._scaling_down = False
+        #: [ha.manager]: the coordination service's lock and activation sequence decide instead
+        #: of the vote (broker.ha.quorum)
+        self.manager: ZooKeeperManager | None = None
+        self._data_path: Path | None = None
+        self._claimed = False      # the lock and a fresh activation sequence are held for the next activation
+        self._lost_lock: str | None = None
+        self._restarted_active = False
+        self._restart_said: str | None = None
 
     # -- what the node and the management API read -------------------------------------------------
     def describe(self, node) -> dict:
-        return self.status.describe(replication=self._view() if self._view is not None else None,
-                                    colocated=self.colocated.describe() if self.colocated is not None else None)
+        out = self.status.describe(replication=self._view() if self._view is not None else None,
+                                   colocated=self.colocated.describe() if self.colocated is not None else None)
+        m = self.manager
+        if m is not None:
+            view = m.describe()
+            view["local_activation_sequence"] = (read_local_sequence(self._data_path)
+                                                 if self._data_path is not None else None)
+            view["coordinated_activation_sequence"] = m.coordinated_seq
+            view["lock_holder"] = m.holder_seen
+            out["manager"] = view
+        return out
 
     def backups(self) -> tuple[tuple[str, str, bool], ...]:
         return self.replication.backups() if self.replication is not None else ()
@@ -199,22 +225,30 @@ class Replicated(Role):
     async def run(self, proc) -> int:
         cfg, ha, status = self.cfg, self.cfg.ha, self.status
         datadir = open_data_dir(cfg.data_dir)
+        self._data_path = datadir.path
         try:
             status.node_id = None if self.is_backup else datadir.node_id
+            if ha.manager is not None:
+                self.manager = ZooKeeperManager(ha.manager, {
+                    "name": cfg.name, "connector": cfg.cluster.connector if cfg.cluster else None, "pid": os.getpid()})
+                self.manager.coordination_id = ha.coordination_id or (None if self.is_backup else datadir.node_id)
+                proc.spawn(self.manager.run, self.stopping)
             co = ha.colocated
             if co is not None and co.max_backups > 0:
                 self.colocated = ColocatedHost(cfg, proc.security, datadir.node_id, Replicated)
                 proc.spawn(self.colocated.run)
             host = proc.passive(self, status.node_id)   # the EngineHost of the connections it dials
-            if self.is_backup or ha.check_for_live_server:
+            if self.is_backup or ha.check_for_live_server or ha.manager is not None:
                 # a passive member answers at once (active: false); a plain primary opens its
-                # management API when it serves
+                # management API when it serves (under [ha.manager] it may wait for the lock)
                 await proc.open_management()
             while not self.stopping.is_set():
                 why = "took over the node id" if self.is_backup else "primary started"
                 if self.is_backup:
                     if not await self._follow_primaries(proc, datadir, host):
                         break
+                    if self._claimed and self._restarted_active:
+                        why = "restarted with the current activation sequence: serves its own copy"
                 elif ha.check_for_live_server:
                     status.change("checking-for-live-server", "is another node serving our node id?")
                     url = await find_live_self(cfg, host, datadir.node_id, self.stopping)
@@ -225,7 +259,15 @@ class Replicated(Role):
                         if not how:
                             break
                         why = ("the node id was handed back" if how == "handover" else
-                               "won the vote: the node serving its id went away")
+                               "won the vote: the node serving its id went away" if self.manager is None else
+                               "took the lock: the node serving its id went away")
+                if self.manager is not None and not self._claimed:
+                    # a primary serves only with the lock and a current activation sequence (a
+                    # failing-back one too: the backup releases the lock as it hands over)
+                    took = await self._primary_lock(proc, datadir, host)
+                    if took is None:
+                        break
+                    why = f"{why}; {took}"
                 if self.is_backup and ha.scale_down:
                     # Artemis's backup scale-down: move the node id's messages to another live
                     # node instead of serving them, then stop
@@ -237,10 +279,15 @@ class Replicated(Role):
                 reason = await self._activate(proc, datadir, why)
                 if reason == "deactivate" and self._handing_over:
                     status.failbacks += 1
+                    if self.manager is not None:
+                        await self.manager.unlock()   # the failing-back primary takes it
                     status.change("stopping", "handed the node id back to its primary", active=False)
                     proc.passive(self, status.node_id)
                     if ha.restart_backup:
                         continue      # a backup again, of the primary that just took over
+                    break
+                if reason == "deactivate" and self._lost_lock is not None:
+                    status.change("stopping", f"lost the coordination lock: {self._lost_lock}", active=False)
                     break
                 status.change("stopping", "isolated from the cluster's majority" if reason == "deactivate"
                               else "stopped", active=False)
@@ -258,6 +305,7 @@ class Replicated(Role):
         status.activations += 1
         if self.is_backup:
             status.failovers += 1
+        self._claimed = False
         status.change("active", why, active=True)
         try:
             return await proc.serve(self, datadir, deactivate=self._deactivate)
@@ -274,7 +322,15 @@ class Replicated(Role):
         src = ReplicationSource(node)
         self.replication = src
         self._view = src.describe
-        if cfg.ha.vote_on_replication_failure:
+        m = self.manager
+        if m is not None:
+            # a lost in-sync backup: the activation sequence moves on before any send is answered
+            # alone, so that backup can never activate on its copy (broker.ha.quorum)
+            src.activation_sequence = read_local_sequence(self._data_path)
+            src.quorum_check = lambda: self._advance_sequence(src)
+            node.set_fence(m.fenced)
+            m.on_lost = self._lock_lost
+        elif cfg.ha.vote_on_replication_failure:
             src.quorum_check = lambda: primary_quorum_check(node, cfg, self.status)
         src.on_isolated = self._isolated
         if self.is_backup and cfg.ha.allow_failback:
@@ -288,6 +344,85 @@ class Replicated(Role):
     def _isolated(self) -> None:
         self.exit_code = ISOLATED_EXIT
         self._deactivate.set()
+
+    def _lock_lost(self, why: str) -> None:
+        """The coordination lock is gone (or its lease ran out): stop serving at once; the
+        process exits with ISOLATED_EXIT (a supervisor restarts it: it comes back as a member
+        waiting for the lock)."""
+        self._lost_lock = why
+        if self._deactivate is not None and not self._deactivate.is_set():
+            log.error("ha: stops serving node %s: %s", self.status.node_id, why)
+            self._isolated()
+
+    async def _advance_sequence(self, src) -> bool:
+        """[ha.manager]: the primary lost its in-sync backup; before answering anything alone it
+        claims the next activation sequence (False: it could not — it stops)."""
+        m = self.manager
+        local = read_local_sequence(self._data_path)
+        try:
+            if local is None or m.fenced() is not None:
+                raise SequenceError(m.fenced() or "no local activation sequence")
+            new = await claim_next(m, local, lambda v: write_local_sequence(self._data_path, v))
+        except Exception as exc:   # SequenceError, CoordinationUnavailable, a ZooKeeper error
+            log.error("ha: cannot move the activation sequence on after losing the backup: %s", exc)
+            self._lost_lock = f"could not move the activation sequence on: {exc}"
+            return False
+        src.activation_sequence = new
+        log.warning("ha: serving without a backup: activation sequence %d (a copy at %d can no longer activate)",
+                    new, local)
+        return True
+
+    async def _take_lock(self, datadir, timeout_s: float) -> tuple[bool, str]:
+        """Take the coordination lock with a current activation sequence and claim the next
+        one (Artemis's tryActivate and ensureSequentialAccessToNodeData): ``(True, how)``, or
+        ``(False, why)`` without the lock."""
+        m = self.manager
+        m.coordination_id = self.cfg.ha.coordination_id or datadir.node_id
+        write = lambda v: write_local_sequence(datadir.path, v)   # noqa: E731
+        local = read_local_sequence(datadir.path)
+        try:
+            ok, how = await try_activate(m, local, write, timeout_s)
+            if not ok:
+                return False, how
+            new = await claim_next(m, read_local_sequence(datadir.path), write)
+        except (SequenceError, CoordinationUnavailable) as exc:
+            await m.unlock()
+            return False, str(exc)
+        except Exception as exc:   # a ZooKeeper error (no permission on the path, a bad znode): say so
+            await m.unlock()
+            return False, f"ZooKeeper refused: {type(exc).__name__}: {exc}"
+        self._claimed = True
+        return True, f"took the lock of {m.coordination_id} at activation sequence {new}"
+
+    async def _primary_lock(self, proc, datadir, host) -> str | None:
+        """A primary under [ha.manager] waits for the lock with a current activation sequence;
+        meanwhile (check-for-live-server) it looks for a member serving its node id and fails
+        back from it first. How it took the lock; None when stopped."""
+        cfg, ha, status, stop = self.cfg, self.cfg.ha, self.status, self.stopping
+        said = None
+        while not stop.is_set():
+            ok, why = await self._take_lock(datadir, ha.vote_retry_wait_ms / 1000.0)
+            if ok:
+                return why
+            if why != said:
+                log.warning("ha: primary %s does not serve: %s", cfg.name, why)
+                said = why
+            if status.phase != "waiting-for-lock" or status.last_change != why:
+                status.change("waiting-for-lock", why, active=False)
+            if ha.check_for_live_server:
+                url = await find_live_self(cfg, host, datadir.node_id, stop)
+                if url is not None:
+                    log.warning("ha: node %s is served at %s: failing back", datadir.node_id, url)
+                    how = await self._follow_primaries(proc, datadir, host, candidates=[url], failback=True)
+                    if not how:
+                        return None
+                    if self._claimed:
+                        return "took the lock: the node serving its id went away"
+                    said = None
+                    continue      # handed back: the member that served releases the lock
+            with trio.move_on_after(cfg.cluster.retry_interval_ms / 1000.0):
+                await stop.wait()
+        return None
 
     def _failback_asked(self) -> None:
         self._handing_over = True
@@ -341,11 +476,39 @@ class Replicated(Role):
                     if cond is not None:
                         log.info("ha: %s did not take this backup: %s %s", url, cond, ended.get("description"))
                     continue
-                if await self._vote(url, sink, cond):
+                if self.manager is not None:
+                    if await self._take_over(url, datadir, cond):
+                        return "vote"
+                elif await self._vote(url, sink, cond):
                     return "vote"
+            if self.manager is not None and candidates is None and await self._restart_as_active(datadir):
+                return "vote"
             with trio.move_on_after(ccfg.retry_interval_ms / 1000.0):
                 await stop.wait()
         return False
+
+    async def _restart_as_active(self, datadir) -> bool:
+        """[ha.manager], a backup that found no primary to follow: if its own copy holds the
+        current activation sequence (it served last: a backup that took over, then stopped), it
+        takes the lock and serves that copy, as Artemis's backup does at start."""
+        if not (self._data_path / "activation.seq").exists():
+            return False
+        local = read_local_sequence(self._data_path)
+        if not local:
+            return False
+        if not await self.manager.wait_connected(self.cfg.ha.manager.connection_ms / 1000.0):
+            return False
+        ok, why = await self._take_lock(datadir, 0.0)
+        if not ok:
+            if why != self._restart_said:
+                log.info("ha: backup does not serve its own copy: %s", why)
+                self._restart_said = why
+            return False
+        self.status.node_id = datadir.node_id
+        self._restarted_active = True
+        log.warning("ha: no primary to follow and this copy holds the current activation sequence: serving it (%s)",
+                    why)
+        return True
 
     async def _replicate_from(self, proc, datadir, host, url: str, tokens, failback: bool):
         """Copy and follow the primary at ``url`` until the connection ends (or this member
@@ -361,10 +524,17 @@ class Replicated(Role):
             status.node_id = node_id
             proc.passive(self, status.node_id)
 
+        def set_sequence(value: int | None) -> None:
+            if value is None and sink.start is not None and sink.start.activation_sequence is None and sink.in_sync:
+                log.error("ha: primary %s runs without [ha.manager]: this backup's copy can never activate "
+                          "under the coordination service", url)
+            write_local_sequence(datadir.path, value)
+
         security = proc.security
         sink = ReplicationSink(datadir, cfg.journal, keep_saved=ha.max_saved_replicated_journals_size,
                                fsync=ha.backup_fsync, on_node_id=set_node_id,
-                               on_logins=security.adopt_logins if security is not None else None)
+                               on_logins=security.adopt_logins if security is not None else None,
+                               on_sequence=set_sequence if ha.manager is not None else None)
         self._view = lambda: {"state": "in-sync" if sink.in_sync else "syncing", "primary": url,
                               "applied_seq": sink.applied_seq, "synced_seq": sink.synced_seq,
                               "records": sink.records_received, "lag_records": None,
@@ -423,6 +593,29 @@ class Replicated(Role):
             pn.start_soon(confirm)
             pn.start_soon(on_stop)
         return sink, ended
+
+    async def _take_over(self, url: str, datadir, cond: str | None) -> bool:
+        """[ha.manager]: the in-sync primary at ``url`` is gone: take its lock — ``1 +
+        vote-retries`` attempts, each waiting up to ``vote-retry-wait-ms`` for it (a dead
+        primary's lock goes when its ZooKeeper session expires) — with a current activation
+        sequence."""
+        ha, status = self.cfg.ha, self.status
+        status.change("waiting-for-lock", f"lost the primary at {url} ({cond or 'connection lost'})")
+        why = ""
+        for attempt in range(1 + ha.vote_retries):
+            if self.stopping.is_set():
+                return False
+            ok, why = await self._take_lock(datadir, ha.vote_retry_wait_ms / 1000.0)
+            status.votes["won" if ok else "lost"] += 1
+            if ok:
+                log.warning("ha: taking over node %s: %s", status.node_id, why)
+                return True
+            if "out of date" in why or "never in sync" in why or "ahead of" in why:
+                break     # waiting longer does not make this copy current
+            if attempt == 0:
+                log.info("ha: waiting for the lock of node %s: %s", status.node_id, why)
+        log.warning("ha: does not take over node %s: %s", status.node_id, why)
+        return False
 
     async def _vote(self, url: str, sink: ReplicationSink, cond: str | None) -> bool:
         """The in-sync primary at ``url`` is gone (or unreachable): ask the other primaries it

@@ -205,7 +205,8 @@ class _Session:
         through, items = j.snapshot_items(tap=self.tap)
         self.through_seq = self.sent_seq = through
         self.snap_batches = batches(iter_snapshot(items), SNAPSHOT_BATCH_BYTES)
-        self.out.backlog.append(encode(START, Start(self.source.node.node_id, through, self.source.node.cfg.name)))
+        self.out.backlog.append(encode(START, Start(self.source.node.node_id, through, self.source.node.cfg.name,
+                                                    self.source.activation_sequence)))
         self.source.node.counters["replication_syncs"] += 1
         self.pump()
 
@@ -362,6 +363,8 @@ class ReplicationSource:
         self.failback_session: _Session | None = None
         self._confirmed_ev = Wakeup()
         self.last_snapshot: dict | None = None   # the latest initial sync's snapshot (GET /api/v1/ha)
+        #: [ha.manager]: this primary's activation sequence, told to each backup (START)
+        self.activation_sequence: int | None = None
 
     # -- links (the node's internal service for $lodestone.replication.*) ---------------------------
     def attach(self, engine: "AmqpEngine", link: OwnedLink):
@@ -390,6 +393,8 @@ class ReplicationSource:
         cur = self.session
         if cur is not None and not cur.closed:
             return (DROPPED, f"this primary already has a backup ({cur.hello.name})")
+        if self.checking:   # its activation sequence is about to move: a copy started now would be stale
+            return (DROPPED, "this primary is settling the loss of its previous backup; try again")
         self.session = session
         self.state = "syncing"
         self.backup_name = hello.name
@@ -623,7 +628,8 @@ class ReplicationSink:
     acks-link body. Raises nothing: bad input sets ``error`` and the owner closes."""
 
     def __init__(self, datadir, journal_config, *, keep_saved: int, fsync: bool,
-                 on_node_id: Callable[[str], None], on_logins: Callable[[list], None] | None = None) -> None:
+                 on_node_id: Callable[[str], None], on_logins: Callable[[list], None] | None = None,
+                 on_sequence: Callable[[int | None], None] | None = None) -> None:
         self.datadir = datadir
         self.journal_config = journal_config
         self.keep_saved = keep_saved
@@ -642,6 +648,9 @@ class ReplicationSink:
         self.records_received = 0
         self.handover_seq: int | None = None   # the primary handed its node id over through this seq
         self.on_logins = on_logins             # LOGINS: cache the primary's verified logins here
+        #: the copy's activation sequence ([ha.manager]): None at START (a copy in progress is
+        #: never current), the primary's once in sync — before the snapshot is confirmed
+        self.on_sequence = on_sequence
         self.logins_received = 0
 
     def open_fresh(self) -> None:
@@ -675,6 +684,8 @@ class ReplicationSink:
             if self.start is not None:
                 raise ProtocolError("a second start")
             self.start = payload
+            if self.on_sequence is not None:
+                self.on_sequence(None)
             self.open_fresh()
             self.on_node_id(payload.node_id)
         elif kind == SNAPSHOT:
@@ -686,6 +697,8 @@ class ReplicationSink:
                 raise ProtocolError("snapshot end does not match the start")
             self.journal.install_snapshot(Snapshot(payload, self.snapshot))
             self.snapshot = []
+            if self.on_sequence is not None:
+                self.on_sequence(self.start.activation_sequence)
             self.in_sync = True
             self.applied_seq = self.synced_seq = payload
             self.pending_flush = True     # confirm the snapshot at once (it is durable on install)

@@ -260,7 +260,8 @@ def _configs(tmp: Path) -> list[tuple[str, object, list[Path]]]:
         connector = "amqp://127.0.0.1:5672"
         static-connectors = ["amqp://127.0.0.1:5673"]
         """
-    brokers = sorted(ETC.glob("broker*.toml")) + sorted((ETC / "sites").glob("site-*.toml"))
+    brokers = (sorted(ETC.glob("broker*.toml")) + sorted((ETC / "sites").glob("site-*.toml"))
+               + sorted((ETC / "zookeeper").glob("*.toml")))
     brokers.append(broker("broker-full.toml", """
         [acceptors.tls]
         port = 0
@@ -341,6 +342,8 @@ def _configs(tmp: Path) -> list[tuple[str, object, list[Path]]]:
         "shared-store-backup": 'policy = "shared-store"\nrole = "backup"\nallow-failback = false\nrestart-backup = false',
         "replication-backup": ('policy = "replication"\nrole = "backup"\ngroup-name = "g"\n'
                                'max-saved-replicated-journals-size = 2\nbackup-fsync = false\nscale-down = true'),
+        "replication-zookeeper": ('policy = "replication"\ncoordination-id = "pair-a"\n'
+                                  '[ha.manager]\nconnect-string = "zk1:2181,zk2:2181,zk3:2181"'),
     }
     for variant, ha in ha_variants.items():
         brokers.append(broker(f"broker-ha-{variant}.toml", textwrap.dedent(cluster) + "[ha]\n" + ha + "\n"))

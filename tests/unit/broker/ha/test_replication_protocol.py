@@ -17,6 +17,7 @@ from broker.store.journal import Journal, JournalConfig
 
 @pytest.mark.parametrize("kind,payload", [
     (START, Start("0f1e2d3c-0000-4000-8000-000000000001", 42, "p1")),
+    (START, Start("0f1e2d3c-0000-4000-8000-000000000001", 42, "p1", 7)),
     (HELLO, Hello("g1", "backup", "amqp://h:1", "http://h:2")),
     (HELLO, Hello(None, "b", None, None)),
     (HELLO, Hello(None, "b", None, None, logins=True)),
