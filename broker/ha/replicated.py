@@ -496,7 +496,7 @@ class Replicated(Role):
         local = read_local_sequence(self._data_path)
         if not local:
             return False
-        if not await self.manager.wait_connected(self.cfg.ha.manager.connection_ms / 1000.0):
+        if not await self.manager.wait_connected(0.5):   # not connected: the next round tries again
             return False
         ok, why = await self._take_lock(datadir, 0.0)
         if not ok:
@@ -522,6 +522,8 @@ class Replicated(Role):
             _write_node_id(datadir.path, node_id)
             datadir.node_id = node_id
             status.node_id = node_id
+            if self.manager is not None and not ha.coordination_id:
+                self.manager.coordination_id = node_id   # GET /api/v1/ha shows the pair's lock and sequence
             proc.passive(self, status.node_id)
 
         def set_sequence(value: int | None) -> None:
