@@ -195,6 +195,9 @@ class Replicated(Role):
         self._lost_lock: str | None = None
         self._restarted_active = False
         self._restart_said: str | None = None
+        #: a backup started with a copy that served last may serve it when it finds no primary;
+        #: not once it handed the node id over (the failing-back primary takes the lock)
+        self._may_serve_own_copy = True
 
     # -- what the node and the management API read -------------------------------------------------
     def describe(self, node) -> dict:
@@ -284,7 +287,10 @@ class Replicated(Role):
                     status.change("stopping", "handed the node id back to its primary", active=False)
                     proc.passive(self, status.node_id)
                     if ha.restart_backup:
-                        continue      # a backup again, of the primary that just took over
+                        # a backup again, of the primary that just took over: it must not take the
+                        # lock back with its own copy in the moment before the primary takes it
+                        self._may_serve_own_copy = False
+                        continue
                     break
                 if reason == "deactivate" and self._lost_lock is not None:
                     status.change("stopping", f"lost the coordination lock: {self._lost_lock}", active=False)
@@ -490,8 +496,9 @@ class Replicated(Role):
     async def _restart_as_active(self, datadir) -> bool:
         """[ha.manager], a backup that found no primary to follow: if its own copy holds the
         current activation sequence (it served last: a backup that took over, then stopped), it
-        takes the lock and serves that copy, as Artemis's backup does at start."""
-        if not (self._data_path / "activation.seq").exists():
+        takes the lock and serves that copy, as Artemis's backup does at start (not after it
+        handed the node id over to a failing-back primary)."""
+        if not self._may_serve_own_copy or not (self._data_path / "activation.seq").exists():
             return False
         local = read_local_sequence(self._data_path)
         if not local:
