@@ -53,8 +53,7 @@ from typing import Any, Callable
 
 import trio
 from kazoo.client import KazooClient
-from kazoo.exceptions import (BadVersionError, ConnectionLoss, NodeExistsError, NoNodeError, SessionExpiredError,
-                              ZookeeperError)
+from kazoo.exceptions import BadVersionError, ConnectionLoss, NodeExistsError, NoNodeError, SessionExpiredError
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.retry import KazooRetry
 
@@ -63,7 +62,7 @@ from broker.cluster.settings import ManagerConfig
 log = logging.getLogger("lodestone.broker.ha")
 
 __all__ = ["ManagerConfig", "ZooKeeperManager", "read_local_sequence", "write_local_sequence",
-           "try_activate", "claim_next", "SequenceError", "CoordinationUnavailable"]
+           "try_activate", "claim_next", "SequenceError", "CoordinationUnavailable", "Stale"]
 
 #: kazoo's own log: every connection attempt is a line; this module says what matters once
 _KAZOO_LOG = logging.getLogger("lodestone.broker.ha.kazoo")
@@ -72,6 +71,11 @@ _KAZOO_LOG.setLevel(logging.ERROR)
 SEQUENCE_FILE = "activation.seq"
 #: what the local file says while a backup's copy is not (yet) in sync: it never activates
 NO_SEQUENCE = "none"
+
+
+class Stale(str):
+    """Why a copy may not serve however long it waits (out of date, never in sync, ahead): the
+    reason :func:`try_activate` gives, as a ``str`` that says it is final."""
 
 
 class SequenceError(Exception):
@@ -125,7 +129,7 @@ async def try_activate(coord, local: int | None, write_local: Callable[[int], No
     """Take the lock (waiting up to ``timeout_s``) and check the activation sequence. Returns
     ``(True, how)`` holding the lock, or ``(False, why)`` without it."""
     if local is None:
-        return False, "this member's copy was never in sync (no activation sequence)"
+        return False, Stale("this member's copy was never in sync (no activation sequence)")
     current = await coord.get_sequence()
     if current > local:   # committed past this copy: no need to take the lock to know
         return False, _behind(local, current)
@@ -144,13 +148,13 @@ async def try_activate(coord, local: int | None, write_local: Callable[[int], No
                 if await coord.cas_sequence(current, claimed):
                     log.warning("ha: repaired an uncommitted claim of activation sequence %d", claimed)
                     return True, f"repaired the uncommitted claim of activation sequence {claimed}"
-            why = (f"the coordinated activation sequence is claimed at {claimed} and this copy is at "
-                   f"{local}: out of date")
+            why = Stale(f"the coordinated activation sequence is claimed at {claimed} and this copy is at "
+                        f"{local}: out of date")
         elif current > local:
             why = _behind(local, current)
         else:
-            why = (f"this copy's activation sequence {local} is ahead of the coordinated {current}: "
-                   "the coordination service lost its state, or this data directory belongs elsewhere")
+            why = Stale(f"this copy's activation sequence {local} is ahead of the coordinated {current}: "
+                        "the coordination service lost its state, or this data directory belongs elsewhere")
     except BaseException:
         await coord.unlock()
         raise
@@ -158,8 +162,8 @@ async def try_activate(coord, local: int | None, write_local: Callable[[int], No
     return False, why
 
 
-def _behind(local: int, current: int) -> str:
-    return (f"this copy is out of date: its activation sequence is {local}, the coordinated one "
+def _behind(local: int, current: int) -> Stale:
+    return Stale(f"this copy is out of date: its activation sequence is {local}, the coordinated one "
             f"{current} (another member served since)")
 
 
@@ -197,7 +201,6 @@ class ZooKeeperManager:
         self._token: trio.lowlevel.TrioToken | None = None
         self._lost_reason: str | None = None
         self._connected = trio.Event()
-        self._changed = threading.Event()
         self.last_error: str | None = None
         self.coordinated_seq: int | None = None   # as last read or written
         self.holder_seen: str | None = None       # the lock's holder as last read
@@ -347,14 +350,8 @@ class ZooKeeperManager:
         timeout_s = timeout_s if timeout_s is not None else self.session_s
         try:
             return await trio.to_thread.run_sync(lambda: fn(self.client, timeout_s), abandon_on_cancel=True)
-        except (ConnectionLoss, SessionExpiredError, KazooTimeoutError) as exc:
+        except (ConnectionLoss, SessionExpiredError, KazooTimeoutError, TimeoutError) as exc:
             raise CoordinationUnavailable(f"ZooKeeper did not answer: {type(exc).__name__}") from None
-        except ZookeeperError:
-            raise
-        except Exception as exc:   # kazoo raises its handler's timeout and others
-            if type(exc).__name__ in ("TimeoutError", "KazooTimeoutError", "SessionExpiredError"):
-                raise CoordinationUnavailable(f"ZooKeeper did not answer: {type(exc).__name__}") from None
-            raise
 
     async def _heartbeat(self) -> None:
         if self.state != "connected":
@@ -383,20 +380,18 @@ class ZooKeeperManager:
         self.last_confirmed = max(self.last_confirmed or 0.0, sent)
         if self.coordination_id is None:
             return
-        try:   # the lock (is it still ours?), its holder and the sequence, for GET /api/v1/ha
-            (data, stat), seq = await self._call(lambda c, t: (_get_or_none(c, self.lock_path, t),
-                                                               _get_or_none(c, self.sequence_path, t)[0]),
-                                                 self.lease_s)
+        try:   # the holder (the write above showed a holder its own) and the sequence, for GET /api/v1/ha
+            holder, seq = await self._call(lambda c, t: (None if self.holding else _get_or_none(c, self.lock_path, t)[0],
+                                                         _get_or_none(c, self.sequence_path, t)[0]),
+                                           self.lease_s)
         except CoordinationUnavailable:
             return
-        self.holder_seen = _holder_text(data)
+        self.holder_seen = _holder_text(json.dumps(self.identity).encode() if self.holding else holder)
         if seq is not None:
             try:
                 self.coordinated_seq = int(seq.decode("ascii"))
             except ValueError:
                 pass
-        if self.holding and (stat is None or stat.ephemeralOwner != self.session_id):
-            self._lose("the lock's znode is gone or belongs to another session")
 
     def fenced(self) -> str | None:
         """Why this member must not acknowledge anything now (None: it may). Checked where the
@@ -552,7 +547,9 @@ class ZooKeeperManager:
                             "timeout_ms": self.negotiated_session_ms or self.cfg.session_ms,
                             "lease_ms": round(self.lease_s * 1000),
                             "last_confirmed_ms_ago": None if last is None else round((time.monotonic() - last) * 1000)},
-                "holding_lock": self.holding, "last_error": self.last_error, "counters": dict(self.counters)}
+                "holding_lock": self.holding, "lock_holder": self.holder_seen,
+                "coordinated_activation_sequence": self.coordinated_seq,
+                "last_error": self.last_error, "counters": dict(self.counters)}
 
 
 def _get_or_none(c, path: str, timeout_s: float):

@@ -42,7 +42,7 @@ from broker.core.departures import Target, target_from_connector
 from broker.ha.colocated import ColocatedHost, request_backups
 from broker.ha.protocol import ACKS_ADDRESS, FAILBACK, HELLO, RECORDS_ADDRESS, SYNCED, Hello, encode
 from broker.ha.replication import DROPPED, ReplicationSink, ReplicationSource
-from broker.ha.quorum import (CoordinationUnavailable, SequenceError, ZooKeeperManager, claim_next,
+from broker.ha.quorum import (CoordinationUnavailable, SequenceError, Stale, ZooKeeperManager, claim_next,
                                read_local_sequence, try_activate, write_local_sequence)
 from broker.ha.status import HaStatus
 from broker.ha.vote import ask_backup_vote, ask_primary_vote, vote_with_retries
@@ -193,7 +193,6 @@ class Replicated(Role):
         self._data_path: Path | None = None
         self._claimed = False      # the lock and a fresh activation sequence are held for the next activation
         self._lost_lock: str | None = None
-        self._restarted_active = False
         self._restart_said: str | None = None
         #: a backup started with a copy that served last may serve it when it finds no primary;
         #: not once it handed the node id over (the failing-back primary takes the lock)
@@ -205,12 +204,8 @@ class Replicated(Role):
                                    colocated=self.colocated.describe() if self.colocated is not None else None)
         m = self.manager
         if m is not None:
-            view = m.describe()
-            view["local_activation_sequence"] = (read_local_sequence(self._data_path)
-                                                 if self._data_path is not None else None)
-            view["coordinated_activation_sequence"] = m.coordinated_seq
-            view["lock_holder"] = m.holder_seen
-            out["manager"] = view
+            out["manager"] = {**m.describe(), "local_activation_sequence": (
+                read_local_sequence(self._data_path) if self._data_path is not None else None)}
         return out
 
     def backups(self) -> tuple[tuple[str, str, bool], ...]:
@@ -248,9 +243,10 @@ class Replicated(Role):
             while not self.stopping.is_set():
                 why = "took over the node id" if self.is_backup else "primary started"
                 if self.is_backup:
-                    if not await self._follow_primaries(proc, datadir, host):
+                    how = await self._follow_primaries(proc, datadir, host)
+                    if not how:
                         break
-                    if self._claimed and self._restarted_active:
+                    if how == "own-copy":
                         why = "restarted with the current activation sequence: serves its own copy"
                 elif ha.check_for_live_server:
                     status.change("checking-for-live-server", "is another node serving our node id?")
@@ -445,8 +441,9 @@ class Replicated(Role):
     async def _follow_primaries(self, proc, datadir, host, *, candidates: list[str] | None = None,
                                 failback: bool = False):
         """The backup's loop: find a primary, copy and follow it. Returns ``"vote"`` once a won
-        vote lets it activate, ``"handover"`` once the node handed its id over (a failback), False
-        when stopped. ``candidates``: the connectors to try (default: the cluster's); ``failback``:
+        vote (or, under [ha.manager], the lock) lets it activate, ``"own-copy"`` once a restarted
+        backup that found no primary takes the lock for its own current copy, ``"handover"`` once
+        the node handed its id over (a failback), False when stopped. ``candidates``: the connectors to try (default: the cluster's); ``failback``:
         ask the node for our node id back once in sync (the original primary, check-for-live-server)."""
 
         cfg, status, stop = self.cfg, self.status, self.stopping
@@ -488,7 +485,7 @@ class Replicated(Role):
                 elif await self._vote(url, sink, cond):
                     return "vote"
             if self.manager is not None and candidates is None and await self._restart_as_active(datadir):
-                return "vote"
+                return "own-copy"
             with trio.move_on_after(ccfg.retry_interval_ms / 1000.0):
                 await stop.wait()
         return False
@@ -498,11 +495,8 @@ class Replicated(Role):
         current activation sequence (it served last: a backup that took over, then stopped), it
         takes the lock and serves that copy, as Artemis's backup does at start (not after it
         handed the node id over to a failing-back primary)."""
-        if not self._may_serve_own_copy or not (self._data_path / "activation.seq").exists():
-            return False
-        local = read_local_sequence(self._data_path)
-        if not local:
-            return False
+        if not self._may_serve_own_copy or not read_local_sequence(self._data_path):
+            return False      # (0: it never served; None: its copy is not complete)
         if not await self.manager.wait_connected(0.5):   # not connected: the next round tries again
             return False
         ok, why = await self._take_lock(datadir, 0.0)
@@ -512,7 +506,6 @@ class Replicated(Role):
                 self._restart_said = why
             return False
         self.status.node_id = datadir.node_id
-        self._restarted_active = True
         log.warning("ha: no primary to follow and this copy holds the current activation sequence: serving it (%s)",
                     why)
         return True
@@ -619,7 +612,7 @@ class Replicated(Role):
             if ok:
                 log.warning("ha: taking over node %s: %s", status.node_id, why)
                 return True
-            if "out of date" in why or "never in sync" in why or "ahead of" in why:
+            if isinstance(why, Stale):
                 break     # waiting longer does not make this copy current
             if attempt == 0:
                 log.info("ha: waiting for the lock of node %s: %s", status.node_id, why)

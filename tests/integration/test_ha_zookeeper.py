@@ -32,14 +32,14 @@ def manager(zk, **extra) -> dict:
             "connection-ms": 2000, "retries-ms": 200, **extra}
 
 
-def coordinated_pair(tmp_path, members, zk, *, net=None, primary_ha=None, backup_ha=None, static=None):
+def coordinated_pair(tmp_path, procs, zk, *, net=None, primary_ha=None, backup_ha=None, static=None):
     primary = start_replica(tmp_path, "primary", "primary", ha={"manager": manager(zk), **(primary_ha or {})},
                             net=net)
-    members.append(primary)
+    procs.append(primary)
     wait_active(primary)
     backup = start_replica(tmp_path, "backup", "backup", static=static or [primary.amqp_url],
                            ha={"manager": manager(zk), **LOCK_HA, **(backup_ha or {})}, net=net)
-    members.append(backup)
+    procs.append(backup)
     wait_phase(backup, "in-sync")
     return primary, backup
 
@@ -131,27 +131,14 @@ class Sampler:
 
 
 @pytest.fixture
-def members():
-    made = []
-    yield made
-    for m in made:
-        if m.proc is not None and m.proc.poll() is None:
-            try:
-                os.kill(m.proc.pid, signal.SIGCONT)
-            except OSError:
-                pass
-            m.kill()
-
-
-@pytest.fixture
 def zk(tmp_path):
     ens = zkproc.start_ensemble(tmp_path, 1, tick_ms=TICK_MS)
     yield ens
     ens.stop()
 
 
-def test_a_coordinated_pair_fails_over_on_the_lock_with_every_acknowledged_message(tmp_path, members, zk):
-    primary, backup = coordinated_pair(tmp_path, members, zk)
+def test_a_coordinated_pair_fails_over_on_the_lock_with_every_acknowledged_message(tmp_path, procs, zk):
+    primary, backup = coordinated_pair(tmp_path, procs, zk)
     assert sequences(primary) == (1, 1)      # started alone: the first activation
     assert sequences(backup)[0] == 1         # a copy in sync holds the primary's
     view = ha_view(primary)["manager"]
@@ -169,7 +156,7 @@ def test_a_coordinated_pair_fails_over_on_the_lock_with_every_acknowledged_messa
     assert "took the lock" in backup.stderr_text()
 
 
-def test_a_frozen_primary_never_serves_again_after_the_backup_took_its_lock(tmp_path, members, zk):
+def test_a_frozen_primary_never_serves_again_after_the_backup_took_its_lock(tmp_path, procs, zk):
     """SIGSTOP past the session: the backup takes the lock and serves. A send the frozen primary
     received before it froze waits in its socket; on SIGCONT the primary finds its lease gone,
     acknowledges nothing (that send included) and exits."""
@@ -178,11 +165,11 @@ def test_a_frozen_primary_never_serves_again_after_the_backup_took_its_lock(tmp_
 
     ttl = {"cluster": {"connection-ttl-ms": 1000}}
     primary = start_replica(tmp_path, "primary", "primary", ha={"manager": manager(zk)}, config=ttl)
-    members.append(primary)
+    procs.append(primary)
     wait_active(primary)
     backup = start_replica(tmp_path, "backup", "backup", static=[primary.amqp_url],
                            ha={"manager": manager(zk), **LOCK_HA}, config=ttl)
-    members.append(backup)
+    procs.append(backup)
     wait_phase(backup, "in-sync")
     send(primary, "orders", [f"before-{i}" for i in range(100)])
     late = BlockingConnection(primary.amqp_url, user="app", password="app", allowed_mechs="PLAIN", timeout=30)
@@ -221,8 +208,8 @@ def test_a_frozen_primary_never_serves_again_after_the_backup_took_its_lock(tmp_
         pass
 
 
-def test_a_stale_primary_started_first_does_not_serve_and_the_backup_comes_back_with_its_data(tmp_path, members, zk):
-    primary, backup = coordinated_pair(tmp_path, members, zk)
+def test_a_stale_primary_started_first_does_not_serve_and_the_backup_comes_back_with_its_data(tmp_path, procs, zk):
+    primary, backup = coordinated_pair(tmp_path, procs, zk)
     send(primary, "orders", ["one"])
     primary.kill()
     wait_active(backup)
@@ -243,20 +230,20 @@ def test_a_stale_primary_started_first_does_not_serve_and_the_backup_comes_back_
     assert ha_view(primary)["active"] is False
 
 
-def test_a_backup_out_of_sync_when_the_primary_died_does_not_activate(tmp_path, members, zk):
+def test_a_backup_out_of_sync_when_the_primary_died_does_not_activate(tmp_path, procs, zk):
     """The replication link is cut: the backup cannot take the lock (the primary holds it) and
     the primary, alone, moves the activation sequence on. The primary then dies: the backup
     gets the lock, finds its copy out of date and does not serve."""
     from tests.tcpproxy import TcpProxy
 
     primary = start_replica(tmp_path, "primary", "primary", ha={"manager": manager(zk)})
-    members.append(primary)
+    procs.append(primary)
     wait_active(primary)
     link = TcpProxy("127.0.0.1", primary.port).start()
     try:
         backup = start_replica(tmp_path, "backup", "backup", static=[f"amqp://127.0.0.1:{link.port}"],
                                ha={"manager": manager(zk), "vote-retries": 40, "vote-retry-wait-ms": 500})
-        members.append(backup)
+        procs.append(backup)
         wait_phase(backup, "in-sync")
         link.cut()
         wait_for(lambda: sequences(primary) == (2, 2), 20, what="the primary to move the sequence on",
@@ -272,10 +259,10 @@ def test_a_backup_out_of_sync_when_the_primary_died_does_not_activate(tmp_path, 
 
 
 @pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))
-def test_a_lone_pair_with_its_link_cut_never_has_two_members_serving(tmp_path, members):
+def test_a_lone_pair_with_its_link_cut_never_has_two_members_serving(tmp_path, procs):
     """The split the classic vote cannot prevent in a lone pair
     (test_ha_replication.py::test_a_lone_pair_splits_on_a_cut_link_as_documented): the link
-    between the members is cut in the network while both still reach ZooKeeper. At every
+    between the procs is cut in the network while both still reach ZooKeeper. At every
     sample exactly one member acknowledges a send."""
     net = netns.Network(["zk", "primary", "backup"])
     try:
@@ -283,14 +270,14 @@ def test_a_lone_pair_with_its_link_cut_never_has_two_members_serving(tmp_path, m
         try:
             ttl = {"cluster": {"connection-ttl-ms": 1000, "call-timeout-ms": 1000}}
             primary = start_replica(tmp_path, "primary", "primary", ha={"manager": manager(zk)}, config=ttl, net=net)
-            members.append(primary)
+            procs.append(primary)
             wait_active(primary)
             backup = start_replica(tmp_path, "backup", "backup", static=[primary.amqp_url],
                                    ha={"manager": manager(zk), **LOCK_HA}, config=ttl, net=net)
-            members.append(backup)
+            procs.append(backup)
             wait_phase(backup, "in-sync")
             with Sampler([primary, backup]) as sampler:
-                time.sleep(1.0)
+                wait_for(lambda: len(sampler.samples) >= 5, 10, what="samples before the cut")
                 net.cut("primary", "backup")
                 cut_at = time.monotonic()
                 wait_for(lambda: "does not take over" in backup.stderr_text(), 60,
@@ -315,10 +302,10 @@ def test_a_lone_pair_with_its_link_cut_never_has_two_members_serving(tmp_path, m
         net.close()
 
 
-def test_an_ensemble_of_three_keeps_the_pair_with_one_server_lost_and_stops_it_with_two(tmp_path, members):
+def test_an_ensemble_of_three_keeps_the_pair_with_one_server_lost_and_stops_it_with_two(tmp_path, procs):
     ens = zkproc.start_ensemble(tmp_path, 3, tick_ms=TICK_MS)
     try:
-        primary, backup = coordinated_pair(tmp_path, members, ens)
+        primary, backup = coordinated_pair(tmp_path, procs, ens)
         send(primary, "orders", ["one"])
         follower = next(s for s in ens.servers if s.mode() == "follower")
         with Sampler([primary]) as sampler:
@@ -342,7 +329,7 @@ def test_an_ensemble_of_three_keeps_the_pair_with_one_server_lost_and_stops_it_w
         ens.stop()
 
 
-def test_the_router_follows_the_pair_to_the_member_holding_the_lock(tmp_path, members, zk):
+def test_the_router_follows_the_pair_to_the_member_holding_the_lock(tmp_path, procs, zk):
     """The router needs nothing new: a static pool with the backup as ``backup-of`` the primary
     sends the pair's keys to whichever member serves, the one holding the lock."""
     from proton.utils import BlockingConnection
@@ -350,7 +337,7 @@ def test_the_router_follows_the_pair_to_the_member_holding_the_lock(tmp_path, me
     from tests.brokerproc import USERS_FILE
     from tests.routerproc import start_router, toml_str
 
-    primary, backup = coordinated_pair(tmp_path, members, zk)
+    primary, backup = coordinated_pair(tmp_path, procs, zk)
     node_id = ha_view(primary)["node_id"]
     rdir = tmp_path / "router"
     toml = "\n".join([
@@ -366,7 +353,7 @@ def test_the_router_follows_the_pair_to_the_member_holding_the_lock(tmp_path, me
         "[[routers.main.pool.targets]]", 'name = "p-backup"', 'backup-of = "p"', 'host = "127.0.0.1"',
         f"port = {backup.port}", f"management-url = {toml_str(backup.management_url)}"]) + "\n"
     router = start_router(rdir, toml, expect=2)
-    members.append(router)
+    procs.append(router)
 
     def pair() -> dict:
         status, body = router.get("/api/v1/routers/main/pool")
@@ -392,7 +379,7 @@ def test_the_router_follows_the_pair_to_the_member_holding_the_lock(tmp_path, me
     assert sorted(receive_all(backup, "orders")) == sorted(f"k{i}" for i in range(10))
 
 
-def test_the_sample_pair_fails_over_on_a_clean_stop_and_fails_back(tmp_path, members):
+def test_the_sample_pair_fails_over_on_a_clean_stop_and_fails_back(tmp_path, procs):
     """etc/zookeeper/ as shipped (ports and folders moved into tmp_path): the primary serves, the
     backup follows; a clean stop releases the lock at once and the backup serves; the primary
     restarted (check-for-live-server) copies the backup, takes the node id back and serves at
@@ -428,7 +415,7 @@ def test_the_sample_pair_fails_over_on_a_clean_stop_and_fails_back(tmp_path, mem
             path.write_text(moved((etc / f"{name}.toml").read_text()))
             m = HaMember(tmp_path / name, path)
             m.fixed_port, m.fixed_host = amqp, "127.0.0.1"
-            members.append(m)
+            procs.append(m)
             return m.start()
 
         primary = member("primary", pa)
@@ -451,7 +438,7 @@ def test_the_sample_pair_fails_over_on_a_clean_stop_and_fails_back(tmp_path, mem
         ens.stop()
 
 
-def test_a_member_started_before_zookeeper_says_so_once_and_serves_when_it_answers(tmp_path, members):
+def test_a_member_started_before_zookeeper_says_so_once_and_serves_when_it_answers(tmp_path, procs):
     from tests.serverproc import free_ports
 
     port = free_ports(1)[0]
@@ -460,14 +447,14 @@ def test_a_member_started_before_zookeeper_says_so_once_and_serves_when_it_answe
         connect_string = f"127.0.0.1:{port}"
 
     primary = start_replica(tmp_path, "primary", "primary", ha={"manager": manager(NotYet)})
-    members.append(primary)
+    procs.append(primary)
     view = wait_phase(primary, "waiting-for-lock")
     assert view["active"] is False and "not connected to ZooKeeper" in view["last_change"], view
-    time.sleep(5.0)                    # two or more attempts (connection-ms 2000, retries-ms 200)
+    wait_for(lambda: ha_view(primary)["manager"]["counters"]["connect_failures"] >= 2, 20,
+             what="two failed attempts to reach ZooKeeper (connection-ms 2000, retries-ms 200)")
     err = primary.stderr_text()
     assert err.count("cannot reach ZooKeeper") == 1, err[-3000:]
     assert "Traceback" not in err
-    assert ha_view(primary)["manager"]["counters"]["connect_failures"] >= 2
     assert len(err.splitlines()) < 30, err[-3000:]      # no line per connection attempt
     # ZooKeeper comes up on that port: the primary takes the lock and serves
     (tmp_path / "zk").mkdir()
