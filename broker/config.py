@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
 from broker.connections.settings import AddressFilter, BrokerConnectionConfig, LinkElement, MirrorConfig, parse_uri
-from broker.cluster.settings import (HA_POLICIES, LOAD_BALANCING_MODES, BroadcastGroupConfig, ClusterConfig,
+from broker.cluster.settings import (HA_POLICIES, LOAD_BALANCING_MODES, PARTITIONS, BroadcastGroupConfig, ClusterConfig,
                                      DiscoveryGroupConfig, HaConfig, parse_connector)
 from broker.cluster.settings import HA_ROLES, MANAGER_TYPES, ColocatedConfig, ManagerConfig
 from broker.core.filters import SelectorError, compile_queue_filter
@@ -289,6 +289,7 @@ def _cluster(t: Table, discovery_groups: dict, ids: tuple[int, bool] | None = No
     if ca is not None and not ca.is_file():
         raise t.error("ca-file", f"{str(ca)!r}: no such file")
     max_state = t.int("max-state-bytes", d.max_state_bytes, min=1024)
+    partition, primaries = _partition(t, connector, static)
     t.done()
     return ClusterConfig(
         name=name, connector=connector, static_connectors=static, discovery_group=discovery, user=user,
@@ -300,7 +301,38 @@ def _cluster(t: Table, discovery_groups: dict, ids: tuple[int, bool] | None = No
         notification_attempts=notify_attempts, confirmation_window_bytes=window, duplicate_detection=dup,
         id_cache_size=id_cache, persist_id_cache=persist_ids, allow_direct_connections_only=direct_only,
         key=key, require_client_key=require_key, ca_file=None if ca is None else str(ca),
-        max_state_bytes=max_state)
+        max_state_bytes=max_state, partition=partition, primaries=primaries)
+
+
+def _partition(t: Table, connector: str, static: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
+    """OpenAMQ's ``partition`` and ``primaries`` (docs/cluster.md "Primaries, secondaries and the
+    root"): a primary is one of the defined primaries (its connector, port given, is in the list);
+    a secondary is not, and dials only the primaries."""
+    partition = t.choice("partition", PARTITIONS, "primary")
+    primaries = _connectors(t, "primaries")
+    if len(set(primaries)) != len(primaries):
+        dup = next(p for p in primaries if primaries.count(p) > 1)
+        raise t.error("primaries", f"{dup!r} is listed twice")
+    if not primaries:
+        if t.has("partition") and partition == "secondary":
+            raise t.error("partition", "'secondary' needs primaries (the defined primary brokers' connectors)")
+        return partition, ()
+    if partition == "primary":
+        if parse_connector(connector).port == 0:
+            raise t.error("connector", f"{connector!r} has port 0: a defined primary is found in primaries by "
+                                       "its connector, so give its port")
+        if connector not in primaries:
+            raise t.error("primaries", f"{list(primaries)} does not name this node's connector {connector!r} "
+                                       "(a primary is one of the defined primaries; a node that is not is "
+                                       "partition = 'secondary')")
+    else:
+        if connector in primaries:
+            raise t.error("partition", f"'secondary', but this node's connector {connector!r} is in primaries")
+        others = [u for u in static if u not in primaries]
+        if others:
+            raise t.error("static-connectors", f"{others[0]!r} is not a primary: a secondary connects to the "
+                                               "primaries only, never to another secondary")
+    return partition, primaries
 
 
 def _multicast_group(t: Table) -> tuple[str, int]:

@@ -233,6 +233,22 @@ def metrics(node: "Node", exporter: "MetricsExporter | None" = None) -> list[Met
             Metric("lodestone_broker_cluster_events_total", "counter", "cluster events by outcome",
                    tuple(({"event": k}, v) for k, v in sorted(cl.counters.items()))),
         ]
+        el = cl.election
+        if el is not None:   # OpenAMQ's root election (docs/cluster.md "Primaries, secondaries and the root")
+            d = el.decision
+            out += [
+                Metric("lodestone_broker_cluster_root", "gauge", "1 while this node is the cluster's root",
+                       (({"partition": el.partition}, 1 if el.is_root else 0),)),
+                Metric("lodestone_broker_cluster_root_known", "gauge",
+                       "1 while this node knows a root (itself or a connected primary that says it is root)",
+                       (({}, 1 if el.root is not None else 0),)),
+                Metric("lodestone_broker_cluster_electorate", "gauge",
+                       "active primaries this primary sees, itself included (a secondary: none)",
+                       (({"defined": str(len(el.primaries))}, d.electorate if d is not None else 0),)),
+                Metric("lodestone_broker_cluster_election_events_total", "counter",
+                       "root election events: votes cast, elected, resigned, root changes seen",
+                       tuple(({"event": k}, v) for k, v in sorted(el.counters.items()))),
+            ]
     bc = node.component("broker-connections")
     if bc is not None:
         views = bc.describe()

@@ -199,6 +199,7 @@ class ClusterPoolSource:
         cluster = self.node.cluster
         return {"source": "cluster", "cluster": cluster.cfg.name if cluster is not None else None,
                 "members": [t.node_id for t in self._last.values()], "departed": sorted(self._departed),
+                "root": getattr(cluster, "root", None),
                 "last_sync": self.last_sync}
 
     async def follow(self, pool: Pool, ctx: FollowContext, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -209,7 +210,12 @@ class ClusterPoolSource:
         started = False
         while True:
             self._changed = trio.Event()
-            if pool.sync_members(self.targets()) and ctx.on_change is not None:
+            changed = pool.sync_members(self.targets())
+            root = getattr(cluster, "root", None)
+            if root != pool.root:   # OpenAMQ's root election (broker.cluster.root)
+                pool.root = root
+                changed = True
+            if changed and ctx.on_change is not None:
                 ctx.on_change()
             self.last_sync = time.time()
             if not started:

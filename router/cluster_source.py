@@ -68,6 +68,7 @@ class ClusterSource:
         self.last_read_from: str | None = None
         self.reads = 0
         self.read_errors = 0
+        self._root: str | None = None   # the root the last view named (OpenAMQ's model)
 
     def start(self, pool: Pool) -> None:
         """Nothing is known before the first read."""
@@ -79,7 +80,7 @@ class ClusterSource:
         return {"source": "cluster", "seed_connectors": list(self.seeds),
                 "leave_after_ms": self.leave_after_ms, "members": sorted(self.membership.known),
                 "last_read_from": self.last_read_from, "last_error": self.last_error,
-                "reads": self.reads, "read_errors": self.read_errors}
+                "reads": self.reads, "read_errors": self.read_errors, "root": self._root}
 
     async def read_view(self, url: str, ctx: FollowContext, timeout_s: float,
                         ssl_context: ssl.SSLContext | None = None):
@@ -93,7 +94,10 @@ class ClusterSource:
             data = json.loads(body)
         except ValueError as exc:
             raise ClusterViewError(f"bad JSON: {exc}") from None
-        return parse_cluster_view(data, url)
+        view = parse_cluster_view(data, url)
+        root = data.get("root") if isinstance(data, dict) else None
+        self._root = root if isinstance(root, str) and root else None
+        return view
 
     async def refresh(self, pool: Pool, ctx: FollowContext) -> bool:
         """One round: read a view from the first node that answers, apply the change. True if
@@ -116,6 +120,10 @@ class ClusterSource:
             self.last_error = None
             now = (ctx.clock or time.monotonic)()
             change = self.membership.observe(view, now)
+            root_moved = pool.root != self._root
+            if root_moved:
+                log.info("cluster pool: the cluster's root is now %s (as %s sees it)", self._root or "none", url)
+                pool.root = self._root
             for slot in change.removed:
                 if pool.remove_target(slot):
                     log.info("cluster pool: %s left", slot)
@@ -128,7 +136,7 @@ class ClusterSource:
                 if pool.update_target(t):
                     log.info("cluster pool: %s is now listed as %s of node %s", t.name,
                              "a backup" if t.backup else "the primary", t.node_id)
-            return bool(change)
+            return bool(change) or root_moved
         self.read_errors += 1
         text = "; ".join(errors) or "no management URL to ask"
         if self.last_error is None:

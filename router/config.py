@@ -173,6 +173,7 @@ class RouterConfig:
     pins: PinsConfig | None = None
     file: Path | None = None
     max_key_length: int = 255               # longer keys are refused (never hashed/truncated)
+    root_target_filter: str | None = None    # keys (full match) sent to the cluster's root (OpenAMQ)
 
 
 @dataclass(frozen=True)
@@ -566,6 +567,7 @@ def _router(name: str, t: Table, *, embedded: bool = False, cache_dir: Path | No
         raise
     key_filter = _regex(t, "key-filter", local=False)
     local_filter = _regex(t, "local-target-filter", local=True)
+    root_filter = _regex(t, "root-target-filter", local=True)
     artemis_keys = t.bool("artemis-keys", False)
     max_key_length = t.int("max-key-length", 255, min=1)
     policy = _policy(t.table("policy")) if t.has("policy") else None
@@ -587,9 +589,12 @@ def _router(name: str, t: Table, *, embedded: bool = False, cache_dir: Path | No
         if pool is not None and pool.local_target_enabled:
             raise t.error("pool.local-target-enabled",
                           f"true needs a [routers.{name}.local-target]")
+    if root_filter is not None and (pool is None or pool.source not in ("cluster", "broker-cluster")):
+        raise t.error("root-target-filter", f"{root_filter!r} needs a pool with source = \"cluster\" "
+                                            "(the root comes from the brokers' cluster view)")
     t.done()
     return RouterConfig(name, key_type, key_filter, local_filter, artemis_keys, policy, cache,
-                        pool, local, pins, t.file, max_key_length)
+                        pool, local, pins, t.file, max_key_length, root_filter)
 
 
 # -- Artemis broker.xml import -----------------------------------------------------------------

@@ -217,6 +217,7 @@ class RouterService:
                            local_filter=compile_local_filter(config.local_target_filter,
                                                              from_config=True),
                            local=self._holder.local, pins=pins,
+                           root_filter=compile_local_filter(config.root_target_filter, from_config=True),
                            max_key_length=config.max_key_length,
                            fail_back=cc.fail_back if cc is not None else "stay")
         self.core.failover_wait = bool(pc is not None and pc.quorum_timeout_ms)
@@ -392,7 +393,7 @@ class RouterService:
             members = [[t.name, t.host, t.port, t.tls, t.management_url, t.node_id, t.pair,
                         t.backup]
                        for t in (st.target for st in self._holder.members if not st.local)]
-        return {"members": members,
+        return {"members": members, "root": self._holder.root,
                 "states": [[st.target.slot, st.ready, st.target.node_id, st.connection_count,
                             st.last_error] for st in self._holder.all_states() if st.probes],
                 "held": dict(self._holder.held),
@@ -402,6 +403,8 @@ class RouterService:
     def apply_pool_states(self, pushed: dict[str, Any]) -> None:
         """Follower: take the supervisor's membership (dynamic sources) and probe results
         (unknown targets are ignored)."""
+        if "root" in pushed:
+            self._holder.root = pushed["root"]
         if pushed.get("members") is not None:
             self._holder.sync_members(
                 Target(node_id, host, int(port), bool(tls), mgmt, name, pair, bool(backup))
@@ -479,6 +482,7 @@ class RouterService:
         old = self.config
         key_filter = compile_key_filter(rc.key_filter)
         local_filter = compile_local_filter(rc.local_target_filter, from_config=True)
+        root_filter = compile_local_filter(rc.root_target_filter, from_config=True)
         policy = (create_policy(rc.policy.name, rc.policy.properties, random.Random(self.rng.getrandbits(64)))
                   if rc.policy else None)
         rc = dataclasses.replace(rc, local_target=old.local_target)   # the embedder's, never the file's
@@ -488,6 +492,7 @@ class RouterService:
             rc = dataclasses.replace(rc, pool=pc)
         self.config = rc
         core = self.core
+        core.root_filter = root_filter
         core.resolver.key_filter = key_filter
         core.local_filter = local_filter
         core.max_key_length = rc.max_key_length

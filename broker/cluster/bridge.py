@@ -78,9 +78,10 @@ from broker.amqp.peer import (PeerConnected, PeerConnectFailed, PeerConnection, 
                               PeerLoginRefused, RetrySettings)
 from broker.wire.discovery import DiscoveryGroup
 from broker.wire.cluster import (FORWARD_ADDRESS, NOTIFY_ADDRESS, AddressNote, BackupsNote, BindingNote,
-                                     Forwarded, Hello,
+                                     ElectionNote, Forwarded, Hello,
                                      ProtocolError, Reset, Unbinding, decode_forwards, decode_note, encode_forward,
                                      encode_note)
+from broker.cluster.root import RootElection
 from broker.cluster.state import ClusterState
 from broker.cluster.settings import address_clustered, parse_connector
 from broker.core.addresses import ANYCAST
@@ -174,6 +175,8 @@ class Bridge:
         self.stopped = False
         self.retire = False   # stop at the next disconnect (we reached a duplicate of ourselves)
         self.login_refused = 0
+        self.failures = 0        # connection attempts that failed, and connections lost (the root election)
+        self.lost_silently = False   # the last connection ended by our idle time-out (the root election)
 
     # -- the loop ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -220,6 +223,13 @@ class Bridge:
             if self.retire:
                 self.stop()
                 return
+            self.failures += 1
+            # lost by this side's idle time-out, not by the peer's socket closing: it may live on
+            # (proton's "local-idle-timeout expired"; a socket the peer's kernel closed is an EOF)
+            self.lost_silently = isinstance(ev, PeerDisconnected) and not ev.remote \
+                and "idle-timeout" in (ev.description or "")
+            if c.election is not None:
+                c.election.changed()
             was = self.connected
             self.connected = False
             if was:
@@ -463,6 +473,8 @@ class ClusterNode:
         #: called (no arguments) whenever the live members may have changed: a bridge came up or
         #: went down, a hello named a member's connector (an embedded router's cluster pool)
         self.membership_listeners: list = []
+        #: OpenAMQ's root election (``[cluster] primaries``; broker.cluster.root), else None
+        self.election: RootElection | None = RootElection(self) if cfg.elects_root else None
         for decl in node.cfg.addresses:
             self.state.offer(AddressNote(decl.name, tuple(sorted(decl.routing_types)), decl.filter, 0, node.node_id))
         # the per-origin duplicate caches live in the core (broker.core.duplicates), restored with
@@ -474,6 +486,10 @@ class ClusterNode:
             nursery.start_soon(self._start_bridges, nursery)
             for url in self.cfg.static_connectors:
                 self.connect(url)
+            if self.election is not None:
+                for url in self.cfg.primaries:   # every node dials every defined primary
+                    self.connect(url)
+                nursery.start_soon(self.election.run)
             nursery.start_soon(self.redistributor)
             if self.discovery_cfg is not None:
                 nursery.start_soon(self._discover)
@@ -543,6 +559,11 @@ class ClusterNode:
         """Start a bridge to ``url`` unless one exists (or it is this node)."""
         if url in self.bridges or any(_same_endpoint(url, s) for s in self.self_urls):
             return None
+        if self.cfg.secondary and not self.election.is_primary_url(url):
+            # a secondary connects to the primaries only (OpenAMQ): another secondary's traffic
+            # reaches it through them
+            self.counters["secondary_not_dialled"] += 1
+            return None
         b = Bridge(self, url)
         self.bridges[url] = b
         try:
@@ -593,6 +614,8 @@ class ClusterNode:
         self._refresh_via(node_id)
         self._changed.set()
         self._members_changed()
+        if self.election is not None:
+            self.election.changed()
 
     def bridge_down(self, b: Bridge) -> None:
         if b.node_id is None:
@@ -600,6 +623,8 @@ class ClusterNode:
         self.core.cluster.set_connected(b.node_id, False)
         self._refresh_via(b.node_id)
         self._members_changed()
+        if self.election is not None:
+            self.election.forget(b.node_id, silently=b.lost_silently)   # what it said held on that connection only
 
     def bridge_gave_up(self, b: Bridge) -> None:
         if b.node_id is not None and self.by_node.get(b.node_id) is b:
@@ -610,6 +635,15 @@ class ClusterNode:
     def _members_changed(self) -> None:
         for cb in list(self.membership_listeners):
             cb()
+
+    def root_changed(self, old: str | None, new: str | None) -> None:
+        """The root as this node knows it changed (``broker.cluster.root``)."""
+        self._members_changed()
+
+    @property
+    def root(self) -> str | None:
+        """The cluster's root as this node knows it (None: no root, or no election)."""
+        return self.election.root if self.election is not None else None
 
     def live_members(self) -> list[tuple[str, str, str]]:
         """``(node id, connector, management URL)`` of every other member whose bridge is
@@ -665,6 +699,8 @@ class ClusterNode:
 
     def snapshot(self) -> list:
         notes: list = [self.hello(), Reset()]
+        if self.election is not None:
+            notes.append(self.election.note())
         backups = self.own_backups()
         if backups:
             notes.append(BackupsNote(self.node.node_id, backups))
@@ -721,6 +757,12 @@ class ClusterNode:
             return
         if isinstance(note, Reset):
             self.forget_via(via)
+            return
+        if isinstance(note, ElectionNote):
+            if note.node_id != via:
+                raise ProtocolError("amqp:invalid-field", f"election part of {note.node_id!r} on the link of {via!r}")
+            if self.election is not None:   # a node without primaries takes no part
+                self.election.heard_note(via, note)
             return
         if isinstance(note, BackupsNote):
             if note.node_id != via:
@@ -1294,8 +1336,13 @@ class ClusterNode:
                             "connected": bool(b is not None and b.connected),
                             "since": b.since if b is not None and b.connected else None})
         members += self.backup_members()
+        el = self.election.describe() if self.election is not None else None
         return {"name": self.cfg.name, "node_id": self.node.node_id, "connector": self.connector,
                 "duplicate_of": self.duplicate_of,
+                "partition": el["partition"] if el else None, "root": el["root"] if el else None,
+                "is_root": el["is_root"] if el else False,
+                "electorate": el["electorate"] if el else None, "votes": el["votes"] if el else {},
+                "election": el,
                 "message_load_balancing": self.mode.value, "max_hops": self.cfg.max_hops,
                 "members": members, "bridges": [b.describe() for b in self.bridges.values() if not b.stopped],
                 "remote_bindings": [{"node_id": b.node_id, "queue": b.queue, "address": b.address,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-__all__ = ["ClusterConfig", "HaConfig", "BroadcastGroupConfig", "DiscoveryGroupConfig", "DEFAULT_CLUSTER_PASSWORD", "SAMPLE_CLUSTER_PASSWORD", "LOAD_BALANCING_MODES", "parse_address_filter",
+__all__ = ["ClusterConfig", "HaConfig", "BroadcastGroupConfig", "DiscoveryGroupConfig", "DEFAULT_CLUSTER_PASSWORD", "SAMPLE_CLUSTER_PASSWORD", "LOAD_BALANCING_MODES", "PARTITIONS", "parse_address_filter",
            "address_clustered", "Connector", "parse_connector", "HA_POLICIES", "HA_ROLES", "ColocatedConfig"]
 
 #: the cluster password Artemis ships (``CHANGE ME!!``); a node using it (or none) warns at every start
@@ -18,6 +18,8 @@ DEFAULT_CLUSTER_PASSWORD = "CHANGE ME!!"
 #: the password of the sample configs in etc/ (published): warned about, accepted from loopback only
 SAMPLE_CLUSTER_PASSWORD = "lodestone-sample-cluster-password"
 LOAD_BALANCING_MODES = ("OFF", "STRICT", "ON_DEMAND", "OFF_WITH_REDISTRIBUTION")
+#: OpenAMQ's partitions (docs/cluster.md "Primaries, secondaries and the root")
+PARTITIONS = ("primary", "secondary")
 #: Artemis's ha-policy kinds (docs/ha.md)
 HA_POLICIES = ("live-only", "replication", "shared-store")
 
@@ -122,6 +124,17 @@ class ClusterConfig:
     require_client_key: bool = False          # clients must present the key too
     ca_file: str | None = None                # verifies amqps:// connectors
     max_state_bytes: int = 1048576            # cap on the replicated cluster state (OpenAMQ)
+    partition: str = "primary"                # OpenAMQ's partition: "primary" (votes) or "secondary"
+    primaries: tuple[str, ...] = ()           # the defined primaries' connectors; empty: no root election
+
+    @property
+    def elects_root(self) -> bool:
+        """OpenAMQ's model: a root is elected among the defined primaries (``primaries`` set)."""
+        return bool(self.primaries)
+
+    @property
+    def secondary(self) -> bool:
+        return self.partition == "secondary"
 
     @property
     def address_filter(self) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -56,7 +56,15 @@ kind           fields after the kind
 ``address``    name, routing types (list), queue filter (string or null), version (timestamp
                ms; 0: from a config file), origin node id, deleted (bool): one entry of the
                replicated cluster state (OpenAMQ), see ``broker.cluster.state``
+``election``   node id, partition ("primary" or "secondary"), state ("starting" or
+               "active"), start time (ms), vote (the node id it votes for as root, or null),
+               root (bool): the sender's part in OpenAMQ's root election
+               (``broker.cluster.root``); sent in the snapshot by a node in a cluster with
+               ``primaries``, and whenever any of these changes
 =============  ========================================================================
+
+Only a node configured with ``primaries`` sends ``election``; a node older than that kind cuts
+the link off when it receives one, so every node of such a cluster runs a version that knows it.
 
 A node older than the ``backups`` kind cuts the link off when it receives one ("unknown
 notification kind"): a node sends it only while it has (or has just lost) a backup, so a cluster
@@ -79,7 +87,7 @@ from broker.wire.errors import DecodeError
 from broker.wire.frames import INTERNAL_PREFIX, MAX_SELECTOR_BYTES
 
 __all__ = ["FORWARD_ADDRESS", "NOTIFY_ADDRESS", "CLUSTER_PREFIX", "INTERNAL_PREFIX", "Forwarded", "Hello", "Reset",
-           "BindingNote", "Unbinding", "AddressNote", "BackupsNote", "MAX_BACKUPS", "ProtocolError", "encode_forward", "decode_forward", "decode_forwards", "MAX_BATCH", "encode_note",
+           "BindingNote", "Unbinding", "AddressNote", "BackupsNote", "ElectionNote", "MAX_BACKUPS", "ProtocolError", "encode_forward", "decode_forward", "decode_forwards", "MAX_BATCH", "encode_note",
            "decode_note", "MAX_NAME", "MAX_FILTER", "MAX_TARGETS", "MAX_MEMBERS"]
 
 CLUSTER_PREFIX = "$lodestone.cluster."   # the cluster user's link addresses
@@ -512,6 +520,22 @@ class BackupsNote:
 
 
 @dataclass(frozen=True)
+class ElectionNote:
+    """A node's part in the root election (``broker.cluster.root``)."""
+
+    node_id: str
+    partition: str        # "primary" | "secondary"
+    state: str            # "starting" | "active"
+    started_ms: int
+    vote: str | None      # whom it votes for as root (None: no vote)
+    root: bool            # it is root now
+
+
+PARTITION_NAMES = ("primary", "secondary")
+ELECTION_STATES = ("starting", "active")
+
+
+@dataclass(frozen=True)
 class Unbinding:
     node_id: str
     queue: str
@@ -529,6 +553,8 @@ def encode_note(n) -> bytes:
         fields = ["reset"]
     elif isinstance(n, BackupsNote):
         fields = ["backups", n.node_id, [[c, m, bool(ok)] for c, m, ok in n.backups]]
+    elif isinstance(n, ElectionNote):
+        fields = ["election", n.node_id, n.partition, n.state, Timestamp(n.started_ms), n.vote, n.root]
     elif isinstance(n, Hello):
         fields = ["hello", n.node_id, n.cluster, n.connector, n.management_url, Timestamp(n.started_ms),
                   [[a, b, c] for a, b, c in n.members], n.group]
@@ -612,4 +638,22 @@ def decode_note(data: bytes):
             raise _invalid("start time must be a timestamp")
         return Hello(_name(node, "node id"), _name(cluster, "cluster name"), _name(connector, "connector"),
                      _name(mgmt, "management URL", empty=True), int(started), tuple(ms), group)
+    if kind == "election":
+        if len(rest) != 6:
+            raise _invalid("election notification needs 6 fields")
+        node, partition, state, started, vote, root = rest
+        if partition not in PARTITION_NAMES or isinstance(partition, Symbol):
+            raise _invalid(f"partition {str(partition)[:64]!r} must be primary or secondary")
+        if state not in ELECTION_STATES or isinstance(state, Symbol):
+            raise _invalid(f"state {str(state)[:64]!r} must be starting or active")
+        if not isinstance(started, int) or isinstance(started, bool) or started < 0:
+            raise _invalid("start time must be a timestamp")
+        if not isinstance(root, bool):
+            raise _invalid("root must be a boolean")
+        if partition == "secondary" and (root or vote is not None):
+            raise _invalid("a secondary neither votes nor is root")
+        if root and state != "active":
+            raise _invalid("a root must be active")
+        return ElectionNote(_name(node, "node id"), partition, state, int(started),
+                            None if vote is None else _name(vote, "vote"), root)
     raise _invalid(f"unknown notification kind {kind[:64]!r}")

@@ -164,8 +164,10 @@ class Router:
                  pool: Pool | None = None, cache: StickyCache | None = None,
                  local_filter: Filter | None = None, local: TargetState | None = None,
                  pins: PinTable | None = None, max_key_length: int = 0,
-                 fail_back: str = "stay") -> None:
+                 fail_back: str = "stay", root_filter: Filter | None = None) -> None:
         self.name = name
+        #: keys (full match) that go to the pool's root (``Pool.root``, OpenAMQ's model), never cached
+        self.root_filter = root_filter
         #: what a key whose cached target is not ready does once that target returns (see
         #: ``_keep_stale``): ``stay`` where the policy sent it meanwhile (Artemis: the new choice
         #: overwrites the entry), or ``return`` to the cached target
@@ -362,6 +364,31 @@ class Router:
                         self._expl(raw, filtered, key, local_match, None, "skipped", None, None,
                                    reason))
 
+    def _root(self, raw, filtered, key, pool: Pool) -> Decision:
+        """``root-target-filter`` matched: the cluster's root, whatever the policy or the cache
+        say (the root moves; nothing is cached). No root known, or the root not ready: refused
+        as unavailable (transient: the client retries, by then a root is elected)."""
+        root = pool.root
+        if root is None:
+            return _decision(_UNAVAIL, None, False,
+                             self._expl(raw, filtered, key, False, None, "skipped", None, None,
+                                        "root-target-filter matched; the cluster has no root now"))
+        why = f"root-target-filter matched: the cluster's root {root}"
+        lc = self.local
+        if lc is not None and root in (lc.target.node_id, lc.target.name):   # a broker's own router, on the root
+            if lc.ready:
+                return _decision(_OK, lc.target, True,
+                                 self._expl(raw, filtered, key, False, None, "skipped", None, None, why))
+            target = None
+        else:
+            target = pool.ready_target(root)
+        if target is None:
+            return _decision(_UNAVAIL, None, False,
+                             self._expl(raw, filtered, key, False, None, "skipped", None, None,
+                                        f"root-target-filter matched; the root {root} is not ready"))
+        return _decision(_OK, target, False,
+                         self._expl(raw, filtered, key, False, None, "skipped", None, None, why))
+
     def _route(self, raw: str | None, filtered: str, now: float, commit: bool, count: bool = True,
                hold: bool = True):
         policy = self._policy
@@ -373,6 +400,9 @@ class Router:
         if lf is not None and lf.matches(key):
             return self._local(raw, filtered, key, True, "local-target-filter matched")
         pool = self.pool
+        rf = self.root_filter
+        if rf is not None and pool is not None and rf.matches(key):
+            return self._root(raw, filtered, key, pool)
         pins = self.pins
         pin_note = None
         if pins is not None and pins:

@@ -105,6 +105,9 @@ class Pool:
                  local_target: Target | None = None, local_target_enabled: bool = False,
                  allow_failback: bool = True) -> None:
         self.quorum_size = quorum_size
+        #: the node id of the cluster's root (OpenAMQ's model; a cluster pool's source sets it from
+        #: the brokers' view, None: no root known) — where ``root-target-filter`` keys go
+        self.root: str | None = None
         #: the latest time a probe result brought (``report_probe``'s ``now``)
         self._now: float | None = None
         #: pairs that have had an active member since the start
@@ -642,6 +645,11 @@ class Pool:
         snap = {"quorum_size": self.quorum_size, "quorum_met": self.quorum_met,
                 "ready": self.ready_count, "total": self.total_count,
                 "targets": [st.to_dict() for st in self.all_states()]}
+        if self.root is not None:   # OpenAMQ's model: the cluster's root, as the source last saw it
+            snap["root"] = self.root
+            for t in snap["targets"]:
+                if t["node_id"] == self.root:
+                    t["root"] = True
         pairs = self.pairs()
         if pairs:
             snap["pairs"] = pairs

@@ -224,7 +224,7 @@ def test_cluster_pool_config(tmp_path):
     st = svc.membership_status()
     assert st["seed_connectors"] == ["http://127.0.0.1:8161", "https://b:8443"]
     assert st["members"] == [] and st["leave_after_ms"] == 30000
-    assert svc.pool_states() == {"members": [], "states": [], "held": {}, "draining": {}}
+    assert svc.pool_states() == {"members": [], "root": None, "states": [], "held": {}, "draining": {}}
     # a worker adopts the supervisor's members, then the probe results
     svc.apply_pool_states({"members": [["n1", "127.0.0.1", 5001, False, "http://127.0.0.1:6001", "n1",
                                         "n1", False]],

@@ -156,6 +156,17 @@ def test_scale_down_to_the_cluster(tmp_path):
     assert cfg.ha.scale_down and cfg.ha.role == "backup"
 
 
+def test_partitions(tmp_path):
+    cfg = load_config(write(tmp_path, CLUSTER + "primaries = ['amqp://127.0.0.1:15672', 'AMQP://H2:2']\n")).cluster
+    assert cfg.partition == "primary" and cfg.primaries == ("amqp://127.0.0.1:15672", "amqp://h2:2")
+    assert cfg.elects_root and not cfg.secondary
+    cfg = load_config(write(tmp_path, BASE + "[cluster]\nconnector = 'amqp://127.0.0.1:0'\npartition = 'secondary'\n"
+                                             "primaries = ['amqp://h1:1', 'amqp://h2:2']\n")).cluster
+    assert cfg.secondary and cfg.elects_root   # a secondary may run on an OS-chosen port
+    plain = load_config(write(tmp_path, CLUSTER)).cluster
+    assert plain.partition == "primary" and plain.primaries == () and not plain.elects_root
+
+
 def test_overrides_leave_the_cluster_alone(tmp_path):
     cfg = load_config(write(tmp_path, CLUSTER))
     over = apply_overrides(cfg, amqp_port=0, management_port=0, data_dir=tmp_path / "d", name="n")
@@ -230,6 +241,20 @@ BAD = [
     (CLUSTER + "require-client-key = true\n", "cluster.require-client-key", "true needs key"),
     (CLUSTER + "ca-file = 'nope.pem'\n", "cluster.ca-file", "nope.pem': no such file"),
     (CLUSTER + "max-state-bytes = 1023\n", "cluster.max-state-bytes", "1023 must be >= 1024"),
+    # OpenAMQ's partitions
+    (CLUSTER + "partition = 'root'\n", "cluster.partition", "'root' must be one of primary, secondary"),
+    (CLUSTER + "partition = 'secondary'\n", "cluster.partition", "'secondary' needs primaries"),
+    (CLUSTER + "primaries = ['amqp://h:1', 'amqp://h:1']\n", "cluster.primaries", "'amqp://h:1' is listed twice"),
+    (CLUSTER + "primaries = ['amqp://h:1', 'amqp://h']\n", "cluster.primaries[1]", "'amqp://h' has no port"),
+    (CLUSTER + "primaries = 'amqp://h:1'\n", "cluster.primaries", "must be an array"),
+    (CLUSTER + "primaries = ['amqp://h:1', 'amqp://h:2']\n", "cluster.primaries",
+     "does not name this node's connector 'amqp://127.0.0.1:15672'"),
+    (BASE + "[cluster]\nconnector = 'amqp://127.0.0.1:0'\nprimaries = ['amqp://h:1']\n", "cluster.connector",
+     "'amqp://127.0.0.1:0' has port 0: a defined primary is found in primaries by its connector"),
+    (CLUSTER + "partition = 'secondary'\nprimaries = ['amqp://127.0.0.1:15672', 'amqp://h:2']\n", "cluster.partition",
+     "'secondary', but this node's connector 'amqp://127.0.0.1:15672' is in primaries"),
+    (CLUSTER + "partition = 'secondary'\nprimaries = ['amqp://h:1']\nstatic-connectors = ['amqp://h:1', 'amqp://s:2']\n",
+     "cluster.static-connectors", "'amqp://s:2' is not a primary: a secondary connects to the primaries only"),
     # [ha]
     (BASE + "[ha]\npolicy = 'replication'\n", "ha.policy",
      "'replication' needs a [cluster] table: the backup finds its primary through the cluster"),

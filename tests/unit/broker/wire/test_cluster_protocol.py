@@ -14,7 +14,7 @@ import pytest
 from broker.wire.codec import Described, Long, Symbol, Timestamp, UByte, UInt, ULong, encode
 from broker.wire.cluster import (FORWARD_DESCRIPTOR, MAX_BACKUPS, MAX_DESCRIPTION, MAX_FILTER, MAX_FILTERS,
                                      MAX_MEMBERS, MAX_NAME, MAX_TARGETS, NOTIFY_DESCRIPTOR, BackupsNote,
-                                     BindingNote, Forwarded, Hello,
+                                     BindingNote, ElectionNote, Forwarded, Hello,
                                      ProtocolError, Reset, Unbinding, decode_forward, decode_note, encode_forward,
                                      encode_note)
 from broker.core.selector import MAX_SELECTOR_BYTES, parse_selector
@@ -66,8 +66,11 @@ def test_moved_is_an_eleventh_field_after_create_or_null():
     BackupsNote("node-a", (("amqp://127.0.0.1:5675", "http://127.0.0.1:8164", True),)),
     BackupsNote("node-a", (("amqps://h:5671", "", False), ("amqp://h2:5672", "http://h2:1", True))),
     BackupsNote("node-a", ()),
+    ElectionNote("node-a", "primary", "active", 1_700_000_000_000, "node-a", True),
+    ElectionNote("node-b", "primary", "starting", 5, None, False),
+    ElectionNote("node-c", "secondary", "active", 0, None, False),
 ], ids=["hello", "hello-alone", "reset", "binding", "binding-filtered", "binding-filters", "unbinding",
-        "backups", "backups-two", "backups-none"])
+        "backups", "backups-two", "backups-none", "election-root", "election-starting", "election-secondary"])
 def test_notifications_round_trip(note):
     assert decode_note(encode_note(note)) == note
 
@@ -360,6 +363,25 @@ NOTE_BREAKS = {
                                        "backup connector"),
     "a backup with a too-long management URL": (_note("backups", "n", [["amqp://h:1", TOO_LONG, True]]),
                                                 "backup management URL"),
+    # election
+    "election of 5 fields": (_note("election", "n", "primary", "active", Timestamp(1), None), "6 fields"),
+    "election with an empty node": (_note("election", "", "primary", "active", Timestamp(1), None, False), "node id"),
+    "election of another partition": (_note("election", "n", "tertiary", "active", Timestamp(1), None, False),
+                                      "partition 'tertiary'"),
+    "election partition as a symbol": (_note("election", "n", Symbol("primary"), "active", Timestamp(1), None, False),
+                                       "partition"),
+    "election state unknown": (_note("election", "n", "primary", "broken", Timestamp(1), None, False), "state 'broken'"),
+    "election start time negative": (_note("election", "n", "primary", "active", -1, None, False), "start time"),
+    "election start time a boolean": (_note("election", "n", "primary", "active", True, None, False), "start time"),
+    "election root as a string": (_note("election", "n", "primary", "active", Timestamp(1), "n", "yes"),
+                                  "root must be a boolean"),
+    "election vote empty": (_note("election", "n", "primary", "active", Timestamp(1), "", False), "vote"),
+    "a secondary that votes": (_note("election", "n", "secondary", "active", Timestamp(1), "p", False),
+                               "a secondary neither votes nor is root"),
+    "a secondary that is root": (_note("election", "n", "secondary", "active", Timestamp(1), None, True),
+                                 "a secondary neither votes nor is root"),
+    "a starting root": (_note("election", "n", "primary", "starting", Timestamp(1), None, True),
+                        "a root must be active"),
 }
 
 
