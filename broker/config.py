@@ -132,6 +132,7 @@ class AddressDecl:
     name: str
     routing_types: tuple[str, ...]
     filter: str | None = None  # the anycast queue's filter (a selector; Artemis <queue><filter>)
+    shared: bool = False       # OpenAMQ's shared queue (docs/cluster.md "Shared queues"): on the root only
 
 
 @dataclass(frozen=True)
@@ -680,14 +681,21 @@ def load_config(file: str | Path) -> BrokerConfig:
                 compile_queue_filter(qfilter)
             except SelectorError as exc:
                 raise t.error("filter", f"{qfilter!r}: {exc}") from None
+        shared = t.bool("shared", False)
+        if shared and ANYCAST not in rts:
+            raise t.error("shared", "true needs the anycast routing type (a shared queue is the address's queue)")
         t.done()
-        decls.append(AddressDecl(aname, tuple(rts), qfilter))
+        decls.append(AddressDecl(aname, tuple(rts), qfilter, shared))
 
     broadcast_groups = tuple(_broadcast_group(name, t) for name, t in root.tables("broadcast-groups").items())
     discovery_groups = {name: _discovery_group(name, t) for name, t in root.tables("discovery-groups").items()}
     cluster = _cluster(root.table("cluster"), discovery_groups, (id_cache_size, persist_id_cache)) \
         if root.has("cluster") else None
     ha = _ha(root.table("ha"), cluster)
+    for d in decls:
+        if d.shared and (cluster is None or not cluster.primaries):
+            raise ConfigError(root.file, f"addresses.{d.name}.shared",
+                              "true needs a cluster with a root ([cluster] primaries): a shared queue lives on the root")
     routers, routing_log = _routers(root, acceptors, cluster, data_dir)
     if ha.colocated is not None:
         names = {a.name for a in acceptors}

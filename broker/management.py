@@ -104,8 +104,10 @@ def _version() -> str:
 
 def addresses_view(node: "Node") -> list[dict]:
     dups = node.core.duplicates
+    shared = node.shared_queues.addresses if node.shared_queues is not None else ()
     return [{"name": a.name, "routing_types": sorted(a.routing_types), "queues": sorted(a.queues),
-             "duplicate_ids": dups.remembered(a.name), "duplicates_dropped": dups.dropped.get(a.name, 0)}
+             "duplicate_ids": dups.remembered(a.name), "duplicates_dropped": dups.dropped.get(a.name, 0),
+             "shared": a.name in shared}
             for a in sorted(node.core.addresses.values(), key=lambda a: a.name)]
 
 
@@ -248,6 +250,16 @@ def metrics(node: "Node", exporter: "MetricsExporter | None" = None) -> list[Met
                 Metric("lodestone_broker_cluster_election_events_total", "counter",
                        "root election events: votes cast, elected, resigned, root changes seen",
                        tuple(({"event": k}, v) for k, v in sorted(el.counters.items()))),
+            ]
+        sh = cl.shared
+        if sh is not None:   # OpenAMQ's shared queues (docs/cluster.md "Shared queues")
+            out += [
+                Metric("lodestone_broker_cluster_shared_relaying", "gauge",
+                       "sends to shared queues relayed to the root and not answered yet (held without a root included)",
+                       (({}, len(sh.pending)),)),
+                Metric("lodestone_broker_cluster_shared_events_total", "counter",
+                       "shared queue events: relayed, accepted, refused without a root, moved, ...",
+                       tuple(({"event": k}, v) for k, v in sorted(sh.counters.items()))),
             ]
     bc = node.component("broker-connections")
     if bc is not None:
@@ -494,8 +506,13 @@ def _create_address(node: "Node", principal, body) -> Response:
             raise HttpError(400, f"filter {ftext!r}: {exc}") from None
     if not node.security.check(principal, "createAddress", name):
         raise HttpError(403, f"createAddress denied on {name!r}")
+    shared = body.get("shared", False)
+    if not isinstance(shared, bool):
+        raise HttpError(400, f"shared {shared!r} must be true or false")
+    if shared and ("anycast" not in types or node.cluster is None or node.cluster.shared is None):
+        raise HttpError(400, "shared needs the anycast routing type and a cluster with a root ([cluster] primaries)")
     cluster = node.cluster
-    if cluster is not None and not cluster.declare(name, types, ftext):
+    if cluster is not None and not cluster.declare(name, types, ftext, shared=shared):
         raise HttpError(507, f"the cluster state is full (max-state-bytes = {cluster.state.max_bytes})")
     node.core.declare_address(name, types)
     if ftext is not None:
@@ -620,7 +637,8 @@ def openapi_document() -> dict:
                                                "properties": {"name": {"type": "string"},
                                                               "routing_types": {"type": "array",
                                                                                 "items": {"type": "string"}},
-                                                              "filter": {"type": "string"}}}}}},
+                                                              "filter": {"type": "string"},
+                                                              "shared": {"type": "boolean"}}}}}},
                                            "responses": {"201": {"description": "declared", "content": {
                                                "application/json": {"schema": address}}},
                                                "400": {"description": "bad request"},

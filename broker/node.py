@@ -45,7 +45,7 @@ from broker.core.departures import (
     close_offsets,
     plan_departures,
 )
-from broker.core.deliveries import DEFAULT_PRIORITY, Message, Mirrored
+from broker.core.deliveries import DEFAULT_PRIORITY, Message, Mirrored, Relayed
 from broker.core.duplicates import DuplicateIds
 from broker.core.filters import compile_queue_filter
 from broker.wire.limits import OncePer, SourceLimiter
@@ -81,6 +81,9 @@ def _stored_properties(queue: str, msg: Message) -> dict | None:
     if type(msg.origin) is Mirrored:     # a mirror's copy: the source's acknowledgement names it
         props = props or {}
         props["mirror"] = [msg.origin.node, msg.origin.id]
+    elif type(msg.origin) is Relayed:    # a shared queue's message: its relay id moves with it
+        props = props or {}
+        props["relay"] = [msg.origin.node, msg.origin.id.hex()]
     if msg.expires or msg.priority != DEFAULT_PRIORITY:
         props = props or {}
         if msg.expires:
@@ -227,6 +230,7 @@ class Node:
         self.recovery: dict = {}
         self.internal_records: dict[str, list[tuple[int, bytes]]] = {}  # recovered, see recover()
         self.cluster = None  # broker.cluster.bridge.ClusterNode when [cluster] is configured
+        self.shared_queues = None  # broker.cluster.shared.SharedQueues: the engines relay shared sends through it
         #: broker.routing.EmbeddedRouting when [routers.*] are configured
         self.routing = EmbeddedRouting(self, cfg) if routed else None
         self.broadcast_counters: dict[str, dict] = {}  # broadcast group -> sent / send_failed
@@ -267,6 +271,13 @@ class Node:
                 mirrored = props.get("mirror")
                 origin = (Mirrored(mirrored[0], mirrored[1]) if isinstance(mirrored, list) and len(mirrored) == 2
                           and isinstance(mirrored[0], str) and isinstance(mirrored[1], int) else None)
+                relayed = props.get("relay")
+                if origin is None and isinstance(relayed, list) and len(relayed) == 2 \
+                        and isinstance(relayed[0], str) and isinstance(relayed[1], str):
+                    try:
+                        origin = Relayed(relayed[0], bytes.fromhex(relayed[1]))
+                    except ValueError:
+                        origin = None
                 if core.restore_message(qname, m.message_id, m.body, address, m.delivery_count, priority, expires,
                                         origin):
                     restored += 1
@@ -378,6 +389,7 @@ class Node:
         ``$lodestone.`` addresses (but replication's) from now on."""
         self.cluster = cluster
         self.services.register(INTERNAL_PREFIX, cluster)
+        self.shared_queues = cluster.shared   # OpenAMQ's shared queues (None without a root election)
 
     @property
     def open_properties(self) -> dict:

@@ -72,7 +72,10 @@ FORWARD_ADDRESS = "fwd.q"
 class Node:
     """A broker process of the benchmark cluster (its own folder, OS-chosen ports)."""
 
-    def __init__(self, work: Path, name: str, static: list[str] = (), profile: Path | None = None):
+    def __init__(self, work: Path, name: str, static: list[str] = (), profile: Path | None = None, *,
+                 port: int = 0, cluster_extra: str = ""):
+        """``port``: the AMQP port (0: the OS picks), also the cluster connector's; ``cluster_extra``:
+        TOML lines after the ``[cluster]`` keys (more keys, then other tables)."""
         self.name = name
         self.work = work / name
         self.work.mkdir(parents=True)
@@ -84,12 +87,13 @@ class Node:
         statics = ", ".join(json.dumps(s) for s in static)
         (self.work / "broker.toml").write_text(
             f'[node]\nname = "{name}"\ndata-dir = "data"\n'
-            '[acceptors.amqp]\nhost = "127.0.0.1"\nport = 0\n'
+            f'[acceptors.amqp]\nhost = "127.0.0.1"\nport = {port}\n'
             '[management]\nhost = "127.0.0.1"\nport = 0\n'
             '[activity-log]\nflush-interval-s = 10\n[logging]\nlevel = "WARNING"\n'
-            '[cluster]\nname = "bench"\nconnector = "amqp://127.0.0.1:0"\n'
+            f'[cluster]\nname = "bench"\nconnector = "amqp://127.0.0.1:{port}"\n'
             f'static-connectors = [{statics}]\nuser = "bench-cluster"\npassword = "{CLUSTER_PASSWORD}"\n'
-            'message-load-balancing = "ON_DEMAND"\nretry-interval-ms = 100\nmax-retry-interval-ms = 500\n')
+            'message-load-balancing = "ON_DEMAND"\nretry-interval-ms = 100\nmax-retry-interval-ms = 500\n'
+            + cluster_extra)
         out = self.work / "stdout.log"
         prof = ["-m", "cProfile", "-o", str(profile / f"{name}.prof")] if profile is not None else []
         self.proc = subprocess.Popen([sys.executable, *prof, "-m", "broker", "run", str(self.work / "broker.toml")],
@@ -171,27 +175,36 @@ def start_cluster(work: Path, profile: Path | None = None) -> tuple[Node, Node]:
 def run_client(a: Node, b: Node, forwarded: bool, durable: bool, size: int, n: int, tail_s: float,
                work: Path) -> dict:
     """One client run; for forwarded, the first send waits until A knows B's consumer."""
-    address = FORWARD_ADDRESS if forwarded else LOCAL_ADDRESS
-    rx = b if forwarded else a
+    if forwarded:
+        return client_run(a, b, a, FORWARD_ADDRESS, (a, b), durable, size, n, tail_s, work)
+    return client_run(a, a, None, LOCAL_ADDRESS, (a, b), durable, size, n, tail_s, work)
+
+
+def client_run(producer: Node, consumer: Node, watcher: Node | None, address: str, nodes: tuple[Node, ...],
+               durable: bool, size: int, n: int, tail_s: float, work: Path) -> dict:
+    """One client run: producer on ``producer``, consumer on ``consumer``; with a ``watcher``, the
+    first send waits until that node knows the consumer as a remote one. CPU figures are read
+    for ``nodes``, in that order."""
     go = work / "go"
     go.unlink(missing_ok=True)
-    cmd = [sys.executable, str(CLIENT), "--url", a.url, "--rx-url", rx.url, "--address", address, "--n", str(n),
-           "--size", str(size), "--broker-pid", f"{a.pid},{b.pid}", "--tail-s", str(tail_s)]
+    cmd = [sys.executable, str(CLIENT), "--url", producer.url, "--rx-url", consumer.url, "--address", address,
+           "--n", str(n), "--size", str(size), "--broker-pid", ",".join(str(x.pid) for x in nodes),
+           "--tail-s", str(tail_s)]
     if durable:
         cmd.append("--durable")
-    if forwarded:
-        # the last run's consumer must be gone from A's view first, or A could still count it
-        wait_until(lambda: a.known_consumers(address) == 0, "A to forget the last run's consumer on B")
+    if watcher is not None:
+        # the last run's consumer must be gone from the watcher's view first, or it could still count it
+        wait_until(lambda: watcher.known_consumers(address) == 0, f"{watcher.name} to forget the last run's consumer")
         cmd += ["--go-file", str(go)]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        if forwarded:
+        if watcher is not None:
             line = p.stdout.readline()
             if line.strip() != "links-up":
                 p.kill()
                 _, err = p.communicate()
                 return {"error": f"client failed before sending: {line.strip()} {err.strip()[-300:]}"}
-            wait_until(lambda: a.known_consumers(address) == 1, "A to know the consumer on B")
+            wait_until(lambda: watcher.known_consumers(address) == 1, f"{watcher.name} to know the consumer")
             go.touch()
         out, err = p.communicate(timeout=600)
     except BaseException:
@@ -207,80 +220,73 @@ def run_client(a: Node, b: Node, forwarded: bool, durable: bool, size: int, n: i
     return r
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, default=20000, help="messages per run")
+def common_args(doc: str, *, n: int, sizes: str, warmup: int) -> argparse.ArgumentParser:
+    """The options this benchmark shares with ``bench_shared_queue.py``."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=n, help="messages per run")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--sizes", default="100,4096", help="comma list of body sizes in bytes")
+    ap.add_argument("--sizes", default=sizes, help="comma list of body sizes in bytes")
     dur = ap.add_mutually_exclusive_group()
     dur.add_argument("--durable", dest="durability", action="store_const", const=(True,),
                      help="durable messages only")
     dur.add_argument("--non-durable", dest="durability", action="store_const", const=(False,),
                      help="non-durable messages only")
     ap.set_defaults(durability=(False, True))
-    ap.add_argument("--warmup", type=int, default=2000, help="messages per warm-up run (0: none)")
+    ap.add_argument("--warmup", type=int, default=warmup, help="messages per warm-up run (0: none)")
     ap.add_argument("--tail-s", type=float, default=0.5,
                     help="after each run, how long to keep reading the brokers' CPU (the 'tail' column)")
     ap.add_argument("--json", action="store_true", help="also print every result as JSON lines")
-    ap.add_argument("--only", choices=("local", "forwarded"), help="run one workload only (for --profile)")
-    ap.add_argument("--profile", metavar="DIR", type=Path, help="run the brokers under cProfile, profiles in DIR")
-    a = ap.parse_args()
-    workloads = {"local": (False,), "forwarded": (True,), None: (False, True)}[a.only]
-    if a.profile is not None:
-        a.profile = a.profile.resolve()
-        a.profile.mkdir(parents=True, exist_ok=True)
-    sizes = [int(s) for s in a.sizes.split(",")]
-    work = Path(tempfile.mkdtemp(prefix="lodestone-bench-cluster-"))
+    return ap
+
+
+def run_rounds(run, a, workloads, sizes) -> tuple[dict, bool]:
+    """The warm-up, then ``a.rounds`` rounds of every durability, size and workload (alternating
+    which workload goes first); ``run(forwarded, durable, size, n, tail_s)`` is one client run.
+    Returns the results by (durable, size, forwarded) and whether any run failed."""
     results: dict[tuple, list[dict]] = {}
     failed = False
-    nodes: tuple[Node, ...] = ()
-    try:
-        nodes = start_cluster(work, a.profile)
-        na, nb = nodes
-        # for an outside profiler (py-spy record -p PID): which process is which node
-        print(f"cluster up: A pid {na.pid} {na.amqp}, B pid {nb.pid} {nb.amqp}", file=sys.stderr, flush=True)
-        if a.warmup:
-            for durable in a.durability:
-                for forwarded in workloads:
-                    r = run_client(na, nb, forwarded, durable, sizes[0], a.warmup, 0, work)
+    if a.warmup:
+        for durable in a.durability:
+            for forwarded in workloads:
+                r = run(forwarded, durable, sizes[0], a.warmup, 0)
+                if r.get("error"):
+                    raise SystemExit(f"warm-up failed: {r['error']}")
+    for rnd in range(a.rounds):
+        for durable in a.durability:
+            for size in sizes:
+                order = workloads if rnd % 2 == 0 else workloads[::-1]
+                for forwarded in order:
+                    r = run(forwarded, durable, size, a.n, a.tail_s)
+                    results.setdefault((durable, size, forwarded), []).append(r)
+                    if a.json:
+                        print(json.dumps({"round": rnd, "forwarded": forwarded, **r}), flush=True)
                     if r.get("error"):
-                        raise SystemExit(f"warm-up failed: {r['error']}")
-        for rnd in range(a.rounds):
-            for durable in a.durability:
-                for size in sizes:
-                    order = workloads if rnd % 2 == 0 else workloads[::-1]
-                    for forwarded in order:
-                        r = run_client(na, nb, forwarded, durable, size, a.n, a.tail_s, work)
-                        results.setdefault((durable, size, forwarded), []).append(r)
-                        if a.json:
-                            print(json.dumps({"round": rnd, "forwarded": forwarded, **r}), flush=True)
-                        if r.get("error"):
-                            failed = True
-                            print(f"{'forwarded' if forwarded else 'local'} durable={durable} size={size}: "
-                                  f"{r['error']}", file=sys.stderr)
-        # nothing may be left behind: every forwarded message reached B's consumer
-        left = {f"{n.name}:{q}": (n.queue(q) or {}).get("depth", 0)
-                for n in nodes for q in (LOCAL_ADDRESS, FORWARD_ADDRESS)}
-        bridge = na.get("/api/v1/cluster")["bridges"]
-    finally:
-        for n in nodes:
-            n.stop()
-        shutil.rmtree(work, ignore_errors=True)
+                        failed = True
+                        print(f"{'forwarded' if forwarded else 'local'} durable={durable} size={size}: "
+                              f"{r['error']}", file=sys.stderr)
+    return results, failed
 
-    def med(rs, key, i=None):
-        vals = [(r[key] if i is None else r[key][i]) for r in rs if key in r]
-        return statistics.median(vals) if vals else float("nan")
 
-    def fmt(v: float, spec: str, width: int) -> str:
-        return f"{'-':>{width}}" if v != v else f"{v:>{width}{spec}}"
+def med(rs, key, i=None):
+    vals = [(r[key] if i is None else r[key][i]) for r in rs if key in r]
+    return statistics.median(vals) if vals else float("nan")
 
-    def ratio(loc, fwd, f) -> float:
-        """Median over rounds of the per-round ratio (a round's two runs are neighbours in time)."""
-        rs = [f(lr, fr) for lr, fr in zip(loc, fwd) if not (lr.get("error") or fr.get("error"))]
-        return statistics.median(rs) if rs else float("nan")
 
+def fmt(v: float, spec: str, width: int) -> str:
+    return f"{'-':>{width}}" if v != v else f"{v:>{width}{spec}}"
+
+
+def ratio(loc, fwd, f) -> float:
+    """Median over rounds of the per-round ratio (a round's two runs are neighbours in time)."""
+    rs = [f(lr, fr) for lr, fr in zip(loc, fwd) if not (lr.get("error") or fr.get("error"))]
+    return statistics.median(rs) if rs else float("nan")
+
+
+def summary_rows(results: dict, durability, sizes) -> list[dict]:
+    """Per durability and size: the medians and ratios both benchmarks print (``f_``: the second
+    workload, ``l_``: the local one; ``_each`` figures by the order of the client's broker pids)."""
     rows = []
-    for durable in a.durability:
+    for durable in durability:
         for size in sizes:
             loc = results.get((durable, size, False), [])
             fwd = results.get((durable, size, True), [])
@@ -297,6 +303,42 @@ def main() -> int:
                 "cpu_r": ratio(loc, fwd, lambda lr, fr: fr["broker_cpu_us_per_msg"]
                                / lr["broker_cpu_us_per_msg_each"][0]),
             })
+    return rows
+
+
+def main() -> int:
+    ap = common_args(__doc__, n=20000, sizes="100,4096", warmup=2000)
+    ap.add_argument("--only", choices=("local", "forwarded"), help="run one workload only (for --profile)")
+    ap.add_argument("--profile", metavar="DIR", type=Path, help="run the brokers under cProfile, profiles in DIR")
+    a = ap.parse_args()
+    workloads = {"local": (False,), "forwarded": (True,), None: (False, True)}[a.only]
+    if a.profile is not None:
+        a.profile = a.profile.resolve()
+        a.profile.mkdir(parents=True, exist_ok=True)
+    sizes = [int(s) for s in a.sizes.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="lodestone-bench-cluster-"))
+    results: dict[tuple, list[dict]] = {}
+    failed = False
+    left: dict = {}
+    bridge: list = []
+    nodes: tuple[Node, ...] = ()
+    try:
+        nodes = start_cluster(work, a.profile)
+        na, nb = nodes
+        # for an outside profiler (py-spy record -p PID): which process is which node
+        print(f"cluster up: A pid {na.pid} {na.amqp}, B pid {nb.pid} {nb.amqp}", file=sys.stderr, flush=True)
+        results, failed = run_rounds(lambda fwd, durable, size, n, tail_s: run_client(
+            na, nb, fwd, durable, size, n, tail_s, work), a, workloads, sizes)
+        # nothing may be left behind: every forwarded message reached B's consumer
+        left = {f"{n.name}:{q}": (n.queue(q) or {}).get("depth", 0)
+                for n in nodes for q in (LOCAL_ADDRESS, FORWARD_ADDRESS)}
+        bridge = na.get("/api/v1/cluster")["bridges"]
+    finally:
+        for n in nodes:
+            n.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+    rows = summary_rows(results, a.durability, sizes)
 
     print(f"\nproducer on A -> consumer on A (local) or on B (forwarded); n={a.n}, median of {a.rounds} rounds; "
           "2-node cluster, ON_DEMAND; python-qpid-proton client (amqp_client.py)")

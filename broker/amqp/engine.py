@@ -1329,13 +1329,27 @@ class AmqpEngine:
             return
         address, durable, priority, expires, key = send
         core = self.core
+        local_only = False
+        shared = getattr(self.host, "shared_queues", None)
+        if shared is not None and address in shared.addresses:   # OpenAMQ's shared queue (broker.cluster.shared)
+            if not shared.is_root:
+                self._count("messages_in")
+                if _pn_delivery_settled(d):
+                    _pn_delivery_settle(d)
+                    shared.relay(None, address, data, durable, priority, expires)
+                else:
+                    lib.pn_incref(d)   # answered with the root's answer (synced / refused)
+                    shared.relay((self, d), address, data, durable, priority, expires)
+                return
+            local_only = shared.backlog(address)
         mark = core.sync_events
         if key is None:
-            stored = core.publish(address, data, durable, priority, expires, self.conn_id)
+            stored = core.publish(address, data, durable, priority, expires, self.conn_id, local_only=local_only)
         else:
             # a duplicate is not routed but answered as if it were: accepted (after the fsync
             # when its first copy was journaled), as Artemis answers it
-            _duplicate, stored = core.publish_once(address, key, data, durable, priority, expires, self.conn_id)
+            _duplicate, stored = core.publish_once(address, key, data, durable, priority, expires, self.conn_id,
+                                                   local_only=local_only)
         self._count("messages_in")
         if _pn_delivery_settled(d):  # pre-settled by the producer (at-most-once): nothing to answer
             _pn_delivery_settle(d)
@@ -1385,6 +1399,13 @@ class AmqpEngine:
             lib.pn_decref(d)
         if not closed:
             self.wake()
+
+    def refused(self, d, condition: str, description: str) -> None:
+        """A held producer delivery is rejected after all (a shared queue without a root)."""
+        if not self.closed:
+            self._reject(d, condition, description)
+            self.wake()
+        lib.pn_decref(d)
 
     def sync_failed(self, deliveries: list, description: str) -> None:
         """The journal could not make these durable: reject them (the producer may retry)."""

@@ -191,6 +191,12 @@ class PeerSender:
         self._queued.append(token)
         self._pump()
 
+    def withdraw(self, token: Any) -> bool:
+        """Stop (re)sending ``token`` (its owner sends it elsewhere); an outcome that still comes
+        for it is reported as usual. False when it was not unacknowledged here."""
+        self._transferred.discard(token)
+        return self.unacked.pop(token, None) is not None
+
     # the engine's link handler (broker.amqp.links)
     def on_attached(self, link: OwnedLink) -> None:
         if self.check_attach is not None:

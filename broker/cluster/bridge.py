@@ -77,17 +77,18 @@ from broker.amqp.host import INTERNAL_PREFIX
 from broker.amqp.peer import (PeerConnected, PeerConnectFailed, PeerConnection, PeerDisconnected, PeerGaveUp,
                               PeerLoginRefused, RetrySettings)
 from broker.wire.discovery import DiscoveryGroup
-from broker.wire.cluster import (FORWARD_ADDRESS, NOTIFY_ADDRESS, AddressNote, BackupsNote, BindingNote,
+from broker.wire.cluster import (FORWARD_ADDRESS, NOTIFY_ADDRESS, SHARED_ADDRESS, AddressNote, BackupsNote, BindingNote,
                                      ElectionNote, Forwarded, Hello,
                                      ProtocolError, Reset, Unbinding, decode_forwards, decode_note, encode_forward,
                                      encode_note)
 from broker.cluster.root import RootElection
+from broker.cluster.shared import SharedQueues
 from broker.cluster.state import ClusterState
 from broker.cluster.settings import address_clustered, parse_connector
 from broker.core.addresses import ANYCAST
 from broker.core.balancing import LoadBalancing
 from broker.core.bindings import RemoteBinding
-from broker.core.deliveries import DEFAULT_PRIORITY, Message, Outcome
+from broker.core.deliveries import DEFAULT_PRIORITY, Message, Outcome, Relayed
 from broker.core.duplicates import MISSING, ORIGIN_RECORDS, DuplicateCache
 from broker.core.queues import Subscription
 from broker.wire.io.trioutil import Wakeup
@@ -159,6 +160,9 @@ class Bridge:
         self.sender = self.peer.sender(FORWARD_ADDRESS, self._outcome)
         self.receiver = self.peer.receiver(NOTIFY_ADDRESS, self._note, credit=1000)
         self.peer.before_output = self._flush  # a batch goes out with the connection's next write
+        #: shared queues' sends relayed to this node when it is the root (broker.cluster.shared)
+        self.shared_sender = (self.peer.sender(SHARED_ADDRESS, cluster.shared.outcome)
+                              if cluster.shared is not None else None)
         self.node_id: str | None = None
         self.connected = False
         self.since: float | None = None
@@ -375,6 +379,26 @@ class _ForwardIn:
         self.cluster.receive_forward(self, delivery, data)
 
 
+class _SharedIn:
+    """A broker's relay of shared-queue sends into this node (the root, see broker.cluster.shared)."""
+
+    def __init__(self, shared: SharedQueues, engine: "AmqpEngine"):
+        self.shared = shared
+        self.engine = engine
+
+    def on_attached(self, link: OwnedLink) -> None:
+        link.credit_window = FORWARD_CREDIT
+        link.flow(FORWARD_CREDIT)
+
+    def on_detached(self, link: OwnedLink, condition) -> None:
+        pass
+
+    def on_message(self, link: OwnedLink, data: bytes, delivery: Incoming) -> None:
+        if self.engine.error is not None:
+            return
+        self.shared.receive(self.engine, delivery, data)
+
+
 class _NotifyOut:
     """A neighbour's notification link out of this node: hello, reset, snapshot, then changes."""
 
@@ -475,8 +499,14 @@ class ClusterNode:
         self.membership_listeners: list = []
         #: OpenAMQ's root election (``[cluster] primaries``; broker.cluster.root), else None
         self.election: RootElection | None = RootElection(self) if cfg.elects_root else None
+        #: OpenAMQ's shared queues (broker.cluster.shared): with a root election only
+        self.shared: SharedQueues | None = SharedQueues(self) if cfg.elects_root else None
         for decl in node.cfg.addresses:
-            self.state.offer(AddressNote(decl.name, tuple(sorted(decl.routing_types)), decl.filter, 0, node.node_id))
+            self.state.offer(AddressNote(decl.name, tuple(sorted(decl.routing_types)), decl.filter, 0, node.node_id,
+                                         shared=decl.shared))
+        if self.shared is not None:
+            for e in self.state:
+                self.shared.set_shared(e.name, e.shared and not e.deleted)
         # the per-origin duplicate caches live in the core (broker.core.duplicates), restored with
         # the node's other records by Node.recover
 
@@ -490,6 +520,7 @@ class ClusterNode:
                 for url in self.cfg.primaries:   # every node dials every defined primary
                     self.connect(url)
                 nursery.start_soon(self.election.run)
+                nursery.start_soon(self.shared.run)
             nursery.start_soon(self.redistributor)
             if self.discovery_cfg is not None:
                 nursery.start_soon(self._discover)
@@ -637,8 +668,14 @@ class ClusterNode:
             cb()
 
     def root_changed(self, old: str | None, new: str | None) -> None:
-        """The root as this node knows it changed (``broker.cluster.root``)."""
+        """The root as this node knows it changed (``broker.cluster.root``): routes through the
+        root are chosen again, and the shared queues follow it."""
         self._members_changed()
+        if self.cfg.max_hops > 1:
+            for via in list(self.learned):
+                self._refresh_via(via)
+        if self.shared is not None:
+            self.shared.root_changed(old, new)
 
     @property
     def root(self) -> str | None:
@@ -811,6 +848,8 @@ class ClusterNode:
 
     def _apply_state(self, e: AddressNote) -> None:
         core = self.core
+        if self.shared is not None:
+            self.shared.set_shared(e.name, e.shared and not e.deleted)
         addr = core.addresses.get(e.name)
         if e.deleted:
             if addr is None:
@@ -830,16 +869,19 @@ class ClusterNode:
                 core.set_queue_filter(e.name, core.compile_filter(e.filter_text), e.filter_text)
         self.counters["state_applied"] += 1
 
-    def declare(self, name: str, routing_types, filter_text: str | None, *, deleted: bool = False) -> bool:
+    def declare(self, name: str, routing_types, filter_text: str | None, *, deleted: bool = False,
+                shared: bool = False) -> bool:
         """An address declared (or deleted) through the management API: into the state, to every
         node. False when it would take the state past its cap (nothing changes)."""
         note = self.state.declaration(AddressNote(name, tuple(sorted(routing_types)), filter_text,
-                                                  int(time.time() * 1000), self.node.node_id, deleted))
+                                                  int(time.time() * 1000), self.node.node_id, deleted, shared))
         if not deleted and not self.state.would_fit(note):
             self.state.refused += 1
             return False
         changed = self.state.offer(note)
         if changed is not None:
+            if self.shared is not None:
+                self.shared.set_shared(changed.name, changed.shared and not changed.deleted)
             self._broadcast(changed)
         return True
 
@@ -854,11 +896,16 @@ class ClusterNode:
             self._settle(key)
 
     def _settle(self, key: tuple[str, str]) -> None:
-        """Put the best-known binding for (node, queue) in the core (the smallest distance)."""
+        """Put the best-known binding for (node, queue) in the core (the smallest distance; among
+        equals, the one learned through the cluster's root: OpenAMQ routes a secondary's messages
+        to another secondary through the root)."""
         best = None
+        root = self.root
         for via, table in self.learned.items():
             rb = table.get(key)
-            if rb is not None and (best is None or rb.distance < best.distance):
+            if rb is not None and (best is None or rb.distance < best.distance
+                                   or (rb.distance == best.distance and root is not None and via == root
+                                       and best.next_hop != root)):
                 best = rb
         cluster = self.core.cluster
         old = cluster.get(*key)
@@ -1014,7 +1061,10 @@ class ClusterNode:
                 if q is None or q.deleted or qname.startswith(INTERNAL_PREFIX):
                     self.counters["forward_unroutable"] += 1
                     continue
-                msg = Message(core.next_mid(), f.message, f.durable, f.address, 0, f.priority, f.expires)
+                origin = None
+                if f.moved and self.shared is not None and f.address in self.shared.addresses:
+                    origin = Relayed(f.origin, f.dup_id)   # a shared message keeps its relay id (broker.cluster.shared)
+                msg = Message(core.next_mid(), f.message, f.durable, f.address, 0, f.priority, f.expires, origin)
                 if q.enqueue(msg):
                     stored = local_stored = True
                 local.append(q.name)
@@ -1148,6 +1198,8 @@ class ClusterNode:
             return _ForwardIn(self, engine, peer_node if isinstance(peer_node, str) else None)
         if address == NOTIFY_ADDRESS and link.is_sender:
             return _NotifyOut(self, engine)
+        if address == SHARED_ADDRESS and link.is_receiver and self.shared is not None:
+            return _SharedIn(self.shared, engine)
         return ("amqp:not-found", f"no cluster link {address!r} in that direction")
 
     # -- redistribution ------------------------------------------------------------------------
@@ -1360,4 +1412,5 @@ class ClusterNode:
                 "broadcast_groups": {name: dict(c) for name, c in self.node.broadcast_counters.items()},
                 "state": {"addresses": len(self.state), "bytes": self.state.bytes, "cap_bytes": self.state.max_bytes,
                           "refused": self.state.refused},
+                "shared": self.shared.describe() if self.shared is not None else None,
                 "redistributed": self.redistributed, "counters": dict(self.counters)}

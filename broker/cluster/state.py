@@ -79,7 +79,8 @@ class ClusterState:
         live entry standing adds its routing types to that entry's."""
         old = self.entries.get(note.name)
         if old is not None and not old.deleted and not note.deleted and old.filter_text == note.filter_text:
-            return replace(note, routing_types=tuple(sorted(set(old.routing_types) | set(note.routing_types))))
+            return replace(note, routing_types=tuple(sorted(set(old.routing_types) | set(note.routing_types))),
+                           shared=old.shared or note.shared)
         return note
 
     def would_fit(self, note: AddressNote) -> bool:

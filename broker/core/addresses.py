@@ -482,7 +482,8 @@ class Broker:
 
     # -- routing ---------------------------------------------------------------------------
     def publish(self, address: str, body: bytes, durable: bool, priority: int = DEFAULT_PRIORITY,
-                expires: float = 0, origin: object = None, into: list | None = None) -> bool:
+                expires: float = 0, origin: object = None, into: list | None = None, *,
+                local_only: bool = False) -> bool:
         """Route one message to every queue of ``address`` (and of the wildcard addresses that
         match it). True when the store was written. ``into``: the names of the local queues that
         got a copy are appended to it.
@@ -493,10 +494,11 @@ class Broker:
 
         When other nodes have bindings for the address (or a wildcard address matching it) the
         message is load-balanced instead (:meth:`_publish_clustered`); otherwise this loop is all
-        there is, as on a single node.
+        there is, as on a single node. ``local_only``: this loop even then (a shared queue's
+        root with messages waiting: a new one joins them, ``broker.cluster.shared``).
         """
         remote = self.cluster.by_address
-        if remote and (address in remote or self._remote_wild(address) or (
+        if remote and not local_only and (address in remote or self._remote_wild(address) or (
                 self.wildcard_addresses and any(w.name in remote for w in self._targets(address)))):
             return self._publish_clustered(address, body, durable, priority, expires, origin, into)
         targets = self._targets(address)
@@ -517,7 +519,7 @@ class Broker:
         return stored
 
     def publish_once(self, address: str, key: bytes, body: bytes, durable: bool, priority: int = DEFAULT_PRIORITY,
-                     expires: float = 0, origin: object = None) -> tuple[bool, bool]:
+                     expires: float = 0, origin: object = None, *, local_only: bool = False) -> tuple[bool, bool]:
         """``publish`` for a message carrying the duplicate id ``key`` (``broker.core.duplicates``):
         ``(duplicate, sync)``.
 
@@ -536,7 +538,7 @@ class Broker:
         store.begin_group()
         held: list[str] = []
         try:
-            stored = self.publish(address, body, durable, priority, expires, origin, held)
+            stored = self.publish(address, body, durable, priority, expires, origin, held, local_only=local_only)
             dups.remember(address, key, persist=stored, held=held)
         finally:
             wrote = store.end_group()

@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 from typing import NamedTuple
 
-__all__ = ["Message", "Mirrored", "Outcome", "DEFAULT_PRIORITY"]
+__all__ = ["Message", "Mirrored", "Outcome", "DEFAULT_PRIORITY", "Relayed"]
 
 
 class Outcome(enum.Enum):
@@ -45,6 +45,15 @@ class Mirrored(NamedTuple):
 
     node: str
     id: int
+
+
+class Relayed(NamedTuple):
+    """A shared queue's message (``broker.cluster.shared``): the broker that relayed it to a root
+    and its relay id. It travels with the message when the message moves to another root, so that
+    root drops a copy it already stored. Journaled with the message."""
+
+    node: str
+    id: bytes
 
 
 class Message:

@@ -54,8 +54,10 @@ kind           fields after the kind
                (docs/ha.md "Topology"); sent after the hello when there are any, and whenever
                they change (an empty list: none any more)
 ``address``    name, routing types (list), queue filter (string or null), version (timestamp
-               ms; 0: from a config file), origin node id, deleted (bool): one entry of the
-               replicated cluster state (OpenAMQ), see ``broker.cluster.state``
+               ms; 0: from a config file), origin node id, deleted (bool)[, shared (bool),
+               present only when true]: one entry of the replicated cluster state (OpenAMQ),
+               see ``broker.cluster.state``; shared: OpenAMQ's shared queue
+               (``broker.cluster.shared``)
 ``election``   node id, partition ("primary" or "secondary"), state ("starting" or
                "active"), start time (ms), vote (the node id it votes for as root, or null),
                root (bool): the sender's part in OpenAMQ's root election
@@ -92,6 +94,7 @@ __all__ = ["FORWARD_ADDRESS", "NOTIFY_ADDRESS", "CLUSTER_PREFIX", "INTERNAL_PREF
 
 CLUSTER_PREFIX = "$lodestone.cluster."   # the cluster user's link addresses
 FORWARD_ADDRESS = CLUSTER_PREFIX + "forward"
+SHARED_ADDRESS = CLUSTER_PREFIX + "shared"   # a producer's send relayed to the root (broker.cluster.shared)
 NOTIFY_ADDRESS = CLUSTER_PREFIX + "notifications"
 
 FORWARD_DESCRIPTOR = Symbol("lodestone:forward:v1")
@@ -509,6 +512,7 @@ class AddressNote:
     version: int
     origin: str
     deleted: bool = False
+    shared: bool = False   # OpenAMQ's shared queue: active on the cluster's root only (broker.cluster.shared)
 
 
 @dataclass(frozen=True)
@@ -549,6 +553,8 @@ def encode_note(n) -> bytes:
         fields = ["unbinding", n.node_id, n.queue]
     elif isinstance(n, AddressNote):
         fields = ["address", n.name, list(n.routing_types), n.filter_text, Timestamp(n.version), n.origin, n.deleted]
+        if n.shared:   # a seventh field only when set: a node older than shared queues reads the rest as before
+            fields.append(True)
     elif isinstance(n, Reset):
         fields = ["reset"]
     elif isinstance(n, BackupsNote):
@@ -590,9 +596,14 @@ def decode_note(data: bytes):
             raise _invalid("unbinding notification needs 2 fields")
         return Unbinding(_name(rest[0], "node id"), _name(rest[1], "queue"))
     if kind == "address":
-        if len(rest) != 6:
-            raise _invalid("address notification needs 6 fields")
-        name, types, ftext, version, origin, deleted = rest
+        if len(rest) not in (6, 7):
+            raise _invalid("address notification needs 6 or 7 fields")
+        name, types, ftext, version, origin, deleted = rest[:6]
+        shared = rest[6] if len(rest) == 7 else False
+        if not isinstance(shared, bool):
+            raise _invalid("shared must be a boolean")
+        if shared and "anycast" not in types:
+            raise _invalid("a shared address needs the anycast routing type")
         if not isinstance(types, list) or not types or any(isinstance(t, Symbol) or t not in ROUTING_TYPES
                                                            for t in types) \
                 or len(set(types)) != len(types):
@@ -603,7 +614,7 @@ def decode_note(data: bytes):
             raise _invalid("deleted must be a boolean")
         return AddressNote(_name(name, "address"), tuple(types),
                            _name(ftext, "filter", limit=MAX_FILTER) if ftext is not None else None,
-                           int(version), _name(origin, "origin"), deleted)
+                           int(version), _name(origin, "origin"), deleted, shared)
     if kind == "reset":
         if rest:
             raise _invalid("reset notification has no fields")

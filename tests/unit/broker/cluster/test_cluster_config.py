@@ -163,6 +163,9 @@ def test_partitions(tmp_path):
     cfg = load_config(write(tmp_path, BASE + "[cluster]\nconnector = 'amqp://127.0.0.1:0'\npartition = 'secondary'\n"
                                              "primaries = ['amqp://h1:1', 'amqp://h2:2']\n")).cluster
     assert cfg.secondary and cfg.elects_root   # a secondary may run on an OS-chosen port
+    cfg = load_config(write(tmp_path, CLUSTER + "primaries = ['amqp://127.0.0.1:15672']\n[addresses.work]\nshared = true\n"
+                                                "[addresses.plain]\n"))
+    assert [(d.name, d.shared) for d in cfg.addresses] == [("work", True), ("plain", False)]
     plain = load_config(write(tmp_path, CLUSTER)).cluster
     assert plain.partition == "primary" and plain.primaries == () and not plain.elects_root
 
@@ -255,6 +258,13 @@ BAD = [
      "'secondary', but this node's connector 'amqp://127.0.0.1:15672' is in primaries"),
     (CLUSTER + "partition = 'secondary'\nprimaries = ['amqp://h:1']\nstatic-connectors = ['amqp://h:1', 'amqp://s:2']\n",
      "cluster.static-connectors", "'amqp://s:2' is not a primary: a secondary connects to the primaries only"),
+    (CLUSTER + "[addresses.work]\nshared = true\n", "addresses.work.shared",
+     "true needs a cluster with a root ([cluster] primaries)"),
+    (BASE + "[addresses.work]\nshared = true\n", "addresses.work.shared", "true needs a cluster with a root"),
+    (CLUSTER + "primaries = ['amqp://127.0.0.1:15672']\n[addresses.work]\nrouting-types = ['multicast']\n"
+               "shared = true\n", "addresses.work.shared", "true needs the anycast routing type"),
+    (CLUSTER + "primaries = ['amqp://127.0.0.1:15672']\n[addresses.work]\nshared = 1\n", "addresses.work.shared",
+     "1 must be true or false"),
     # [ha]
     (BASE + "[ha]\npolicy = 'replication'\n", "ha.policy",
      "'replication' needs a [cluster] table: the backup finds its primary through the cluster"),

@@ -33,6 +33,13 @@ def test_declaring_again_with_the_same_filter_adds_routing_types():
     assert st.declaration(note(types=("multicast",), ftext="x = 1", version=7)).routing_types == ("multicast",)
 
 
+def test_a_shared_address_stays_shared_when_declared_again():
+    st = ClusterState(1 << 20)
+    st.offer(AddressNote("work", ("anycast",), None, 5, "n1", False, True))
+    d = st.declaration(note(name="work", types=("multicast",), version=6, origin="n2"))
+    assert d.shared and d.routing_types == ("anycast", "multicast")
+
+
 def test_merge_is_last_writer_wins():
     a = note(types=("anycast",), version=5)
     b = note(types=("multicast",), version=3, origin="n2")

@@ -13,7 +13,7 @@ import pytest
 
 from broker.wire.codec import Described, Long, Symbol, Timestamp, UByte, UInt, ULong, encode
 from broker.wire.cluster import (FORWARD_DESCRIPTOR, MAX_BACKUPS, MAX_DESCRIPTION, MAX_FILTER, MAX_FILTERS,
-                                     MAX_MEMBERS, MAX_NAME, MAX_TARGETS, NOTIFY_DESCRIPTOR, BackupsNote,
+                                     MAX_MEMBERS, MAX_NAME, MAX_TARGETS, NOTIFY_DESCRIPTOR, AddressNote, BackupsNote,
                                      BindingNote, ElectionNote, Forwarded, Hello,
                                      ProtocolError, Reset, Unbinding, decode_forward, decode_note, encode_forward,
                                      encode_note)
@@ -66,11 +66,12 @@ def test_moved_is_an_eleventh_field_after_create_or_null():
     BackupsNote("node-a", (("amqp://127.0.0.1:5675", "http://127.0.0.1:8164", True),)),
     BackupsNote("node-a", (("amqps://h:5671", "", False), ("amqp://h2:5672", "http://h2:1", True))),
     BackupsNote("node-a", ()),
+    AddressNote("work", ("anycast",), None, 5, "node-a", False, True),
     ElectionNote("node-a", "primary", "active", 1_700_000_000_000, "node-a", True),
     ElectionNote("node-b", "primary", "starting", 5, None, False),
     ElectionNote("node-c", "secondary", "active", 0, None, False),
 ], ids=["hello", "hello-alone", "reset", "binding", "binding-filtered", "binding-filters", "unbinding",
-        "backups", "backups-two", "backups-none", "election-root", "election-starting", "election-secondary"])
+        "backups", "backups-two", "backups-none", "address-shared", "election-root", "election-starting", "election-secondary"])
 def test_notifications_round_trip(note):
     assert decode_note(encode_note(note)) == note
 
@@ -363,6 +364,13 @@ NOTE_BREAKS = {
                                        "backup connector"),
     "a backup with a too-long management URL": (_note("backups", "n", [["amqp://h:1", TOO_LONG, True]]),
                                                 "backup management URL"),
+    # shared addresses
+    "address of 8 fields": (_note("address", "a", ["anycast"], None, Timestamp(1), "n", False, True, True),
+                            "6 or 7 fields"),
+    "address shared as a string": (_note("address", "a", ["anycast"], None, Timestamp(1), "n", False, "yes"),
+                                   "shared must be a boolean"),
+    "a shared multicast address": (_note("address", "a", ["multicast"], None, Timestamp(1), "n", False, True),
+                                   "a shared address needs the anycast routing type"),
     # election
     "election of 5 fields": (_note("election", "n", "primary", "active", Timestamp(1), None), "6 fields"),
     "election with an empty node": (_note("election", "", "primary", "active", Timestamp(1), None, False), "node id"),
