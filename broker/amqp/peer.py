@@ -195,6 +195,10 @@ class PeerSender:
         """Stop (re)sending ``token`` (its owner sends it elsewhere); an outcome that still comes
         for it is reported as usual. False when it was not unacknowledged here."""
         self._transferred.discard(token)
+        try:
+            self._queued.remove(token)
+        except ValueError:
+            pass
         return self.unacked.pop(token, None) is not None
 
     # the engine's link handler (broker.amqp.links)

@@ -382,7 +382,7 @@ class _ForwardIn:
 class _SharedIn:
     """A broker's relay of shared-queue sends into this node (the root, see broker.cluster.shared)."""
 
-    def __init__(self, shared: SharedQueues, engine: "AmqpEngine"):
+    def __init__(self, shared: SharedQueues | None, engine: "AmqpEngine"):
         self.shared = shared
         self.engine = engine
 
@@ -395,6 +395,9 @@ class _SharedIn:
 
     def on_message(self, link: OwnedLink, data: bytes, delivery: Incoming) -> None:
         if self.engine.error is not None:
+            return
+        if self.shared is None:   # no root election here: this node is never a root
+            delivery.release()
             return
         self.shared.receive(self.engine, delivery, data)
 
@@ -1062,8 +1065,9 @@ class ClusterNode:
                     self.counters["forward_unroutable"] += 1
                     continue
                 origin = None
-                if f.moved and self.shared is not None and f.address in self.shared.addresses:
-                    origin = Relayed(f.origin, f.dup_id)   # a shared message keeps its relay id (broker.cluster.shared)
+                if f.moved and self.shared is not None and self.shared.is_root and f.address in self.shared.addresses:
+                    # a shared message moved to the root keeps its relay id (broker.cluster.shared)
+                    origin = Relayed(f.origin, f.dup_id)
                 msg = Message(core.next_mid(), f.message, f.durable, f.address, 0, f.priority, f.expires, origin)
                 if q.enqueue(msg):
                     stored = local_stored = True
@@ -1198,7 +1202,9 @@ class ClusterNode:
             return _ForwardIn(self, engine, peer_node if isinstance(peer_node, str) else None)
         if address == NOTIFY_ADDRESS and link.is_sender:
             return _NotifyOut(self, engine)
-        if address == SHARED_ADDRESS and link.is_receiver and self.shared is not None:
+        if address == SHARED_ADDRESS and link.is_receiver:
+            # accepted even without shared queues here (no primaries): a node that has them opens
+            # it on every bridge, and a refused link would cut the whole connection off
             return _SharedIn(self.shared, engine)
         return ("amqp:not-found", f"no cluster link {address!r} in that direction")
 

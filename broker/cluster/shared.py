@@ -68,7 +68,8 @@ MAX_PENDING = 100_000   # relayed sends not answered yet (held without a root in
 
 
 class _Relayed:
-    __slots__ = ("token", "owner", "address", "message", "durable", "priority", "expires", "dup_id", "since", "via")
+    __slots__ = ("token", "owner", "address", "message", "durable", "priority", "expires", "dup_id", "since", "via",
+                 "sent_to")
 
     def __init__(self, token, owner, address, message, durable, priority, expires, dup_id):
         self.token = token
@@ -81,6 +82,7 @@ class _Relayed:
         self.dup_id = dup_id
         self.since = time.monotonic()
         self.via: str | None = None  # the root it was sent to (None: held, no root)
+        self.sent_to: str | None = None   # the last root it was sent to, even after that root went away
 
 
 class SharedQueues:
@@ -148,6 +150,7 @@ class SharedQueues:
         env = Forwarded(r.dup_id, self.me, r.address, ((root, r.address),), 0, r.durable, r.priority, r.expires,
                         r.message)
         r.via = root
+        r.sent_to = root
         b.shared_sender.send(encode_forward(env), r.token)
 
     def _withdraw(self, r: _Relayed) -> None:
@@ -169,7 +172,8 @@ class SharedQueues:
         elif state == "rejected":
             del self.pending[token]
             self.counters["relay_rejected"] += 1
-            self._answer(r, (NO_ROOT, f"the cluster's root {r.via} refused the message for shared queue {r.address!r}"))
+            self._answer(r, (NO_ROOT, f"the cluster's root {r.via} rejected the message for shared queue "
+                                      f"{r.address!r}"))
         else:   # released: that broker is not the root (any more); try the root again
             self.counters["relay_released"] += 1
             self._withdraw(r)
@@ -188,19 +192,18 @@ class SharedQueues:
         relay id remembered (the old root may hand over a copy it stored: dropped then)."""
         core = self.core
         journal = self.node.journal is not None
+        mark = core.sync_events
         if journal:
             core.store.begin_group()
         try:
-            stored = core.publish(r.address, r.message, r.durable, r.priority, r.expires, Relayed(self.me, r.dup_id),
-                                  local_only=self.backlog(r.address))
-            core.duplicates.remember_from(self.me, r.dup_id, persist=stored)
+            sync = self._store(self.me, r.dup_id, r.address, r.message, r.durable, r.priority, r.expires, journal)
         finally:
             if journal and core.store.end_group():
-                stored = True
+                sync = True
         self.counters["relay_published_here"] += 1
         if r.owner is not None:
             engine, d = r.owner
-            if stored:
+            if sync or core.sync_events != mark:   # journaled, or a sync mirror's target must have it
                 self.node.await_sync(engine, d)
             else:
                 engine.synced([d])
@@ -233,8 +236,14 @@ class SharedQueues:
                     self._logged_no_root = True
                     log.warning("shared queue sends refused: the cluster has no root (no quorum of primaries)",
                                 extra={"fields": {"address": r.address, "waited_s": round(now - r.since, 3)}})
+                if r.sent_to is None:
+                    why = "not stored, send it again"
+                else:   # it reached a root that went away before it answered: that root may hold it
+                    self.counters["refused_outcome_unknown"] += 1
+                    why = (f"it was sent to the root {r.sent_to}, which went away before answering and may have "
+                           "stored it (it hands it to the next root when it comes back)")
                 self._answer(r, (NO_ROOT, f"shared queue {r.address!r} has no root: the cluster has no root (no "
-                                          f"quorum of primaries) after {self.timeout_s:g} s; not stored, send it again"))
+                                          f"quorum of primaries) after {self.timeout_s:g} s; {why}"))
         if root is not None:
             self._logged_no_root = False
 
@@ -253,11 +262,15 @@ class SharedQueues:
             delivery.release()   # the sender tries the root it knows again
             return
         core = self.core
-        unknown = next((f.address for f in fs if f.address not in self.addresses or f.address not in core.addresses),
-                       None)
-        if unknown is not None:
+        if any(f.address not in self.addresses for f in fs):
+            # not (yet) shared here: the replicated state may not have reached this root yet
+            self.counters["relay_not_shared_here"] += 1
+            delivery.release()
+            return
+        missing = next((f.address for f in fs if f.address not in core.addresses), None)
+        if missing is not None:
             self.counters["relay_unknown_address"] += 1
-            delivery.reject("amqp:not-found", f"{unknown!r} is not a shared queue on the cluster's root")
+            delivery.reject("amqp:not-found", f"the cluster's root has no address {missing!r}")
             return
         dups = core.duplicates
         journal = self.node.journal is not None
@@ -271,23 +284,8 @@ class SharedQueues:
                     self.counters["relay_duplicates_dropped"] += 1
                     sync = sync or (f.durable and journal)
                     continue
-                # the producer's _AMQ_DUPL_ID is checked where the message is stored: here (as
-                # Broker.publish_once, inside this store group with the relay id)
-                key = body_duplicate_key(f.message)
-                if key is not None:
-                    token = dups.lookup(f.address, key)
-                    if token is not MISSING:
-                        dups.duplicate(f.address)
-                        sync = sync or token is not None
-                        dups.remember_from(f.origin, f.dup_id, persist=f.durable and journal)
-                        continue
-                held: list[str] = []
-                stored = core.publish(f.address, f.message, f.durable, f.priority, f.expires,
-                                      Relayed(f.origin, f.dup_id), held, local_only=self.backlog(f.address))
-                sync = sync or stored
-                if key is not None:
-                    dups.remember(f.address, key, persist=stored, held=held)
-                dups.remember_from(f.origin, f.dup_id, persist=f.durable and journal)
+                if self._store(f.origin, f.dup_id, f.address, f.message, f.durable, f.priority, f.expires, journal):
+                    sync = True
                 self.counters["relays_in"] += 1
         finally:
             if journal and store.end_group():
@@ -296,6 +294,28 @@ class SharedQueues:
             delivery.accept_when_synced()
         else:
             delivery.accept()
+
+    def _store(self, origin: str, dup_id: bytes, address: str, message: bytes, durable: bool, priority: int,
+               expires: float, journal: bool) -> bool:
+        """Store one relayed send on the root, inside the caller's store group: the producer's
+        ``_AMQ_DUPL_ID`` checked here, where the message is stored (as ``Broker.publish_once``),
+        and the relay id remembered with it. True when the answer must wait for the fsync."""
+        core = self.core
+        dups = core.duplicates
+        key = body_duplicate_key(message)
+        if key is not None:
+            token = dups.lookup(address, key)
+            if token is not MISSING:
+                dups.duplicate(address)
+                dups.remember_from(origin, dup_id, persist=durable and journal)
+                return token is not None or (durable and journal)
+        held: list[str] = []
+        stored = core.publish(address, message, durable, priority, expires, Relayed(origin, dup_id), held,
+                              local_only=self.backlog(address))
+        if key is not None:
+            dups.remember(address, key, persist=stored, held=held)
+        dups.remember_from(origin, dup_id, persist=durable and journal)
+        return stored
 
     # -- moving waiting messages ---------------------------------------------------------------
     def move_due(self) -> int:
@@ -326,6 +346,7 @@ class SharedQueues:
 
     def _move(self, q, pick) -> int:
         c = self.cluster
+        root_here = self.is_root
         core = self.core
         store = core.store
         grouped = self.node.journal is not None
@@ -336,9 +357,10 @@ class SharedQueues:
             for msg in list(q.messages)[:MOVE_BATCH]:
                 node_id, via = pick()
                 q.take(msg)
-                # a relayed message keeps its relay id: the root it reaches drops it if it stored
-                # that send already (sent again to it when the old root died)
-                rel = msg.origin if type(msg.origin) is Relayed else None
+                # a relayed message moving to the root keeps its relay id: that root drops it if it
+                # stored the send already (sent again to it when the old root died). Moving away
+                # from the root it gets a new id: it may come back, and must not be taken for itself
+                rel = msg.origin if type(msg.origin) is Relayed and not root_here else None
                 env = Forwarded(rel.id if rel else c._dup_id(), rel.node if rel else self.me, msg.address,
                                 ((node_id, q.name),), 0, msg.durable, msg.priority, msg.expires, msg.body, moved=True)
                 c._sf_queue(via).enqueue(Message(core.next_mid(), encode_forward(env), msg.durable, msg.address,

@@ -602,12 +602,12 @@ def decode_note(data: bytes):
         shared = rest[6] if len(rest) == 7 else False
         if not isinstance(shared, bool):
             raise _invalid("shared must be a boolean")
-        if shared and "anycast" not in types:
-            raise _invalid("a shared address needs the anycast routing type")
         if not isinstance(types, list) or not types or any(isinstance(t, Symbol) or t not in ROUTING_TYPES
                                                            for t in types) \
                 or len(set(types)) != len(types):
             raise _invalid("routing types must be a non-empty list of anycast/multicast")
+        if shared and "anycast" not in types:
+            raise _invalid("a shared address needs the anycast routing type")
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise _invalid("version must be a timestamp")
         if not isinstance(deleted, bool):

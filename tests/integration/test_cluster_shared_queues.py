@@ -413,3 +413,32 @@ def test_a_secondarys_subscriber_gets_another_secondarys_messages_through_the_ro
         assert via[ids[1]] >= 50 and via[ids[2]] == 0, via   # through the new root
     finally:
         c.close()
+
+
+def test_messages_a_consumer_left_behind_go_back_to_the_root_and_on_once(tmp_path, procs):
+    """50 messages wait on the root. A consumer on p2 attaches: the root hands them all to p2. It
+    takes 5 and goes away; p2 has no consumer left, so the other 45 go back to the root, and a consumer
+    on the secondary gets them, each once and in order. (A message that makes that round trip must
+    not be taken for a copy of itself on its way back.)"""
+    ps, ss = _cluster(tmp_path, procs, secondaries=1)
+    sent = _send(ps[1], "r", 50)
+    wait_until(lambda: ps[0].queue("work")["depth"] == 50, 30, "50 waiting on the root")
+    c = _connect(ps[2])
+    try:
+        r = c.create_receiver("work", credit=5)
+        first = []
+        for _ in range(5):
+            first.append(r.receive(timeout=20).body)
+            r.accept()
+        # all 50 handed to p2 (5 of them delivered; proton sends the acceptances with its close)
+        wait_until(lambda: (ps[2].queue("work")["depth"], ps[0].queue("work")["depth"]) == (50, 0), 30,
+                   "the 50 handed to p2")
+    finally:
+        c.close()
+    wait_until(lambda: ps[2].queue("work")["depth"] == 0 and ps[0].queue("work")["depth"] == 45, 30,
+               "the 45 back on the root")
+    con = Consumer(ss[0])
+    wait_until(lambda: len(con.got) >= 45, 30, "the 45 at the secondary's consumer")
+    time.sleep(0.5)
+    con.close()
+    assert first + con.got == sent

@@ -369,6 +369,8 @@ NOTE_BREAKS = {
                             "6 or 7 fields"),
     "address shared as a string": (_note("address", "a", ["anycast"], None, Timestamp(1), "n", False, "yes"),
                                    "shared must be a boolean"),
+    "a shared address with routing types as a number": (
+        _note("address", "a", 5, None, Timestamp(1), "n", False, True), "routing types must be a non-empty list"),
     "a shared multicast address": (_note("address", "a", ["multicast"], None, Timestamp(1), "n", False, True),
                                    "a shared address needs the anycast routing type"),
     # election
