@@ -66,7 +66,6 @@ import time
 from dataclasses import replace
 from itertools import count
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
 
 import trio
 
@@ -84,7 +83,7 @@ from broker.wire.cluster import (FORWARD_ADDRESS, NOTIFY_ADDRESS, SHARED_ADDRESS
 from broker.cluster.root import RootElection
 from broker.cluster.shared import SharedQueues
 from broker.cluster.state import ClusterState
-from broker.cluster.settings import address_clustered, parse_connector
+from broker.cluster.settings import address_clustered, parse_connector, same_endpoint
 from broker.core.addresses import ANYCAST
 from broker.core.balancing import LoadBalancing
 from broker.core.bindings import RemoteBinding
@@ -124,11 +123,6 @@ def _loopback(ip: str | None) -> bool:
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
         addr = addr.ipv4_mapped
     return addr.is_loopback
-
-
-def _same_endpoint(a: str, b: str) -> bool:
-    pa, pb = urlsplit(a), urlsplit(b)
-    return (pa.hostname, pa.port) == (pb.hostname, pb.port)
 
 
 class _Member:
@@ -591,7 +585,7 @@ class ClusterNode:
 
     def connect(self, url: str) -> Bridge | None:
         """Start a bridge to ``url`` unless one exists (or it is this node)."""
-        if url in self.bridges or any(_same_endpoint(url, s) for s in self.self_urls):
+        if url in self.bridges or any(same_endpoint(url, s) for s in self.self_urls):
             return None
         if self.cfg.secondary and not self.election.is_primary_url(url):
             # a secondary connects to the primaries only (OpenAMQ): another secondary's traffic
@@ -1271,7 +1265,7 @@ class ClusterNode:
         candidates: list[Bridge] = []
         if ha.scale_down_connectors:
             for url in ha.scale_down_connectors:
-                b = self.bridges.get(url) or next((x for x in self.bridges.values() if _same_endpoint(x.url, url)), None)
+                b = self.bridges.get(url) or next((x for x in self.bridges.values() if same_endpoint(x.url, url)), None)
                 if b is not None:
                     candidates.append(b)
         else:
@@ -1376,7 +1370,7 @@ class ClusterNode:
             b = self.by_node.get(node_id)
             up = b is not None and b.connected
             for connector, mgmt, in_sync in self.member_backups[node_id]:
-                if m is not None and _same_endpoint(connector, m.connector):
+                if m is not None and same_endpoint(connector, m.connector):
                     continue   # the backup has taken the node id over: it is the member now
                 out.append({"node_id": node_id, "role": "backup", "connector": connector,
                             "management_url": mgmt or None, "connected": bool(in_sync and up), "since": None})

@@ -45,11 +45,11 @@ import collections
 import logging
 import time
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
 
 import trio
 
 from broker.cluster.election import ACTIVE, STARTING, Decision, Primary, decide, seniority
+from broker.cluster.settings import same_endpoint
 from broker.wire.cluster import ElectionNote
 from broker.wire.io.trioutil import Wakeup
 
@@ -58,14 +58,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("lodestone.broker.cluster")
 
-__all__ = ["RootElection", "TICK_S", "same_endpoint"]
+__all__ = ["RootElection", "TICK_S"]
 
 TICK_S = 0.5   # a round at least this often (the view's changes run one at once)
-
-
-def same_endpoint(a: str, b: str) -> bool:
-    pa, pb = urlsplit(a), urlsplit(b)
-    return (pa.hostname, pa.port) == (pb.hostname, pb.port)
 
 
 class RootElection:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 __all__ = ["ClusterConfig", "HaConfig", "BroadcastGroupConfig", "DiscoveryGroupConfig", "DEFAULT_CLUSTER_PASSWORD", "SAMPLE_CLUSTER_PASSWORD", "LOAD_BALANCING_MODES", "PARTITIONS", "parse_address_filter",
-           "address_clustered", "Connector", "parse_connector", "HA_POLICIES", "HA_ROLES", "ColocatedConfig"]
+           "address_clustered", "Connector", "parse_connector", "same_endpoint", "HA_POLICIES", "HA_ROLES", "ColocatedConfig"]
 
 #: the cluster password Artemis ships (``CHANGE ME!!``); a node using it (or none) warns at every start
 DEFAULT_CLUSTER_PASSWORD = "CHANGE ME!!"
@@ -61,6 +61,12 @@ def parse_connector(url: str) -> Connector:
     if parts.path not in ("", "/") or parts.query or parts.fragment:
         raise ValueError("must be just scheme, host and port (amqp://host:port)")
     return Connector(parts.scheme, parts.hostname, port)
+
+
+def same_endpoint(a: str, b: str) -> bool:
+    """Do two connector URLs name the same host and port (whatever the scheme)?"""
+    pa, pb = urlsplit(a), urlsplit(b)
+    return (pa.hostname, pa.port) == (pb.hostname, pb.port)
 
 
 def parse_address_filter(text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
